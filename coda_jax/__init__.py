@@ -1,0 +1,1 @@
+"""coda_jax: Conditional Adapters for T5 v1.1 in JAX/Flax."""
