@@ -1,0 +1,311 @@
+"""Greedy, temperature/top-k sampling and beam search over the cached decoder.
+
+The searches are model-agnostic and jittable (`lax.while_loop`): they take
+`tokens_to_logits(tokens [batch, 1], cache) -> (logits [batch, vocab], cache)`.
+`predict_batch` wires them to a `Transformer` the way t5x's
+`EncoderDecoderModel.predict_batch` does: encode once, build the decoder cache,
+then search. Decoding starts from token 0 (T5's decoder start) and stops at EOS.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Tuple
+
+import flax
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+Array = jax.Array
+Cache = Any
+TokensToLogits = Callable[[Array, Cache], Tuple[Array, Cache]]
+
+NEG_INF = -1.0e7
+DECODER_START_ID = 0
+EOS_ID = 1
+# Cache entries that hold the encoder's keys/values: identical for every beam
+# of one example, so beam search never reorders them.
+BEAM_INVARIANT_CACHE = ('cached_cross_key', 'cached_cross_value', 'cross_kv_ready')
+
+
+def temperature_sample(cache: Cache,
+                       tokens_to_logits: TokensToLogits,
+                       *,
+                       batch_size: int,
+                       max_decode_len: int,
+                       eos_id: int = EOS_ID,
+                       temperature: float = 1.0,
+                       topk: int = 0,
+                       rng: Optional[Array] = None,
+                       decoder_start_id: int = DECODER_START_ID) -> Tuple[Array, Array]:
+  """Samples up to `max_decode_len` tokens; `temperature=0` is greedy.
+
+  Returns:
+    `sequences [batch, max_decode_len]` (0 after EOS) and the sum of the
+    log-probabilities of the emitted tokens `[batch]` (under the unmodified
+    model distribution, EOS included).
+  """
+  if temperature < 0:
+    raise ValueError(f'temperature must be >= 0, got {temperature}')
+  if topk < 0:
+    raise ValueError(f'topk must be >= 0, got {topk}')
+  greedy = temperature == 0
+  if not greedy and rng is None:
+    raise ValueError('sampling with temperature > 0 needs an rng')
+  if rng is None:
+    rng = jax.random.PRNGKey(0)
+
+  def cond(state):
+    i, _, _, ended, _, _, _ = state
+    return (i < max_decode_len) & ~jnp.all(ended)
+
+  def body(state):
+    i, token, sequences, ended, log_prob, cache, rng = state
+    logits, cache = tokens_to_logits(token[:, None], cache)
+    logits = logits.astype(jnp.float32)
+    log_probs = jax.nn.log_softmax(logits)
+    if greedy:
+      next_token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+      rng, step_rng = jax.random.split(rng)
+      scaled = logits / temperature
+      if topk:
+        kth = lax.top_k(scaled, topk)[0][..., -1:]
+        scaled = jnp.where(scaled < kth, NEG_INF, scaled)
+      next_token = jax.random.categorical(step_rng, scaled).astype(jnp.int32)
+    step_lp = jnp.take_along_axis(log_probs, next_token[:, None], axis=-1)[:, 0]
+    log_prob = log_prob + jnp.where(ended, 0.0, step_lp)
+    next_token = jnp.where(ended, 0, next_token)
+    sequences = lax.dynamic_update_slice(sequences, next_token[:, None], (0, i))
+    ended = ended | (next_token == eos_id)
+    return i + 1, next_token, sequences, ended, log_prob, cache, rng
+
+  state = (jnp.array(0, jnp.int32),
+           jnp.full((batch_size,), decoder_start_id, jnp.int32),
+           jnp.zeros((batch_size, max_decode_len), jnp.int32),
+           jnp.zeros((batch_size,), jnp.bool_),
+           jnp.zeros((batch_size,), jnp.float32), cache, rng)
+  _, _, sequences, _, log_prob, _, _ = lax.while_loop(cond, body, state)
+  return sequences, log_prob
+
+
+def brevity_penalty(alpha: float, length: Array) -> Array:
+  """t5x's length penalty `((5 + length) / 6) ** alpha`."""
+  return jnp.power((5.0 + jnp.asarray(length, jnp.float32)) / 6.0, alpha)
+
+
+def _is_beam_invariant(path) -> bool:
+  return any(getattr(k, 'key', None) in BEAM_INVARIANT_CACHE for k in path)
+
+
+def _gather_beams(tree: Any, beam_indices: Array, batch_size: int, old_beams: int,
+                  new_beams: int) -> Any:
+  """Reorders `[batch * old_beams, ...]` leaves by `beam_indices [batch, new_beams]`."""
+  def gather(path, x):
+    if x.ndim == 0 or _is_beam_invariant(path):
+      return x
+    x = x.reshape((batch_size, old_beams) + x.shape[1:])
+    idx = beam_indices.reshape(beam_indices.shape + (1,) * (x.ndim - 2))
+    x = jnp.take_along_axis(x, idx, axis=1)
+    return x.reshape((batch_size * new_beams,) + x.shape[2:])
+  return jax.tree_util.tree_map_with_path(gather, tree)
+
+
+def expand_to_beams(tree: Any, num_beams: int) -> Any:
+  """`[batch, ...] -> [batch * num_beams, ...]` on every non-scalar leaf."""
+  def expand(x):
+    if x.ndim == 0:
+      return x
+    return jnp.repeat(x, num_beams, axis=0)
+  return jax.tree_util.tree_map(expand, tree)
+
+
+def beam_search(cache: Cache,
+                tokens_to_logits: TokensToLogits,
+                *,
+                batch_size: int,
+                max_decode_len: int,
+                num_beams: int = 4,
+                alpha: float = 0.6,
+                eos_id: int = EOS_ID,
+                decoder_start_id: int = DECODER_START_ID) -> Tuple[Array, Array]:
+  """Beam search with t5x's length penalty.
+
+  `cache` and `tokens_to_logits` work on `batch * num_beams` rows (use
+  `expand_to_beams`). A hypothesis' score is its log-probability divided by
+  `brevity_penalty(alpha, length)`, EOS included in the length. Candidates
+  that end are kept only when they rank within the best `num_beams` of the
+  step (HF's rule), so one beam with `alpha=0` is exactly greedy decoding.
+
+  Returns:
+    `sequences [batch, num_beams, max_decode_len]` best first (0 after EOS) and
+    their scores `[batch, num_beams]`.
+  """
+  if num_beams < 1:
+    raise ValueError(f'num_beams must be >= 1, got {num_beams}')
+  b, k, length = batch_size, num_beams, max_decode_len
+  # Row 0 is the decoder start token; rows 1..length hold the output.
+  live_seqs = jnp.full((b, k, length + 1), decoder_start_id, jnp.int32)
+  live_seqs = live_seqs.at[:, :, 1:].set(0)
+  live_logprobs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1))
+  finished_seqs = jnp.zeros((b, k, length + 1), jnp.int32)
+  finished_scores = jnp.full((b, k), NEG_INF, jnp.float32)
+  finished_flags = jnp.zeros((b, k), jnp.bool_)
+  min_penalty = brevity_penalty(alpha, length)
+
+  def cond(state):
+    i, live_seqs, live_logprobs, finished_seqs, finished_scores, finished_flags, _ = state
+    best_live = jnp.max(live_logprobs, axis=1) / min_penalty
+    worst_finished = jnp.where(jnp.all(finished_flags, axis=1),
+                               jnp.min(finished_scores, axis=1), NEG_INF)
+    done = jnp.all(worst_finished > best_live)
+    return (i < length) & ~done
+
+  def body(state):
+    i, live_seqs, live_logprobs, finished_seqs, finished_scores, finished_flags, cache = state
+    tokens = lax.dynamic_slice_in_dim(live_seqs, i, 1, axis=2).reshape(b * k, 1)
+    logits, cache = tokens_to_logits(tokens, cache)
+    vocab = logits.shape[-1]
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, vocab)
+    candidates = (live_logprobs[..., None] + log_probs).reshape(b, k * vocab)
+    top_logprobs, top_idx = lax.top_k(candidates, 2 * k)
+    top_beam = top_idx // vocab
+    top_token = (top_idx % vocab).astype(jnp.int32)
+    top_seqs = jnp.take_along_axis(live_seqs, top_beam[..., None], axis=1)
+    top_seqs = lax.dynamic_update_slice(
+        top_seqs, top_token[..., None], (0, 0, i + 1))
+    is_eos = top_token == eos_id
+    # Keep the best k candidates that did not end.
+    alive_scores = jnp.where(is_eos, NEG_INF, top_logprobs)
+    new_live_logprobs, keep = lax.top_k(alive_scores, k)
+    new_live_seqs = jnp.take_along_axis(top_seqs, keep[..., None], axis=1)
+    cache = _gather_beams(cache, jnp.take_along_axis(top_beam, keep, axis=1), b, k, k)
+    # Merge the candidates that ended into the finished set; as in HF's beam
+    # search, only those ranked within the best k (so one beam is greedy).
+    ends = is_eos & (jnp.arange(2 * k) < k)[None, :]
+    ended_scores = jnp.where(ends, top_logprobs / brevity_penalty(alpha, i + 1), NEG_INF)
+    all_seqs = jnp.concatenate([finished_seqs, top_seqs], axis=1)
+    all_scores = jnp.concatenate([finished_scores, ended_scores], axis=1)
+    all_flags = jnp.concatenate([finished_flags, ends], axis=1)
+    finished_scores, best = lax.top_k(jnp.where(all_flags, all_scores, NEG_INF * 2), k)
+    finished_seqs = jnp.take_along_axis(all_seqs, best[..., None], axis=1)
+    finished_flags = jnp.take_along_axis(all_flags, best, axis=1)
+    return (i + 1, new_live_seqs, new_live_logprobs, finished_seqs, finished_scores,
+            finished_flags, cache)
+
+  state = (jnp.array(0, jnp.int32), live_seqs, live_logprobs, finished_seqs,
+           finished_scores, finished_flags, cache)
+  _, live_seqs, live_logprobs, finished_seqs, finished_scores, finished_flags, _ = (
+      lax.while_loop(cond, body, state))
+  # Examples with no finished hypothesis fall back to their live beams.
+  live_scores = live_logprobs / min_penalty
+  any_finished = jnp.any(finished_flags, axis=1)
+  seqs = jnp.where(any_finished[:, None, None], finished_seqs, live_seqs)
+  scores = jnp.where(any_finished[:, None],
+                     jnp.where(finished_flags, finished_scores, NEG_INF), live_scores)
+  order = jnp.argsort(-scores, axis=1)
+  seqs = jnp.take_along_axis(seqs, order[..., None], axis=1)[:, :, 1:]
+  scores = jnp.take_along_axis(scores, order, axis=1)
+  return seqs, scores
+
+
+def sequence_score(log_prob: Array, sequences: Array, alpha: float,
+                   eos_id: int = EOS_ID) -> Array:
+  """Beam-search score of decoded `sequences [..., length]` with total `log_prob`."""
+  has_eos = jnp.any(sequences == eos_id, axis=-1)
+  length = jnp.where(has_eos, jnp.argmax(sequences == eos_id, axis=-1) + 1,
+                     sequences.shape[-1])
+  return log_prob / brevity_penalty(alpha, length)
+
+
+# ----------------------------------------------------------------------------
+# Wiring to a `Transformer` (t5x's predict_batch).
+# ----------------------------------------------------------------------------
+
+
+def init_decode_cache(model, params, encoded: Array, encoder_input_tokens: Array,
+                      max_decode_length: int) -> Cache:
+  """Zero decoder cache for `max_decode_length` steps, built from shapes only."""
+  batch = encoder_input_tokens.shape[0]
+  dummy = jnp.ones((batch, max_decode_length), jnp.int32)
+
+  def init(enc, tokens):
+    _, variables = model.apply(
+        {'params': params}, enc, tokens, dummy, dummy, enable_dropout=False,
+        decode=True, max_decode_length=max_decode_length, mutable=['cache'],
+        method=model.decode)
+    return variables['cache']
+
+  shapes = jax.eval_shape(init, encoded, encoder_input_tokens)
+  return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def make_tokens_to_logits(model, params, encoded: Array, encoder_input_tokens: Array,
+                          max_decode_length: int) -> TokensToLogits:
+  """One cached decoder step of `model` conditioned on `encoded`."""
+  def tokens_to_logits(tokens: Array, cache: Cache) -> Tuple[Array, Cache]:
+    logits, variables = model.apply(
+        {'params': params, 'cache': cache}, encoded, encoder_input_tokens, tokens,
+        tokens, enable_dropout=False, decode=True, max_decode_length=max_decode_length,
+        mutable=['cache'], method=model.decode)
+    return logits[:, -1, :], variables['cache']
+  return tokens_to_logits
+
+
+def predict_batch(model, params, encoder_input_tokens: Array, *,
+                  max_decode_length: int,
+                  method: str = 'greedy',
+                  num_beams: int = 4,
+                  alpha: float = 0.6,
+                  temperature: float = 1.0,
+                  topk: int = 0,
+                  rng: Optional[Array] = None,
+                  eos_id: int = EOS_ID,
+                  encoded: Optional[Array] = None) -> Tuple[Array, Array]:
+  """Decodes `encoder_input_tokens [batch, length]` with `model` (jittable).
+
+  Args:
+    method: 'greedy', 'sample' (temperature / top-k) or 'beam'.
+    encoded: precomputed encoder output (else the model's `encode` runs).
+
+  Returns:
+    `(sequences, scores)`: greedy/sample `[batch, max_decode_length]` with the
+    sequence log-probability; beam `[batch, num_beams, max_decode_length]`
+    best first with the length-penalised scores.
+  """
+  params = flax.core.unfreeze(params)
+  params = params['params'] if 'params' in params else params
+  tokens = encoder_input_tokens.astype(jnp.int32)
+  batch = tokens.shape[0]
+  if encoded is None:
+    encoded = model.apply({'params': params}, tokens, enable_dropout=False,
+                          method=model.encode)
+  if method in ('greedy', 'sample'):
+    cache = init_decode_cache(model, params, encoded, tokens, max_decode_length)
+    step = make_tokens_to_logits(model, params, encoded, tokens, max_decode_length)
+    return temperature_sample(
+        cache, step, batch_size=batch, max_decode_len=max_decode_length, eos_id=eos_id,
+        temperature=0.0 if method == 'greedy' else temperature, topk=topk, rng=rng)
+  if method == 'beam':
+    encoded = expand_to_beams(encoded, num_beams)
+    tokens = expand_to_beams(tokens, num_beams)
+    cache = init_decode_cache(model, params, encoded, tokens, max_decode_length)
+    step = make_tokens_to_logits(model, params, encoded, tokens, max_decode_length)
+    return beam_search(cache, step, batch_size=batch, max_decode_len=max_decode_length,
+                       num_beams=num_beams, alpha=alpha, eos_id=eos_id)
+  raise ValueError(f'unknown decoding method {method!r}; expected "greedy", "sample" '
+                   'or "beam"')
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'max_decode_length', 'method',
+                                             'num_beams', 'alpha', 'temperature', 'topk',
+                                             'eos_id'))
+def predict_batch_jit(model, params, encoder_input_tokens, *, max_decode_length: int,
+                      method: str = 'greedy', num_beams: int = 4, alpha: float = 0.6,
+                      temperature: float = 1.0, topk: int = 0, rng=None,
+                      eos_id: int = EOS_ID):
+  """`predict_batch` compiled once per model and setting."""
+  return predict_batch(model, params, encoder_input_tokens,
+                       max_decode_length=max_decode_length, method=method,
+                       num_beams=num_beams, alpha=alpha, temperature=temperature,
+                       topk=topk, rng=rng, eos_id=eos_id)

@@ -1,0 +1,503 @@
+"""T5 v1.1 building blocks in Flax linen, with t5x's parameter names and axes.
+
+Every parameter is float32 and carries logical axis names (recorded in the
+`params_axes` collection by `param_with_axes`, exactly as t5x does), so a t5x
+partitioner, t5x's Adafactor factor rules and public T5 checkpoints all see the
+tree they expect. Activations are computed in the module's `dtype`.
+
+Two generalisations over t5x's `examples/t5/layers.py`, both needed by CoDA:
+  * attention takes a precomputed bias, and `RelativePositionBiases` takes
+    explicit query/key positions, so routed tokens keep their ORIGINAL positions;
+  * `DenseGeneral` has an optional LoRA branch (`lora_rank > 0`), whose
+    parameters `lora_a`/`lora_b` sit next to the pretrained `kernel`.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
+
+import flax.linen as nn
+from flax.linen import partitioning as nn_partitioning
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+DType = Any
+Initializer = Callable[..., Array]
+
+param_with_axes = nn_partitioning.param_with_axes
+with_sharding_constraint = nn_partitioning.with_sharding_constraint
+
+# Initialisers exactly as t5x's T5 uses them.
+default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
+attention_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'normal')
+embedding_init = nn.initializers.normal(stddev=1.0)
+relpos_embedding_init = nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform')
+
+# Additive bias for masked attention logits (t5x's value).
+MASK_VALUE = -1e10
+# Logical axis of the LoRA rank (registered with the partitioner: replicated).
+LORA_AXIS = 'lora'
+
+
+def _normalize_axes(axes: Iterable[int], ndim: int) -> Tuple[int, ...]:
+  return tuple(ax if ax >= 0 else ndim + ax for ax in axes)
+
+
+def _canonicalize_tuple(x):
+  return tuple(x) if isinstance(x, Iterable) else (x,)
+
+
+def get_activation(name: Union[str, Callable]) -> Callable:
+  """Maps 'gelu' / 'relu' / 'linear' / any flax.linen activation to a function.
+
+  'gelu' is flax's tanh approximation, as in t5x and HF's `gelu_new`.
+  """
+  if callable(name):
+    return name
+  if name == 'linear':
+    return lambda x: x
+  fn = getattr(nn, name, None)
+  if fn is None or not callable(fn):
+    raise ValueError(f'unknown activation {name!r}: expected "linear" or a '
+                     'flax.linen activation such as "gelu", "relu", "silu"')
+  return fn
+
+
+def dot_product_attention(query: Array,
+                          key: Array,
+                          value: Array,
+                          bias: Optional[Array] = None,
+                          dropout_rng: Optional[Array] = None,
+                          dropout_rate: float = 0.,
+                          deterministic: bool = False,
+                          dtype: DType = jnp.float32,
+                          float32_logits: bool = False) -> Array:
+  """Dot-product attention with grouped key/value heads; no 1/sqrt(d) scaling.
+
+  Args:
+    query: `[batch, q_length, num_heads, head_dim]`.
+    key: `[batch, kv_length, num_kv_heads, head_dim]`; num_kv_heads divides
+      num_heads (1: multi-query attention).
+    value: `[batch, kv_length, num_kv_heads, head_dim]`.
+    bias: broadcastable to `[batch, num_heads, q_length, kv_length]`.
+
+  Returns:
+    `[batch, q_length, num_heads, head_dim]`.
+  """
+  batch, q_len, num_heads, head_dim = query.shape
+  num_kv_heads = key.shape[-2]
+  if num_heads % num_kv_heads:
+    raise ValueError(f'num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}')
+  groups = num_heads // num_kv_heads
+  if float32_logits:
+    query = query.astype(jnp.float32)
+    key = key.astype(jnp.float32)
+  # Heads h = kv_head * groups + g, the layout of HF/t5x grouped attention.
+  query = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
+  logits = jnp.einsum('bqkgd,bskd->bkgqs', query, key)
+  logits = logits.reshape(batch, num_heads, q_len, key.shape[1])
+  if bias is not None:
+    logits = logits + bias.astype(logits.dtype)
+  weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(dtype)
+  if not deterministic and dropout_rate > 0.:
+    keep_prob = 1.0 - dropout_rate
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, weights.shape)
+    weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
+  weights = weights.reshape(batch, num_kv_heads, groups, q_len, key.shape[1])
+  out = jnp.einsum('bkgqs,bskd->bqkgd', weights, value.astype(dtype))
+  return out.reshape(batch, q_len, num_heads, head_dim)
+
+
+class DenseGeneral(nn.Module):
+  """A linear map over the last axis, kernel stored 2-D as t5x stores it.
+
+  With `lora_rank > 0` it adds the LoRA branch `(x @ lora_a) @ lora_b * alpha/rank`
+  (Hu et al.; CoDA App. B.3) with `lora_b` zero-initialised, so the layer starts
+  as the pretrained projection.
+  """
+  features: Union[int, Sequence[int]]
+  axis: Union[int, Sequence[int]] = -1
+  dtype: DType = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+  kernel_axes: Tuple[str, ...] = ()
+  lora_rank: int = 0
+  lora_alpha: float = 1.0
+
+  @nn.compact
+  def __call__(self, inputs: Array) -> Array:
+    """`[..., *in_features] -> [..., *features]`."""
+    features = _canonicalize_tuple(self.features)
+    axis = _normalize_axes(_canonicalize_tuple(self.axis), inputs.ndim)
+    in_shape = tuple(inputs.shape[ax] for ax in axis)
+    in_dim = int(np.prod(in_shape))
+    out_dim = int(np.prod(features))
+    kernel = param_with_axes('kernel', self.kernel_init, (in_dim, out_dim),
+                             jnp.float32, axes=self.kernel_axes)
+    kernel = jnp.asarray(kernel, self.dtype).reshape(in_shape + features)
+    inputs = jnp.asarray(inputs, self.dtype)
+    contract = (axis, tuple(range(len(axis))))
+    y = lax.dot_general(inputs, kernel, (contract, ((), ())))
+    if self.lora_rank:
+      in_axis, out_axis = self.kernel_axes if self.kernel_axes else (None, None)
+      lora_a = param_with_axes('lora_a', default_kernel_init, (in_dim, self.lora_rank),
+                               jnp.float32, axes=(in_axis, LORA_AXIS))
+      lora_b = param_with_axes('lora_b', nn.initializers.zeros, (self.lora_rank, out_dim),
+                               jnp.float32, axes=(LORA_AXIS, out_axis))
+      lora_a = jnp.asarray(lora_a, self.dtype).reshape(in_shape + (self.lora_rank,))
+      low = lax.dot_general(inputs, lora_a, (contract, ((), ())))
+      low = low * jnp.asarray(self.lora_alpha / self.lora_rank, self.dtype)
+      up = jnp.asarray(lora_b, self.dtype).reshape((self.lora_rank,) + features)
+      y = y + jnp.tensordot(low, up, axes=1)
+    return y
+
+
+class MultiHeadDotProductAttention(nn.Module):
+  """Multi-head (or grouped/multi-query) attention, t5x parameter layout.
+
+  `query/kernel (emb, heads*head_dim)`, `key|value/kernel (emb, kv_heads*head_dim)`,
+  `out/kernel (heads*head_dim, emb)`. The query initialiser is divided by
+  sqrt(head_dim) and the logits are not scaled, as in T5.
+
+  With `decode=True` the self-attention cache is t5x's: `cached_key`,
+  `cached_value` `[batch, kv_heads, head_dim, max_length]` and `cache_index`.
+  With `cache_kv=True` (cross-attention while decoding) the projected keys and
+  values of `inputs_kv` are computed at the first step and reused afterwards
+  (`cached_cross_key`, `cached_cross_value`, `cross_kv_ready`); t5x recomputes
+  them at every step.
+  """
+  num_heads: int
+  head_dim: int
+  num_kv_heads: Optional[int] = None
+  dtype: DType = jnp.float32
+  dropout_rate: float = 0.
+  kernel_init: Initializer = attention_kernel_init
+  float32_logits: bool = False
+  lora_rank: int = 0
+  lora_alpha: float = 1.0
+  # Shared `RelativePositionBiases` of the stack (owned by the Encoder/Decoder).
+  relative_embedding: Optional[nn.Module] = None
+  bidirectional: bool = True
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+  def _project(self, name: str, x: Array, heads: int) -> Array:
+    kernel_init = self.kernel_init
+    if name == 'query':
+      depth_scaling = jnp.sqrt(self.head_dim).astype(self.dtype)
+      kernel_init = lambda *a: self.kernel_init(*a) / depth_scaling
+    joined = 'joined_kv' if heads == self.num_heads else 'kv'
+    return DenseGeneral(
+        features=(heads, self.head_dim), axis=-1, kernel_axes=('embed', joined),
+        kernel_init=kernel_init, dtype=self.dtype, lora_rank=self.lora_rank,
+        lora_alpha=self.lora_alpha, name=name)(x)
+
+  @nn.compact
+  def __call__(self,
+               inputs_q: Array,
+               inputs_kv: Array,
+               mask: Optional[Array] = None,
+               bias: Optional[Array] = None,
+               *,
+               query_positions: Optional[Array] = None,
+               key_positions: Optional[Array] = None,
+               decode: bool = False,
+               cache_kv: bool = False,
+               deterministic: bool = False) -> Array:
+    """Attends from `inputs_q [batch, q_len, emb]` to `inputs_kv [batch, kv_len, emb]`.
+
+    Args:
+      mask: `[batch, 1 | heads, q_len, kv_len]`, 1 where attention is allowed.
+      bias: broadcastable to `[batch, heads, q_len, kv_len]` (relative position
+        bias), added to the logits. While decoding with the self-attention
+        cache, `bias` and `mask` cover the full cache length `[.., 1, max_len]`.
+      decode: use and update the autoregressive self-attention cache.
+      cache_kv: compute the key/value projections of `inputs_kv` once per
+        sequence while decoding (cross-attention).
+
+    Returns:
+      `[batch, q_len, emb]`.
+    """
+    query = self._project('query', inputs_q, self.num_heads)
+    if cache_kv:
+      key, value = self._cached_cross_kv(inputs_kv)
+    else:
+      key = self._project('key', inputs_kv, self.kv_heads)
+      value = self._project('value', inputs_kv, self.kv_heads)
+    query = with_sharding_constraint(query, ('batch', 'length', 'heads', 'kv'))
+    if self.kv_heads == self.num_heads:
+      key = with_sharding_constraint(key, ('batch', 'length', 'heads', 'kv'))
+      value = with_sharding_constraint(value, ('batch', 'length', 'heads', 'kv'))
+
+    if decode:
+      key, value, mask, cur_index = self._update_self_attention_cache(key, value, mask)
+      if cur_index is not None and query_positions is None:
+        query_positions = cur_index[None]
+    if self.relative_embedding is not None:
+      if query_positions is None:
+        query_positions = jnp.arange(query.shape[1])
+      if key_positions is None:
+        key_positions = jnp.arange(key.shape[1])
+      relpos = self.relative_embedding(query_positions, key_positions, self.bidirectional)
+      bias = relpos if bias is None else bias + relpos
+
+    attention_bias = None
+    if mask is not None:
+      attention_bias = lax.select(
+          mask > 0,
+          jnp.zeros(mask.shape, self.dtype),
+          jnp.full(mask.shape, MASK_VALUE, self.dtype))
+    if bias is not None:
+      attention_bias = bias if attention_bias is None else attention_bias + bias
+
+    dropout_rng = None
+    if not deterministic and self.dropout_rate > 0.:
+      dropout_rng = self.make_rng('dropout')
+    x = dot_product_attention(
+        query, key, value, bias=attention_bias, dropout_rng=dropout_rng,
+        dropout_rate=self.dropout_rate, deterministic=deterministic,
+        dtype=self.dtype, float32_logits=self.float32_logits)
+    out = DenseGeneral(
+        features=inputs_q.shape[-1], axis=(-2, -1), kernel_init=self.kernel_init,
+        kernel_axes=('joined_kv', 'embed'), dtype=self.dtype,
+        lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, name='out')(x)
+    return out
+
+  def _cached_cross_kv(self, inputs_kv: Array) -> Tuple[Array, Array]:
+    """Key/value projections of the encoder output, computed once per sequence."""
+    batch, length = inputs_kv.shape[:2]
+    shape = (batch, length, self.kv_heads, self.head_dim)
+    initialized = self.has_variable('cache', 'cached_cross_key')
+    cached_key = self.variable('cache', 'cached_cross_key', jnp.zeros, shape, self.dtype)
+    cached_value = self.variable('cache', 'cached_cross_value', jnp.zeros, shape, self.dtype)
+    ready = self.variable('cache', 'cross_kv_ready', lambda: jnp.zeros((), jnp.bool_))
+
+    def compute(mdl, kv):
+      return (mdl._project('key', kv, mdl.kv_heads).astype(mdl.dtype),
+              mdl._project('value', kv, mdl.kv_heads).astype(mdl.dtype))
+
+    def reuse(mdl, kv):
+      del kv
+      return (mdl.get_variable('cache', 'cached_cross_key'),
+              mdl.get_variable('cache', 'cached_cross_value'))
+
+    if not initialized or self.is_initializing():
+      return compute(self, inputs_kv)
+    # Both branches are traced (the projections' parameters exist either way);
+    # only one runs: the projections at the first step, a read afterwards.
+    key, value = nn.cond(ready.value, reuse, compute, self, inputs_kv)
+    cached_key.value, cached_value.value = key, value
+    ready.value = jnp.ones((), jnp.bool_)
+    return key, value
+
+  def _update_self_attention_cache(self, key: Array, value: Array,
+                                   mask: Optional[Array]):
+    """Writes one step's key/value into t5x's cache.
+
+    Returns the full cached keys/values, the mask extended with causality over
+    the cache, and the index of the step written (None on the init pass).
+    """
+    # t5x's TPU-friendly layout: [batch, kv_heads, head_dim, length].
+    swap = lambda x: x[:-3] + tuple(x[i] for i in (-2, -1, -3))
+    initialized = self.has_variable('cache', 'cached_key')
+    cached_key = self.variable('cache', 'cached_key', jnp.zeros, swap(key.shape), key.dtype)
+    cached_value = self.variable('cache', 'cached_value', jnp.zeros, swap(value.shape),
+                                 value.dtype)
+    cache_index = self.variable('cache', 'cache_index', lambda: jnp.array(0, jnp.int32))
+    if not initialized:
+      # The init pass (called with the full decoder length) only creates the
+      # cache; attention runs over the inputs as given.
+      return key, value, mask, None
+    batch, num_kv_heads, head_dim, length = cached_key.value.shape
+    if key.shape != (batch, 1, num_kv_heads, head_dim):
+      raise ValueError('autoregressive cache expects one token per step, shaped '
+                       f'{(batch, 1, num_kv_heads, head_dim)}, got {key.shape}')
+    cur_index = cache_index.value
+    one_key = jnp.moveaxis(key, 1, -1)    # [batch, kv_heads, head_dim, 1]
+    one_value = jnp.moveaxis(value, 1, -1)
+    zero = jnp.array(0, cur_index.dtype)
+    cached_key.value = lax.dynamic_update_slice(cached_key.value, one_key,
+                                                (zero, zero, zero, cur_index))
+    cached_value.value = lax.dynamic_update_slice(cached_value.value, one_value,
+                                                  (zero, zero, zero, cur_index))
+    cache_index.value = cur_index + 1
+    key = jnp.moveaxis(cached_key.value, -1, 1)
+    value = jnp.moveaxis(cached_value.value, -1, 1)
+    causal = (jnp.arange(length) <= cur_index)[None, None, None, :]
+    causal = jnp.broadcast_to(causal, (batch, 1, 1, length))
+    mask = causal if mask is None else jnp.logical_and(mask > 0, causal)
+    return key, value, mask, cur_index
+
+
+class RMSNorm(nn.Module):
+  """T5's layer norm: no mean subtraction, no bias (t5x's `LayerNorm`)."""
+  epsilon: float = 1e-6
+  dtype: DType = jnp.float32
+  scale_init: Initializer = nn.initializers.ones
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    """`[..., emb] -> [..., emb]`, computed in float32."""
+    x = jnp.asarray(x, jnp.float32)
+    features = x.shape[-1]
+    mean2 = jnp.mean(lax.square(x), axis=-1, keepdims=True)
+    y = jnp.asarray(x * lax.rsqrt(mean2 + self.epsilon), self.dtype)
+    scale = param_with_axes('scale', self.scale_init, (features,), jnp.float32,
+                            axes=('embed',))
+    return y * jnp.asarray(scale, self.dtype)
+
+
+class MlpBlock(nn.Module):
+  """T5's (gated) feed-forward block: `wo(act_0(wi_0 x) * act_1(wi_1 x))`."""
+  intermediate_dim: int = 2048
+  activations: Sequence[Union[str, Callable]] = ('relu',)
+  kernel_init: Initializer = default_kernel_init
+  intermediate_dropout_rate: float = 0.1
+  dtype: DType = jnp.float32
+  lora_rank: int = 0
+  lora_alpha: float = 1.0
+
+  @nn.compact
+  def __call__(self, inputs: Array, deterministic: bool = False) -> Array:
+    """`[batch, length, emb] -> [batch, length, emb]`."""
+    dense = functools.partial(DenseGeneral, dtype=self.dtype, kernel_init=self.kernel_init,
+                              lora_rank=self.lora_rank, lora_alpha=self.lora_alpha)
+    hidden = []
+    for idx, act in enumerate(self.activations):
+      name = 'wi' if len(self.activations) == 1 else f'wi_{idx}'
+      x = dense(self.intermediate_dim, kernel_axes=('embed', 'mlp'), name=name)(inputs)
+      hidden.append(get_activation(act)(x))
+    x = functools.reduce(operator.mul, hidden)
+    x = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=(-2,))(
+        x, deterministic=deterministic)
+    x = with_sharding_constraint(x, ('batch', 'length', 'mlp'))
+    return dense(inputs.shape[-1], kernel_axes=('mlp', 'embed'), name='wo')(x)
+
+
+class Embed(nn.Module):
+  """Token embedding `[vocab, emb]`; `attend` gives logits against it."""
+  num_embeddings: int
+  features: int
+  dtype: DType = jnp.float32
+  attend_dtype: Optional[DType] = None
+  embedding_init: Initializer = embedding_init
+
+  def setup(self):
+    self.embedding = param_with_axes(
+        'embedding', self.embedding_init, (self.num_embeddings, self.features),
+        jnp.float32, axes=('vocab', 'embed'))
+
+  def __call__(self, inputs: Array) -> Array:
+    """`[batch, length]` int tokens -> `[batch, length, emb]`."""
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError(f'token ids must be integers, got dtype {inputs.dtype}')
+    output = jnp.take(jnp.asarray(self.embedding, self.dtype), inputs, axis=0)
+    return with_sharding_constraint(output, ('batch', 'length', 'embed'))
+
+  def attend(self, query: Array) -> Array:
+    """`[..., emb] -> [..., vocab]` logits against the embedding table."""
+    dtype = self.attend_dtype if self.attend_dtype is not None else self.dtype
+    return jnp.dot(jnp.asarray(query, dtype), jnp.asarray(self.embedding, dtype).T)
+
+
+def relative_position_bucket(relative_position: Array,
+                             bidirectional: bool = True,
+                             num_buckets: int = 32,
+                             max_distance: int = 128) -> Array:
+  """T5's log-spaced buckets of `relative_position = key_pos - query_pos`."""
+  ret = 0
+  n = -relative_position
+  if bidirectional:
+    num_buckets //= 2
+    ret += (n < 0).astype(jnp.int32) * num_buckets
+    n = jnp.abs(n)
+  else:
+    n = jnp.maximum(n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  val_if_large = max_exact + (
+      jnp.log(n.astype(jnp.float32) / max_exact + jnp.finfo(jnp.float32).eps) /
+      np.log(max_distance / max_exact) * (num_buckets - max_exact)).astype(jnp.int32)
+  val_if_large = jnp.minimum(val_if_large, num_buckets - 1)
+  return ret + jnp.where(is_small, n, val_if_large)
+
+
+class RelativePositionBiases(nn.Module):
+  """T5's relative position bias, one `rel_embedding [heads, buckets]` per stack.
+
+  Called with explicit positions so that routed (gathered) tokens get the bias
+  of their original positions.
+  """
+  num_buckets: int
+  max_distance: int
+  num_heads: int
+  dtype: DType = jnp.float32
+  embedding_init: Initializer = relpos_embedding_init
+
+  @nn.compact
+  def __call__(self, query_positions: Array, key_positions: Array,
+               bidirectional: bool = True) -> Array:
+    """Bias for attention logits.
+
+    Args:
+      query_positions: int `[q_len]` or `[batch, q_len]`.
+      key_positions: int `[kv_len]` or `[batch, kv_len]`.
+
+    Returns:
+      `[1 | batch, heads, q_len, kv_len]`.
+    """
+    query_positions = jnp.asarray(query_positions)
+    key_positions = jnp.asarray(key_positions)
+    if query_positions.ndim == 1:
+      query_positions = query_positions[None]
+    if key_positions.ndim == 1:
+      key_positions = key_positions[None]
+    relative = key_positions[:, None, :] - query_positions[:, :, None]
+    buckets = relative_position_bucket(relative, bidirectional=bidirectional,
+                                       num_buckets=self.num_buckets,
+                                       max_distance=self.max_distance)
+    table = param_with_axes('rel_embedding', self.embedding_init,
+                            (self.num_heads, self.num_buckets), jnp.float32,
+                            axes=('heads', 'relpos_buckets'))
+    values = jnp.take(jnp.asarray(table, self.dtype).T, buckets, axis=0)  # [b, q, k, h]
+    return jnp.transpose(values, (0, 3, 1, 2))
+
+
+def make_attention_mask(query_input: Array, key_input: Array,
+                        pairwise_fn: Callable = jnp.multiply,
+                        dtype: DType = jnp.float32) -> Array:
+  """`[batch, q]`, `[batch, k]` -> `[batch, 1, q, k]`."""
+  mask = pairwise_fn(jnp.expand_dims(query_input, -1), jnp.expand_dims(key_input, -2))
+  return jnp.expand_dims(mask, -3).astype(dtype)
+
+
+def make_causal_mask(x: Array, dtype: DType = jnp.float32) -> Array:
+  """`[batch, length]` -> lower-triangular `[batch, 1, length, length]`."""
+  idxs = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
+  return make_attention_mask(idxs, idxs, jnp.greater_equal, dtype=dtype)
+
+
+def combine_masks(*masks: Optional[Array], dtype: DType = jnp.float32) -> Optional[Array]:
+  """Logical AND of the masks that are not None."""
+  masks = [m for m in masks if m is not None]
+  if not masks:
+    return None
+  return functools.reduce(jnp.logical_and, masks).astype(dtype)
+
+
+def make_decoder_mask(decoder_target_tokens: Array,
+                      dtype: DType = jnp.float32,
+                      decoder_segment_ids: Optional[Array] = None) -> Array:
+  """Causal mask over real (non-zero) targets, within segments."""
+  masks = [make_causal_mask(decoder_target_tokens, dtype),
+           make_attention_mask(decoder_target_tokens > 0, decoder_target_tokens > 0,
+                               dtype=dtype)]
+  if decoder_segment_ids is not None:
+    masks.append(make_attention_mask(decoder_segment_ids, decoder_segment_ids,
+                                     jnp.equal, dtype=dtype))
+  return combine_masks(*masks, dtype=dtype)
