@@ -1,0 +1,290 @@
+"""The T5 v1.1 backbone: t5x's parameter tree, interface and cached decoding."""
+import functools
+
+import flax
+from flax.traverse_util import flatten_dict
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coda_jax import decoding
+from coda_jax.config import T5Config, t5_1_1
+from coda_jax.network import Transformer
+
+TINY = dict(vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, mlp_dim=48,
+            num_encoder_layers=2, num_decoder_layers=2)
+
+
+def tiny_config(**overrides):
+  kwargs = dict(TINY)
+  kwargs.update(overrides)
+  return t5_1_1('small', **kwargs)
+
+
+def batch(seed=0, b=3, n=9, m=6, vocab=64):
+  rng = np.random.RandomState(seed)
+  enc = rng.randint(2, vocab, (b, n)).astype(np.int32)
+  enc[1, n - 3:] = 0  # padding
+  tgt = rng.randint(2, vocab, (b, m)).astype(np.int32)
+  tgt[2, m - 2:] = 0
+  dec_in = np.concatenate([np.zeros((b, 1), np.int32), tgt[:, :-1]], 1)
+  return jnp.asarray(enc), jnp.asarray(dec_in), jnp.asarray(tgt)
+
+
+def init(model, enc, dec_in, tgt, seed=0):
+  return model.init(jax.random.PRNGKey(seed), enc, dec_in, tgt, enable_dropout=False)
+
+
+def expected_t5x_paths(cfg: T5Config):
+  paths = {('token_embedder', 'embedding'): (cfg.vocab_size, cfg.emb_dim),
+           ('encoder', 'relpos_bias', 'rel_embedding'): (cfg.num_heads, 32),
+           ('decoder', 'relpos_bias', 'rel_embedding'): (cfg.num_heads, 32),
+           ('encoder', 'encoder_norm', 'scale'): (cfg.emb_dim,),
+           ('decoder', 'decoder_norm', 'scale'): (cfg.emb_dim,),
+           ('decoder', 'logits_dense', 'kernel'): (cfg.emb_dim, cfg.vocab_size)}
+  hd = cfg.num_heads * cfg.head_dim
+  kvd = cfg.kv_heads * cfg.head_dim
+
+  def attention(prefix):
+    return {prefix + ('query', 'kernel'): (cfg.emb_dim, hd),
+            prefix + ('key', 'kernel'): (cfg.emb_dim, kvd),
+            prefix + ('value', 'kernel'): (cfg.emb_dim, kvd),
+            prefix + ('out', 'kernel'): (hd, cfg.emb_dim)}
+
+  def mlp(prefix):
+    return {prefix + ('mlp', 'wi_0', 'kernel'): (cfg.emb_dim, cfg.mlp_dim),
+            prefix + ('mlp', 'wi_1', 'kernel'): (cfg.emb_dim, cfg.mlp_dim),
+            prefix + ('mlp', 'wo', 'kernel'): (cfg.mlp_dim, cfg.emb_dim)}
+
+  for i in range(cfg.num_encoder_layers):
+    p = ('encoder', f'layers_{i}')
+    paths[p + ('pre_attention_layer_norm', 'scale')] = (cfg.emb_dim,)
+    paths[p + ('pre_mlp_layer_norm', 'scale')] = (cfg.emb_dim,)
+    paths.update(attention(p + ('attention',)))
+    paths.update(mlp(p))
+  for i in range(cfg.num_decoder_layers):
+    p = ('decoder', f'layers_{i}')
+    for norm in ('pre_self_attention_layer_norm', 'pre_cross_attention_layer_norm',
+                 'pre_mlp_layer_norm'):
+      paths[p + (norm, 'scale')] = (cfg.emb_dim,)
+    paths.update(attention(p + ('self_attention',)))
+    paths.update(attention(p + ('encoder_decoder_attention',)))
+    paths.update(mlp(p))
+  return paths
+
+
+@pytest.mark.parametrize('size,count', [('small', 76_961_152), ('base', 247_577_856)])
+def test_presets_have_t5x_paths_and_counts(size, count):
+  cfg = t5_1_1(size, dtype=jnp.bfloat16)
+  model = Transformer(cfg)
+  ones = jnp.ones((1, 4), jnp.float32)  # t5x's init passes float "ones"
+  shapes = jax.eval_shape(functools.partial(model.init, enable_dropout=False),
+                          jax.random.PRNGKey(0), ones, ones, ones)
+  flat = flatten_dict(shapes['params'])
+  assert {k: v.shape for k, v in flat.items()} == expected_t5x_paths(cfg)
+  assert all(v.dtype == jnp.float32 for v in flat.values())
+  total = sum(int(np.prod(v.shape)) for v in flat.values())
+  assert total == count
+  assert round(total / 1e6, 1) == {'small': 77.0, 'base': 247.6}[size]
+
+
+def test_every_parameter_has_logical_axes():
+  cfg = tiny_config(num_kv_heads=1)
+  enc, dec_in, tgt = batch()
+  variables = init(Transformer(cfg), enc, dec_in, tgt)
+  params = flatten_dict(variables['params'])
+  axes = flatten_dict(variables['params_axes'])
+  allowed = {'embed', 'mlp', 'heads', 'kv', 'joined_kv', 'vocab', 'relpos_buckets'}
+  for path, value in params.items():
+    meta = axes[path[:-1] + (path[-1] + '_axes',)]
+    assert len(meta.names) == value.ndim, path
+    assert set(meta.names) <= allowed, (path, meta.names)
+  assert axes[('encoder', 'layers_0', 'attention', 'query', 'kernel_axes')].names == (
+      'embed', 'joined_kv')
+  assert axes[('encoder', 'layers_0', 'attention', 'key', 'kernel_axes')].names == (
+      'embed', 'kv')  # multi-query: one kv head, not split over 'heads'
+
+
+def test_gin_presets_build_the_t5x_sizes():
+  for size, emb in [('small', 512), ('base', 768), ('large', 1024), ('xl', 2048),
+                    ('xxl', 4096)]:
+    gin.clear_config()
+    gin.parse_config_file(f'gin_configs/models/t5_1_1_{size}.gin')
+    from coda_jax import network  # the module gin registered dynamically
+    model = gin.get_configurable(network.Transformer)()
+    expect = t5_1_1(size, dtype=jnp.bfloat16)
+    assert model.config == expect and model.config.emb_dim == emb
+  gin.clear_config()
+
+
+def test_config_errors_name_the_field():
+  with pytest.raises(ValueError, match='num_kv_heads must divide num_heads=6, got 4'):
+    t5_1_1('small', num_kv_heads=4)
+  with pytest.raises(ValueError, match='emb_dim must be >= 1'):
+    T5Config(emb_dim=0)
+  with pytest.raises(ValueError, match="unknown T5 v1.1 size 'huge'"):
+    t5_1_1('huge')
+
+
+@pytest.mark.parametrize('kv_heads', [4, 2, 1])
+@pytest.mark.parametrize('cache_cross_kv', [True, False])
+def test_cached_decoding_equals_teacher_forcing(kv_heads, cache_cross_kv):
+  cfg = tiny_config(num_kv_heads=kv_heads)
+  model = Transformer(cfg, cache_cross_kv=cache_cross_kv)
+  enc, dec_in, tgt = batch()
+  variables = init(model, enc, dec_in, tgt)
+  params = variables['params']
+  full = model.apply(variables, enc, dec_in, tgt, enable_dropout=False)
+  encoded = model.apply(variables, enc, enable_dropout=False, method=model.encode)
+  length = tgt.shape[1]
+  cache = decoding.init_decode_cache(model, params, encoded, enc, length)
+  step = jax.jit(decoding.make_tokens_to_logits(model, params, encoded, enc, length))
+  logits = []
+  for i in range(length):
+    step_logits, cache = step(dec_in[:, i:i + 1], cache)
+    logits.append(step_logits)
+  stepped = jnp.stack(logits, 1)
+  real = np.asarray(tgt > 0)
+  np.testing.assert_allclose(np.asarray(stepped)[real], np.asarray(full)[real], atol=1e-5)
+  flat_cache = flatten_dict(flax.core.unfreeze(cache))
+  assert flat_cache[('decoder', 'layers_0', 'self_attention', 'cached_key')].shape == (
+      3, kv_heads, cfg.head_dim, length)  # t5x's layout
+  assert int(flat_cache[('decoder', 'layers_0', 'self_attention', 'cache_index')]) == length
+  cross = [k for k in flat_cache if 'cached_cross_key' in k]
+  assert bool(cross) == cache_cross_kv
+
+
+def test_cross_kv_is_computed_once_per_sequence():
+  """After the first step, the cross-attention reads its cache: changing the
+  encoder output passed in no longer changes the logits."""
+  model = Transformer(tiny_config())
+  enc, dec_in, tgt = batch()
+  variables = init(model, enc, dec_in, tgt)
+  params = variables['params']
+  encoded = model.apply(variables, enc, enable_dropout=False, method=model.encode)
+  cache = decoding.init_decode_cache(model, params, encoded, enc, 4)
+  step = decoding.make_tokens_to_logits(model, params, encoded, enc, 4)
+  _, cache = step(dec_in[:, :1], cache)
+  logits, _ = step(dec_in[:, 1:2], cache)
+  poisoned = decoding.make_tokens_to_logits(model, params, encoded * 0 + 7., enc, 4)
+  logits_poisoned, _ = poisoned(dec_in[:, 1:2], cache)
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(logits_poisoned))
+  # ...whereas t5x's behaviour (recompute per step) does see the change.
+  t5x_like = Transformer(tiny_config(), cache_cross_kv=False)
+  cache = decoding.init_decode_cache(t5x_like, params, encoded, enc, 4)
+  _, cache = decoding.make_tokens_to_logits(t5x_like, params, encoded, enc, 4)(
+      dec_in[:, :1], cache)
+  a, _ = decoding.make_tokens_to_logits(t5x_like, params, encoded, enc, 4)(
+      dec_in[:, 1:2], cache)
+  b, _ = decoding.make_tokens_to_logits(t5x_like, params, encoded * 0 + 7., enc, 4)(
+      dec_in[:, 1:2], cache)
+  assert float(jnp.max(jnp.abs(a - b))) > 1e-3
+
+
+def _greedy_reference(model, variables, enc, steps):
+  """Greedy decoding by re-running the full decoder on the growing prefix."""
+  b = enc.shape[0]
+  out = np.zeros((b, steps), np.int32)
+  done = np.zeros(b, bool)
+  for i in range(steps):
+    dec_in = np.concatenate([np.zeros((b, 1), np.int32), out[:, :i]], 1)
+    logits = model.apply(variables, enc, jnp.asarray(dec_in), jnp.ones_like(dec_in),
+                         enable_dropout=False)
+    nxt = np.asarray(jnp.argmax(logits[:, -1], -1))
+    nxt = np.where(done, 0, nxt)
+    out[:, i] = nxt
+    done |= nxt == decoding.EOS_ID
+  return out
+
+
+def test_greedy_beam_and_sampling():
+  model = Transformer(tiny_config())
+  for seed in range(3):
+    enc, dec_in, tgt = batch(seed)
+    variables = init(model, enc, dec_in, tgt, seed=seed)
+    # Make EOS likely so that sequences end at different steps.
+    params = flax.core.unfreeze(variables['params'])
+    params['decoder']['logits_dense']['kernel'] = (
+        params['decoder']['logits_dense']['kernel'].at[:, decoding.EOS_ID].add(0.3))
+    variables = {'params': params}
+    greedy, greedy_lp = decoding.predict_batch_jit(model, params, enc, max_decode_length=8)
+    np.testing.assert_array_equal(np.asarray(greedy), _greedy_reference(model, variables, enc, 8))
+    beam1, _ = decoding.predict_batch_jit(model, params, enc, max_decode_length=8,
+                                          method='beam', num_beams=1, alpha=0.0)
+    np.testing.assert_array_equal(np.asarray(beam1[:, 0]), np.asarray(greedy))
+    beam4, scores = decoding.predict_batch_jit(model, params, enc, max_decode_length=8,
+                                               method='beam', num_beams=4, alpha=0.6)
+    assert beam4.shape == (3, 4, 8)
+    greedy_score = decoding.sequence_score(greedy_lp, greedy, 0.6)
+    assert np.all(np.asarray(scores[:, 0]) >= np.asarray(greedy_score) - 1e-5)
+    assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6)  # best first
+    top1, _ = decoding.predict_batch_jit(model, params, enc, max_decode_length=8,
+                                         method='sample', topk=1, temperature=1.0,
+                                         rng=jax.random.PRNGKey(seed))
+    np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
+    s1, _ = decoding.predict_batch_jit(model, params, enc, max_decode_length=8,
+                                       method='sample', temperature=2.0,
+                                       rng=jax.random.PRNGKey(1))
+    s2, _ = decoding.predict_batch_jit(model, params, enc, max_decode_length=8,
+                                       method='sample', temperature=2.0,
+                                       rng=jax.random.PRNGKey(1))
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+    # After EOS only padding.
+    for row in np.asarray(greedy):
+      eos = np.flatnonzero(row == decoding.EOS_ID)
+      if eos.size:
+        assert np.all(row[eos[0] + 1:] == 0)
+
+
+def test_packed_encoder_equals_separate_examples():
+  model = Transformer(tiny_config())
+  enc, dec_in, tgt = batch()
+  variables = init(model, enc, dec_in, tgt)
+  a = jnp.array([[5, 6, 7, 8]]); b = jnp.array([[9, 10, 11]])
+  packed = jnp.concatenate([a, b], 1)
+  segments = jnp.array([[1, 1, 1, 1, 2, 2, 2]])
+  out = model.apply(variables, packed, segments, enable_dropout=False, method=model.encode)
+  out_a = model.apply(variables, a, enable_dropout=False, method=model.encode)
+  out_b = model.apply(variables, b, enable_dropout=False, method=model.encode)
+  np.testing.assert_allclose(out[:, :4], out_a, atol=1e-5)
+  np.testing.assert_allclose(out[:, 4:], out_b, atol=1e-5)
+
+
+def test_dropout_uses_only_the_dropout_stream():
+  model = Transformer(tiny_config(dropout_rate=0.3))
+  enc, dec_in, tgt = batch()
+  variables = init(model, enc, dec_in, tgt)
+  kw = dict(enable_dropout=True)
+  x1 = model.apply(variables, enc, dec_in, tgt, rngs={'dropout': jax.random.PRNGKey(1)}, **kw)
+  x2 = model.apply(variables, enc, dec_in, tgt, rngs={'dropout': jax.random.PRNGKey(1)}, **kw)
+  x3 = model.apply(variables, enc, dec_in, tgt, rngs={'dropout': jax.random.PRNGKey(2)}, **kw)
+  det = model.apply(variables, enc, dec_in, tgt, enable_dropout=False)
+  np.testing.assert_array_equal(np.asarray(x1), np.asarray(x2))
+  assert float(jnp.max(jnp.abs(x1 - x3))) > 1e-3
+  assert float(jnp.max(jnp.abs(x1 - det))) > 1e-3
+
+
+def test_bfloat16_activations_track_float32():
+  enc, dec_in, tgt = batch()
+  f32 = Transformer(tiny_config())
+  variables = init(f32, enc, dec_in, tgt)
+  bf16 = Transformer(tiny_config(dtype=jnp.bfloat16))
+  a = f32.apply(variables, enc, dec_in, tgt, enable_dropout=False)
+  b = bf16.apply(variables, enc, dec_in, tgt, enable_dropout=False)
+  assert b.dtype == jnp.float32  # logits stay float32
+  assert float(jnp.max(jnp.abs(a - b))) < 0.1 * float(jnp.max(jnp.abs(a)))
+
+
+def test_non_integer_tokens_are_cast_and_bad_decode_use_is_refused():
+  model = Transformer(tiny_config())
+  enc, dec_in, tgt = batch()
+  variables = init(model, enc, dec_in, tgt)
+  a = model.apply(variables, enc.astype(jnp.float32), dec_in.astype(jnp.float32),
+                  tgt.astype(jnp.float32), enable_dropout=False)
+  b = model.apply(variables, enc, dec_in, tgt, enable_dropout=False)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="unknown decoding method 'nucleus'"):
+    decoding.predict_batch(model, variables['params'], enc, max_decode_length=4,
+                           method='nucleus')
