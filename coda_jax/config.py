@@ -12,6 +12,8 @@ from typing import Any, Optional, Sequence
 import gin
 import jax.numpy as jnp
 
+from coda_jax import adapters
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
@@ -89,3 +91,87 @@ def t5_1_1(size: str, **overrides) -> T5Config:
   kwargs.update(T5_1_1_SIZES[size])
   kwargs.update(overrides)
   return T5Config(**kwargs)
+
+
+ATTENTION_VARIANTS = ('k_to_all', 'k_to_k')
+NORMALIZERS = ('soft_topk', 'sigmoid', 'truncation')
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CodaConfig:
+  """Conditional Adapter settings (paper §3, Table 7/8 defaults).
+
+  A routed encoder layer sends k = ceil(n / reduction_factor) of its n tokens
+  (n: the static padded length) through the frozen pretrained layer and every
+  token through the adapter. `reduction_factor = 1` is the Parallel Adapter
+  model; `routed_layers=()` gives that model without any routing code.
+  """
+  reduction_factor: float = 3.0
+  # 'k_to_all': routed queries attend to every real token; 'k_to_k': only to
+  # the routed ones.
+  attention: str = 'k_to_all'
+  # Router normaliser f(s): 'soft_topk' (the paper's), 'sigmoid', or
+  # 'truncation' (the first k real tokens, no parameters).
+  normalizer: str = 'soft_topk'
+  # Soft top-k settings (App. C; speech models use epsilon=1, decay 0.85).
+  soft_topk_method: str = 'iterative'
+  epsilon: float = 0.03
+  epsilon_init: float = 4.0
+  epsilon_decay: float = 0.7
+  num_iters: int = 20
+  router_init_stddev: float = 0.02
+  # Encoder layers that route (None: every encoder layer).
+  routed_layers: Optional[Sequence[int]] = None
+  # 'parallel', 'sequential_houlsby', 'sequential_pfeiffer', 'lora' or 'none'.
+  adapter: str = adapters.PARALLEL
+  adapter_dim: int = adapters.DEFAULT_ADAPTER_DIM
+  adapter_activation: str = adapters.DEFAULT_ADAPTER_ACTIVATION
+  adapter_scale: float = adapters.DEFAULT_ADAPTER_SCALE
+  lora_rank: int = 4
+  lora_alpha: float = 8.0
+  # Adapters (or LoRA) in the decoder layers too, as in the baseline.
+  decoder_adapters: bool = True
+
+  def __post_init__(self):
+    r = self.reduction_factor
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 1:
+      raise ValueError(f'reduction_factor must be >= 1, got {r}')
+    if self.attention not in ATTENTION_VARIANTS:
+      raise ValueError(f'CodaConfig.attention must be one of {ATTENTION_VARIANTS}, '
+                       f'got {self.attention!r}')
+    if self.normalizer not in NORMALIZERS:
+      raise ValueError(f'CodaConfig.normalizer must be one of {NORMALIZERS}, '
+                       f'got {self.normalizer!r}')
+    adapters.check_adapter_type(self.adapter)
+    if self.adapter_dim < 1:
+      raise ValueError(f'CodaConfig.adapter_dim must be >= 1, got {self.adapter_dim}')
+    if self.adapter == 'lora' and self.lora_rank < 1:
+      raise ValueError(f'CodaConfig.lora_rank must be >= 1 for LoRA, got {self.lora_rank}')
+    if self.routed_layers is not None:
+      object.__setattr__(self, 'routed_layers', tuple(int(i) for i in self.routed_layers))
+
+  def is_routed(self, layer: int, num_layers: int) -> bool:
+    """Whether encoder layer `layer` (of `num_layers`) routes its tokens."""
+    if self.routed_layers is None:
+      return True
+    for i in self.routed_layers:
+      if not 0 <= i < num_layers:
+        raise ValueError(f'CodaConfig.routed_layers has layer {i}, but the encoder '
+                         f'has {num_layers} layers')
+    return layer in self.routed_layers
+
+  def num_selected(self, length: int) -> int:
+    """k = ceil(length / reduction_factor), a Python int."""
+    from coda_jax.flops import coda_k
+    return coda_k(length, self.reduction_factor)
+
+  @property
+  def lora(self) -> int:
+    """LoRA rank to put on the pretrained projections (0: none)."""
+    return self.lora_rank if self.adapter == 'lora' else 0
+
+
+def parallel_adapter_baseline(coda: CodaConfig) -> CodaConfig:
+  """The same adapters with no routing: the paper's Parallel Adapter model."""
+  return dataclasses.replace(coda, reduction_factor=1.0, routed_layers=())

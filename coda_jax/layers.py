@@ -61,7 +61,7 @@ def get_activation(name: Union[str, Callable]) -> Callable:
   if name == 'linear':
     return lambda x: x
   fn = getattr(nn, name, None)
-  if fn is None or not callable(fn):
+  if fn is None or not callable(fn) or isinstance(fn, type):
     raise ValueError(f'unknown activation {name!r}: expected "linear" or a '
                      'flax.linen activation such as "gelu", "relu", "silu"')
   return fn

@@ -1,0 +1,239 @@
+"""Analytic multiply-accumulates (MACs) of dense vs CoDA T5 layers: the speed-up bound.
+
+Only matrix multiplications are counted (1 MAC = 1 multiply + 1 add = 2 FLOPs).
+Element-wise work is left out: RMS norms, activations, softmax, the relative
+position bias lookup, residual adds, the gate `m * z`, gather/scatter and the
+soft top-k iterations (T = 20 passes over n scores, O(n) each) are all O(n·d)
+or less, negligible beside the O(n·d²) projections.
+
+Notation (T5Config): d = emb_dim, H = num_heads, G = kv_heads (H: multi-head,
+1: multi-query, between: grouped-query), dh = head_dim, m = mlp_dim,
+w = len(mlp_activations) input projections of the MLP (2 for T5 v1.1's gated
+GELU), a = adapter_dim, n = number of real input tokens, r = reduction factor,
+k = ceil(n / r) (`coda_k`).
+
+One encoder layer, with q = tokens that query and s = tokens that are keys/values:
+  q_proj   q·d·H·dh       k_proj, v_proj   s·d·G·dh each
+  logits   q·s·H·dh       attn_v           q·s·H·dh        out_proj  q·H·dh·d
+  mlp      q·d·m·w + q·m·d
+  adapter  2·n·d·a  (parallel adapter, on every token)
+  router   n·d      (CoDA only: s = X_norm · w)
+  dense:            q = s = n, no adapter, no router
+  parallel_adapter: q = s = n, adapter
+  coda_k_to_all:    q = k, s = n, adapter, router
+  coda_k_to_k:      q = s = k, adapter, router
+With r = 1 (k = n) both CoDA variants cost the parallel adapter plus the router.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Dict
+
+from coda_jax.adapters import DEFAULT_ADAPTER_DIM
+from coda_jax.config import T5Config
+
+DENSE = 'dense'
+PARALLEL_ADAPTER = 'parallel_adapter'
+CODA_K_TO_ALL = 'coda_k_to_all'
+CODA_K_TO_K = 'coda_k_to_k'
+VARIANTS = (DENSE, PARALLEL_ADAPTER, CODA_K_TO_ALL, CODA_K_TO_K)
+# CoDA's attention variants (paper §3.1) and the layer variant of each.
+ATTENTION_VARIANTS = {'k_to_all': CODA_K_TO_ALL, 'k_to_k': CODA_K_TO_K}
+
+ENCODER_COMPONENTS = ('q_proj', 'k_proj', 'v_proj', 'logits', 'attn_v', 'out_proj',
+                      'mlp', 'adapter', 'router')
+
+
+def coda_k(n: int, reduction_factor: float) -> int:
+  """Number of routed tokens `k = ceil(n / r)` (paper §3.1), for `r >= 1`."""
+  if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+    raise ValueError(f'sequence length n must be a non-negative integer, got {n!r}')
+  if (isinstance(reduction_factor, bool) or not isinstance(reduction_factor, numbers.Real)
+      or not math.isfinite(reduction_factor) or reduction_factor < 1):
+    raise ValueError(f'reduction_factor r must be a finite number >= 1, '
+                     f'got {reduction_factor!r}')
+  return math.ceil(int(n) / reduction_factor)
+
+
+def _check_positive_int(name: str, value) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    raise ValueError(f'{name} must be a positive integer, got {value!r}')
+  return int(value)
+
+
+def _attention_mlp_macs(config: T5Config, q: int, s: int, kv_proj_tokens: int
+                        ) -> Dict[str, int]:
+  """Attention (q queries over s keys; k/v projected for kv_proj_tokens) + MLP."""
+  d, h, g, dh = config.emb_dim, config.num_heads, config.kv_heads, config.head_dim
+  w = len(config.mlp_activations)
+  return {
+      'q_proj': q * d * h * dh,
+      'k_proj': kv_proj_tokens * d * g * dh,
+      'v_proj': kv_proj_tokens * d * g * dh,
+      'logits': q * s * h * dh,
+      'attn_v': q * s * h * dh,
+      'out_proj': q * h * dh * d,
+      'mlp': q * d * config.mlp_dim * w + q * config.mlp_dim * d,
+  }
+
+
+def _with_total(macs: Dict[str, int]) -> Dict[str, int]:
+  macs = dict(macs)
+  macs['total'] = sum(macs.values())
+  return macs
+
+
+def encoder_layer_macs(config: T5Config, n: int, *, variant: str = DENSE,
+                       reduction_factor: float = 1.0,
+                       adapter_dim: int = DEFAULT_ADAPTER_DIM) -> Dict[str, int]:
+  """MACs of one encoder layer on `n` real tokens.
+
+  Args:
+    variant: 'dense' | 'parallel_adapter' | 'coda_k_to_all' | 'coda_k_to_k'.
+    reduction_factor: r of the CoDA variants (k = ceil(n / r)); must be 1 for
+      the dense and parallel adapter variants.
+
+  Returns:
+    MACs per component (`ENCODER_COMPONENTS`) and their 'total'.
+  """
+  if variant not in VARIANTS:
+    raise ValueError(f'unknown variant {variant!r}; expected one of {VARIANTS}')
+  n = _check_positive_int('n', n)
+  k = coda_k(n, reduction_factor)
+  adapter_dim = _check_positive_int('adapter_dim', adapter_dim)
+  if variant in (DENSE, PARALLEL_ADAPTER) and reduction_factor != 1:
+    raise ValueError(f'variant {variant!r} processes every token; reduction_factor '
+                     f'must be 1, got {reduction_factor!r}')
+  d = config.emb_dim
+  if variant == CODA_K_TO_ALL:
+    macs = _attention_mlp_macs(config, q=k, s=n, kv_proj_tokens=n)
+  elif variant == CODA_K_TO_K:
+    macs = _attention_mlp_macs(config, q=k, s=k, kv_proj_tokens=k)
+  else:
+    macs = _attention_mlp_macs(config, q=n, s=n, kv_proj_tokens=n)
+  macs['adapter'] = 0 if variant == DENSE else 2 * n * d * adapter_dim
+  macs['router'] = n * d if variant in (CODA_K_TO_ALL, CODA_K_TO_K) else 0
+  return _with_total(macs)
+
+
+def _coda_variant(attention: str) -> str:
+  if attention in ATTENTION_VARIANTS:
+    return ATTENTION_VARIANTS[attention]
+  if attention in ATTENTION_VARIANTS.values():
+    return attention
+  raise ValueError(f'unknown CoDA attention {attention!r}; expected one of '
+                   f'{tuple(ATTENTION_VARIANTS)}')
+
+
+def encoder_macs(config: T5Config, n: int, *, variant: str = DENSE,
+                 reduction_factor: float = 1.0,
+                 adapter_dim: int = DEFAULT_ADAPTER_DIM) -> int:
+  """MACs of the whole encoder, every layer of the same `variant`."""
+  layer = encoder_layer_macs(config, n, variant=variant,
+                             reduction_factor=reduction_factor, adapter_dim=adapter_dim)
+  return config.num_encoder_layers * layer['total']
+
+
+def encoder_speedup_bound(config: T5Config, n: int, reduction_factor: float,
+                          attention: str = 'k_to_all',
+                          adapter_dim: int = DEFAULT_ADAPTER_DIM) -> float:
+  """MACs(parallel adapter encoder) / MACs(CoDA encoder, every layer routed).
+
+  `attention` is 'k_to_all' or 'k_to_k'. Over n divisible by r: for k-to-all
+  the bound rises with n towards r and stays below it (k/v projections,
+  adapter and router still see all n tokens); for k-to-k it rises with n
+  towards r**2 (attention over k x k instead of n x n), passing r once the
+  quadratic attention term outweighs the adapter and router.
+  """
+  coda = encoder_macs(config, n, variant=_coda_variant(attention),
+                      reduction_factor=reduction_factor, adapter_dim=adapter_dim)
+  dense = encoder_macs(config, n, variant=PARALLEL_ADAPTER, adapter_dim=adapter_dim)
+  return dense / coda
+
+
+def decoder_step_macs(config: T5Config, encoder_length: int, prefix_length: int = 1,
+                      *, adapter_dim: int = DEFAULT_ADAPTER_DIM,
+                      cross_kv_cached: bool = True,
+                      decoder_adapters: bool = True) -> Dict[str, int]:
+  """MACs of the whole decoder for ONE new token (one greedy decoding step).
+
+  Args:
+    encoder_length: tokens of the encoder output attended by cross-attention.
+    prefix_length: positions in the self-attention cache at this step,
+      the new token included (1 at the first step).
+    cross_kv_cached: the cross-attention keys/values of the encoder output
+      are computed once per sequence (counted by `end_to_end_macs`), not here;
+      False recomputes them at every step, as t5x does.
+    decoder_adapters: a parallel adapter (2·d·a) in every decoder layer.
+
+  Returns:
+    Per-layer components summed over the decoder layers ('self_*', 'cross_*',
+    'mlp', 'adapter'), 'logits_dense' (d·vocab) and 'total'.
+  """
+  encoder_length = _check_positive_int('encoder_length', encoder_length)
+  prefix_length = _check_positive_int('prefix_length', prefix_length)
+  adapter_dim = _check_positive_int('adapter_dim', adapter_dim)
+  d, layers = config.emb_dim, config.num_decoder_layers
+  self_att = _attention_mlp_macs(config, q=1, s=prefix_length, kv_proj_tokens=1)
+  cross = _attention_mlp_macs(config, q=1, s=encoder_length,
+                              kv_proj_tokens=0 if cross_kv_cached else encoder_length)
+  macs = {}
+  for name in ('q_proj', 'k_proj', 'v_proj', 'logits', 'attn_v', 'out_proj'):
+    macs[f'self_{name}'] = layers * self_att[name]
+    macs[f'cross_{name}'] = layers * cross[name]
+  macs['mlp'] = layers * self_att['mlp']
+  macs['adapter'] = layers * 2 * d * adapter_dim if decoder_adapters else 0
+  macs['logits_dense'] = d * config.vocab_size
+  return _with_total(macs)
+
+
+def cross_kv_macs(config: T5Config, encoder_length: int) -> int:
+  """MACs of the cross-attention key/value projections of all decoder layers."""
+  encoder_length = _check_positive_int('encoder_length', encoder_length)
+  return (config.num_decoder_layers * 2 * encoder_length * config.emb_dim *
+          config.kv_heads * config.head_dim)
+
+
+def end_to_end_macs(config: T5Config, n_in: int, n_out: int, *, variant: str,
+                    reduction_factor: float = 1.0,
+                    adapter_dim: int = DEFAULT_ADAPTER_DIM,
+                    cross_kv_cached: bool = True) -> Dict[str, int]:
+  """MACs of greedy decoding: the encoder once on `n_in` tokens, `n_out` decoder steps.
+
+  Step t (1-based) attends over a self-attention prefix of t positions (the
+  real prefix, not a padded cache). The decoder (dense, with parallel adapters
+  unless `variant` is 'dense') is the same for every encoder variant: CoDA
+  routes only in the encoder and its output keeps all n_in tokens.
+
+  Returns:
+    {'encoder', 'cross_kv', 'decoder', 'total'}; 'cross_kv' is the one-off
+    key/value projection of the encoder output (0 when not cached, as it is
+    then part of every decoder step).
+  """
+  n_out = _check_positive_int('n_out', n_out)
+  decoder_adapters = variant != DENSE
+  decoder = sum(
+      decoder_step_macs(config, n_in, t, adapter_dim=adapter_dim,
+                        cross_kv_cached=cross_kv_cached,
+                        decoder_adapters=decoder_adapters)['total']
+      for t in range(1, n_out + 1))
+  return _with_total({
+      'encoder': encoder_macs(config, n_in, variant=variant,
+                              reduction_factor=reduction_factor, adapter_dim=adapter_dim),
+      'cross_kv': cross_kv_macs(config, n_in) if cross_kv_cached else 0,
+      'decoder': decoder,
+  })
+
+
+def end_to_end_speedup_bound(config: T5Config, n_in: int, n_out: int,
+                             reduction_factor: float, attention: str = 'k_to_all',
+                             adapter_dim: int = DEFAULT_ADAPTER_DIM,
+                             cross_kv_cached: bool = True) -> float:
+  """MACs(parallel adapter) / MACs(CoDA) of greedy decoding `n_out` tokens."""
+  coda = end_to_end_macs(config, n_in, n_out, variant=_coda_variant(attention),
+                         reduction_factor=reduction_factor, adapter_dim=adapter_dim,
+                         cross_kv_cached=cross_kv_cached)
+  dense = end_to_end_macs(config, n_in, n_out, variant=PARALLEL_ADAPTER,
+                          adapter_dim=adapter_dim, cross_kv_cached=cross_kv_cached)
+  return dense['total'] / coda['total']

@@ -1,0 +1,142 @@
+"""Logical axis rules, meshes and shardings (t5x's partitioning, in plain JAX).
+
+Parameters carry logical axis names (`params_axes`, recorded by
+`param_with_axes`); activations are constrained with logical names inside the
+model. One set of rules maps logical names to the axes of a `(data, model)`
+mesh; this module turns rules + mesh into `NamedSharding`s for `jax.jit`.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Mapping, Optional, Sequence, Tuple
+
+import flax
+from flax.linen import partitioning as nn_partitioning
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+
+from coda_jax import adapters
+from coda_jax import layers
+
+LogicalRules = Sequence[Tuple[str, Optional[str]]]
+MESH_AXES = ('data', 'model')
+
+
+def standard_logical_axis_rules() -> Tuple[Tuple[str, Optional[str]], ...]:
+  """t5x's default 1-D data + 1-D model rules, plus coda_jax's own axes.
+
+  Adapter bottlenecks and LoRA ranks are small and replicated.
+  """
+  return (
+      ('batch', 'data'),
+      ('vocab', 'model'),
+      ('embed', None),
+      ('mlp', 'model'),
+      ('heads', 'model'),
+      ('kv', None),
+      ('joined_kv', 'model'),
+      ('relpos_buckets', None),
+      ('abspos_buckets', None),
+      ('length', None),
+      ('layers', None),
+      ('stack', None),
+      ('mlp_activations', None),
+      (adapters.ADAPTER_AXIS, None),
+      (layers.LORA_AXIS, None),
+  )
+
+
+def create_mesh(mesh_shape: Sequence[int] = (-1, 1),
+                devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A `(data, model)` mesh; one entry of `mesh_shape` may be -1 (the rest).
+
+  Built with `Mesh(devices, names)` (auto axes): linen's sharding constraints
+  reject the explicit axes that `jax.make_mesh` defaults to.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = [int(d) for d in mesh_shape]
+  if len(shape) != 2:
+    raise ValueError(f'MESH_SHAPE must have 2 entries (data, model), got {tuple(mesh_shape)}')
+  if shape.count(-1) > 1:
+    raise ValueError(f'MESH_SHAPE may contain one -1, got {tuple(mesh_shape)}')
+  if -1 in shape:
+    known = math.prod(d for d in shape if d != -1)
+    if known < 1 or len(devices) % known:
+      raise ValueError(f'MESH_SHAPE {tuple(mesh_shape)} does not divide '
+                       f'{len(devices)} devices')
+    shape[shape.index(-1)] = len(devices) // known
+  if math.prod(shape) != len(devices):
+    raise ValueError(f'MESH_SHAPE {tuple(shape)} needs {math.prod(shape)} devices, '
+                     f'{len(devices)} are available')
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def logical_to_mesh_spec(logical: Sequence[Optional[str]], rules: LogicalRules) -> P:
+  """Logical axis names -> mesh `PartitionSpec` (unknown names are an error)."""
+  table = dict(rules)
+  mesh_axes = []
+  for name in logical:
+    if name is not None and name not in table:
+      raise ValueError(f'logical axis {name!r} has no partitioning rule; known: '
+                       f'{sorted(table)}')
+    mesh_axes.append(None if name is None else table[name])
+  return P(*mesh_axes)
+
+
+def _fit(spec: P, shape: Sequence[int], mesh: Mesh, path: str) -> P:
+  """Replicates the dimensions whose size the mesh axis does not divide."""
+  fitted = []
+  for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    if axis is not None and dim % mesh.shape[axis]:
+      logging.info('%s: dimension %d not divisible by mesh axis %s=%d; replicated',
+                   path, dim, axis, mesh.shape[axis])
+      axis = None
+    fitted.append(axis)
+  return P(*fitted)
+
+
+def params_partition_specs(params: Any, params_axes: Mapping[str, Any], mesh: Mesh,
+                           rules: Optional[LogicalRules] = None) -> Any:
+  """Mesh `PartitionSpec` of each parameter, from its logical axis names.
+
+  Args:
+    params: the `params` tree (arrays or `jax.ShapeDtypeStruct`s).
+    params_axes: the `params_axes` collection recorded at init (same tree, leaf
+      names suffixed `_axes`).
+  """
+  rules = standard_logical_axis_rules() if rules is None else rules
+  logical = nn_partitioning.get_axis_names(flax.core.unfreeze(params_axes))
+  flat_params = flax.traverse_util.flatten_dict(flax.core.unfreeze(params))
+  flat_logical = flax.traverse_util.flatten_dict(flax.core.unfreeze(logical))
+  specs = {}
+  for path, value in flat_params.items():
+    name = '/'.join(path)
+    if path not in flat_logical:
+      raise ValueError(f'parameter {name} has no logical axis names in params_axes')
+    spec = logical_to_mesh_spec(tuple(flat_logical[path]), rules)
+    specs[path] = _fit(spec, value.shape, mesh, name)
+  return flax.traverse_util.unflatten_dict(specs)
+
+
+def params_shardings(params: Any, params_axes: Mapping[str, Any], mesh: Mesh,
+                     rules: Optional[LogicalRules] = None) -> Any:
+  """`NamedSharding` of each parameter on `mesh`."""
+  specs = params_partition_specs(params, params_axes, mesh, rules)
+  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                is_leaf=lambda x: isinstance(x, P))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batches split over the `data` axis on their leading dimension."""
+  return NamedSharding(mesh, P('data'))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def axis_rules(rules: Optional[LogicalRules] = None):
+  """Context in which the model's logical activation constraints apply."""
+  return nn_partitioning.axis_rules(standard_logical_axis_rules() if rules is None else rules)

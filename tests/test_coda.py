@@ -1,0 +1,334 @@
+"""The CoDA model: routed encoder layers, adapters, LoRA, trainable mask."""
+import dataclasses
+import functools
+
+import flax
+from flax import linen as nn
+from flax.traverse_util import flatten_dict, unflatten_dict
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from coda_jax import layers
+from coda_jax import trainable
+from coda_jax.config import CodaConfig, parallel_adapter_baseline, t5_1_1
+from coda_jax.network import EncoderLayer, Transformer
+
+TINY = dict(vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, mlp_dim=48,
+            num_encoder_layers=2, num_decoder_layers=2)
+
+
+def tiny(**overrides):
+  kwargs = dict(TINY)
+  kwargs.update(overrides)
+  return t5_1_1('small', **kwargs)
+
+
+def batch(seed=0, b=3, n=12, m=5, real=(12, 7, 4)):
+  rng = np.random.RandomState(seed)
+  enc = rng.randint(2, 64, (b, n)).astype(np.int32)
+  for i, r in enumerate(real):
+    enc[i, r:] = 0
+  tgt = rng.randint(2, 64, (b, m)).astype(np.int32)
+  dec_in = np.concatenate([np.zeros((b, 1), np.int32), tgt[:, :-1]], 1)
+  return jnp.asarray(enc), jnp.asarray(dec_in), jnp.asarray(tgt)
+
+
+def randomize(params, names, seed=1, scale=0.3):
+  """Gives the leaves under any of `names` random values (e.g. adapters' zero `up`)."""
+  flat = flatten_dict(flax.core.unfreeze(params))
+  key = jax.random.PRNGKey(seed)
+  for path in sorted(flat):
+    if any(any(p.startswith(n) for n in names) for p in path):
+      key, sub = jax.random.split(key)
+      flat[path] = scale * jax.random.normal(sub, flat[path].shape)
+  return unflatten_dict(flat)
+
+
+def init_params(model, enc, dec_in, tgt, seed=0):
+  return flax.core.unfreeze(
+      model.init(jax.random.PRNGKey(seed), enc, dec_in, tgt, enable_dropout=False)['params'])
+
+
+def take_pretrained(coda_params, t5_params):
+  """The CoDA tree with every pretrained leaf from `t5_params`."""
+  flat = flatten_dict(coda_params)
+  for path, value in flatten_dict(t5_params).items():
+    flat[path] = value
+  return unflatten_dict(flat)
+
+
+def logits(model, params, enc, dec_in, tgt):
+  return model.apply({'params': params}, enc, dec_in, tgt, enable_dropout=False)
+
+
+def encode(model, params, enc, **kw):
+  return model.apply({'params': params}, enc, enable_dropout=False, method=model.encode, **kw)
+
+
+@pytest.mark.parametrize('attention', ['k_to_all', 'k_to_k'])
+def test_r1_is_the_parallel_adapter_model_and_zero_adapters_the_t5(attention):
+  cfg = tiny()
+  enc, dec_in, tgt = batch()
+  t5 = Transformer(cfg)
+  t5_params = init_params(t5, enc, dec_in, tgt)
+  coda = CodaConfig(reduction_factor=1.0, attention=attention)
+  model = Transformer(cfg, coda=coda)
+  params = take_pretrained(init_params(model, enc, dec_in, tgt, seed=5), t5_params)
+  # Fresh adapters (zero `up`) leave the pretrained T5 unchanged.
+  np.testing.assert_allclose(logits(model, params, enc, dec_in, tgt),
+                             logits(t5, t5_params, enc, dec_in, tgt), atol=1e-5)
+  # Trained (random) adapters: r = 1 equals the unrouted Parallel Adapter model.
+  params = randomize(params, ['adapter'])
+  baseline = Transformer(cfg, coda=parallel_adapter_baseline(coda))
+  ours = logits(model, params, enc, dec_in, tgt)
+  np.testing.assert_allclose(ours, logits(baseline, params, enc, dec_in, tgt), atol=1e-5)
+  assert float(jnp.max(jnp.abs(ours - logits(t5, t5_params, enc, dec_in, tgt)))) > 1e-2
+  # Any r whose k covers every real token gives the same model: 4 real tokens,
+  # n = 12, r = 3 -> k = 4.
+  enc4 = enc.at[:, 4:].set(0)
+  covering = Transformer(cfg, coda=dataclasses.replace(coda, reduction_factor=3.0))
+  np.testing.assert_allclose(logits(covering, params, enc4, dec_in, tgt),
+                             logits(baseline, params, enc4, dec_in, tgt), atol=1e-5)
+
+
+class DenseReference(nn.Module):
+  """The dense T5 encoder layer with explicit positions, for the routed tests."""
+  config: object
+
+  @nn.compact
+  def __call__(self, x, mask, positions):
+    cfg = self.config
+    rel = layers.RelativePositionBiases(cfg.relative_attention_num_buckets,
+                                        cfg.relative_attention_max_distance,
+                                        cfg.num_heads, name='relpos_bias')
+    xn = layers.RMSNorm(name='pre_attention_layer_norm')(x)
+    att = layers.MultiHeadDotProductAttention(
+        num_heads=cfg.num_heads, head_dim=cfg.head_dim, relative_embedding=rel,
+        name='attention')(xn, xn, mask, query_positions=positions,
+                          key_positions=positions, deterministic=True)
+    h = x + att
+    return h + layers.MlpBlock(cfg.mlp_dim, cfg.mlp_activations, name='mlp')(
+        layers.RMSNorm(name='pre_mlp_layer_norm')(h), deterministic=True)
+
+
+class OneLayer(nn.Module):
+  """One (routed) encoder layer owning its relative position table, like Encoder."""
+  config: object
+  coda: object
+  routed: bool = True
+
+  @nn.compact
+  def __call__(self, x, mask, input_mask):
+    cfg = self.config
+    rel = layers.RelativePositionBiases(cfg.relative_attention_num_buckets,
+                                        cfg.relative_attention_max_distance,
+                                        cfg.num_heads, name='relpos_bias')
+    return EncoderLayer(cfg, rel, coda=self.coda, routed=self.routed, name='layer')(
+        x, mask, True, input_mask)
+
+
+def _layer_setup(attention, seed=0):
+  cfg = tiny()
+  coda = CodaConfig(reduction_factor=3.0, attention=attention)
+  rng = np.random.RandomState(seed)
+  b, n = 3, 12
+  x = jnp.asarray(rng.randn(b, n, cfg.emb_dim).astype(np.float32))
+  input_mask = jnp.asarray(np.arange(n)[None] < np.array([[12], [8], [5]]))
+  mask = layers.make_attention_mask(input_mask, input_mask)
+  model = OneLayer(cfg, coda)
+  params = model.init(jax.random.PRNGKey(seed), x, mask, input_mask)['params']
+  params = randomize(params, ['adapter', 'router'], scale=0.5)
+  out, state = model.apply({'params': params}, x, mask, input_mask,
+                           mutable=['intermediates'])
+  routing = state['intermediates']['layer']['routing'][0]
+  return cfg, coda, x, mask, input_mask, params, out, routing
+
+
+@pytest.mark.parametrize('attention', ['k_to_all', 'k_to_k'])
+def test_routed_layer_against_the_dense_layer(attention):
+  cfg, coda, x, mask, input_mask, params, out, routing = _layer_setup(attention)
+  idx = np.asarray(routing['indices'])
+  gate = np.asarray(routing['gate'])
+  assert idx.shape == (3, 4)  # k = ceil(12 / 3)
+  lp = params['layer']
+  xn = layers.RMSNorm().apply({'params': lp['pre_attention_layer_norm']}, x)
+  from coda_jax.adapters import Adapter
+  za = Adapter(adapter_dim=coda.adapter_dim).apply({'params': lp['adapter']}, xn)
+  ref_params = {k: lp[k] for k in ('pre_attention_layer_norm', 'attention',
+                                   'pre_mlp_layer_norm', 'mlp')}
+  ref_params['relpos_bias'] = params['relpos_bias']
+  dense = DenseReference(cfg)
+  x_np, out_np, base = np.asarray(x), np.asarray(out), np.asarray(x + za)
+  selected = np.zeros(out_np.shape[:2], bool)
+  for b in range(3):
+    selected[b, idx[b]] = True
+  # Unselected tokens: x + adapter(LN(x)).
+  np.testing.assert_allclose(out_np[~selected], base[~selected], atol=1e-5)
+  if attention == 'k_to_all':
+    # Routed queries over all keys: the dense layer's update, gated.
+    full = np.asarray(dense.apply({'params': ref_params}, x, mask, jnp.arange(12)))
+    for b in range(3):
+      expect = base[b, idx[b]] + gate[b][:, None] * (full[b, idx[b]] - x_np[b, idx[b]])
+      np.testing.assert_allclose(out_np[b, idx[b]], expect, atol=1e-5)
+  else:
+    # k-to-k: the dense layer run on the selected subsequence at its positions.
+    for b in range(3):
+      sub = x[b:b + 1, idx[b]]
+      sub_mask = layers.make_attention_mask(input_mask[b:b + 1, idx[b]],
+                                            input_mask[b:b + 1, idx[b]])
+      sub_out = np.asarray(dense.apply({'params': ref_params}, sub, sub_mask,
+                                       jnp.asarray(idx[b])))[0]
+      real = np.asarray(input_mask)[b, idx[b]]
+      expect = base[b, idx[b]] + gate[b][:, None] * (sub_out - x_np[b, idx[b]])
+      np.testing.assert_allclose(out_np[b, idx[b]][real], expect[real], atol=1e-5)
+  assert np.all(gate > 0) and np.all(gate <= 1)
+
+
+def test_padding_is_never_routed_while_real_tokens_are_left():
+  cfg, coda, x, mask, input_mask, params, out, routing = _layer_setup('k_to_all', seed=3)
+  idx = np.asarray(routing['indices'])
+  real = np.asarray(input_mask)
+  for b in range(3):
+    chosen_real = real[b, idx[b]]
+    assert chosen_real.sum() == min(4, real[b].sum())
+    assert np.all(np.diff(idx[b]) > 0)  # sorted by position
+  mass = np.asarray(routing['mass_ratio'])
+  assert mass.shape == (3,) and np.all((mass > 0) & (mass <= 1 + 1e-6))
+
+
+def _loss_fn(model):
+  def loss(params, enc, dec_in, tgt):
+    out = model.apply({'params': params}, enc, dec_in, tgt, enable_dropout=False)
+    onehot = jax.nn.one_hot(tgt, out.shape[-1])
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(out) * onehot, -1))
+  return loss
+
+
+@pytest.mark.parametrize('normalizer', ['soft_topk', 'sigmoid'])
+def test_router_gets_gradient_and_only_trainable_leaves_move(normalizer):
+  cfg = tiny()
+  enc, dec_in, tgt = batch()
+  model = Transformer(cfg, coda=CodaConfig(reduction_factor=3.0, normalizer=normalizer))
+  params = randomize(init_params(model, enc, dec_in, tgt), ['adapter'])
+  loss = _loss_fn(model)
+  grads = jax.jit(jax.grad(loss))(params, enc, dec_in, tgt)
+  for i in range(cfg.num_encoder_layers):
+    router_grad = grads['encoder'][f'layers_{i}']['router']
+    assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree_util.tree_leaves(router_grad))
+  opt = trainable.masked_optimizer(optax.adam(1e-2))
+  state = opt.init(params)
+  updates, state = opt.update(grads, state, params)
+  new = optax.apply_updates(params, updates)
+  mask = flatten_dict(trainable.trainable_mask(params))
+  old_flat, new_flat = flatten_dict(params), flatten_dict(new)
+  moved = {p for p in old_flat if not np.array_equal(old_flat[p], new_flat[p])}
+  frozen = {p for p, m in mask.items() if not m}
+  assert frozen and not (moved & frozen)  # frozen leaves bit-identical
+  assert {p for p, m in mask.items() if m} - moved == set()
+  assert float(loss(new, enc, dec_in, tgt)) < float(loss(params, enc, dec_in, tgt))
+
+
+def test_truncation_router_has_no_parameters_and_takes_the_first_tokens():
+  cfg = tiny()
+  enc, dec_in, tgt = batch()
+  model = Transformer(cfg, coda=CodaConfig(reduction_factor=3.0, normalizer='truncation'))
+  params = init_params(model, enc, dec_in, tgt)
+  assert 'router' not in params['encoder']['layers_0']
+  _, state = model.apply({'params': params}, enc, enable_dropout=False, method=model.encode,
+                         mutable=['intermediates'])
+  routing = state['intermediates']['encoder']['layers_0']['routing'][0]
+  np.testing.assert_array_equal(routing['indices'][0], np.arange(4))
+  np.testing.assert_array_equal(routing['indices'][2], np.arange(4))  # 4 real tokens
+  np.testing.assert_array_equal(routing['gate'], np.ones((3, 4)))
+
+
+@pytest.mark.parametrize('adapter', ['parallel', 'sequential_houlsby', 'sequential_pfeiffer',
+                                     'lora'])
+def test_each_adapter_starts_as_the_pretrained_model_and_trains(adapter):
+  cfg = tiny()
+  enc, dec_in, tgt = batch()
+  t5 = Transformer(cfg)
+  t5_params = init_params(t5, enc, dec_in, tgt)
+  model = Transformer(cfg, coda=CodaConfig(reduction_factor=1.0, adapter=adapter))
+  params = take_pretrained(init_params(model, enc, dec_in, tgt, seed=7), t5_params)
+  new_names = {p for p in flatten_dict(params) if p not in flatten_dict(t5_params)}
+  kinds = {'parallel': {'adapter'}, 'sequential_houlsby': {'adapter_attention', 'adapter_mlp'},
+           'sequential_pfeiffer': {'adapter_mlp'}, 'lora': {'lora_a', 'lora_b'}}[adapter]
+  assert {n for p in new_names for n in p if n in kinds} == kinds
+  if adapter == 'lora':  # every projection of every pretrained layer
+    lora_kernels = {p[:-1] for p in new_names if p[-1] == 'lora_b'}
+    assert len(lora_kernels) == 2 * 7 + 2 * 11
+  np.testing.assert_allclose(logits(model, params, enc, dec_in, tgt),
+                             logits(t5, t5_params, enc, dec_in, tgt), atol=1e-5)
+  loss = jax.jit(_loss_fn(model))
+  opt = trainable.masked_optimizer(optax.adam(3e-2))
+  state = opt.init(params)
+  before = float(loss(params, enc, dec_in, tgt))
+  grad_fn = jax.jit(jax.grad(_loss_fn(model)))
+  for _ in range(5):
+    updates, state = opt.update(grad_fn(params, enc, dec_in, tgt), state, params)
+    params = optax.apply_updates(params, updates)
+  after = float(loss(params, enc, dec_in, tgt))
+  assert after < before - 1e-3
+  moved = [p for p in new_names if float(jnp.max(jnp.abs(flatten_dict(params)[p]))) > 0]
+  assert moved
+
+
+def test_packed_inputs_are_refused_by_a_routed_encoder():
+  model = Transformer(tiny(), coda=CodaConfig())
+  enc, dec_in, tgt = batch()
+  params = init_params(model, enc, dec_in, tgt)
+  with pytest.raises(ValueError, match='CoDA routing needs unpacked inputs'):
+    encode(model, params, enc, encoder_segment_ids=jnp.ones_like(enc))
+
+
+def test_config_errors():
+  with pytest.raises(ValueError, match='reduction_factor must be >= 1, got 0.5'):
+    CodaConfig(reduction_factor=0.5)
+  with pytest.raises(ValueError, match="attention must be one of"):
+    CodaConfig(attention='k_to_some')
+  with pytest.raises(ValueError, match="unknown adapter type 'prefix'"):
+    CodaConfig(adapter='prefix')
+  model = Transformer(tiny(), coda=CodaConfig(routed_layers=(0, 5)))
+  enc, dec_in, tgt = batch()
+  with pytest.raises(ValueError, match='routed_layers has layer 5, but the encoder has 2'):
+    init_params(model, enc, dec_in, tgt)
+
+
+def test_routed_layers_selects_which_layers_route():
+  model = Transformer(tiny(), coda=CodaConfig(routed_layers=(1,)))
+  enc, dec_in, tgt = batch()
+  params = init_params(model, enc, dec_in, tgt)
+  assert 'router' not in params['encoder']['layers_0']
+  assert 'router' in params['encoder']['layers_1']
+
+
+@pytest.mark.parametrize('size,paper', [('base', 2e6), ('large', 5e6), ('xl', 10e6)])
+def test_trainable_count_of_the_real_tree(size, paper):
+  from coda_jax.trainable import coda_trainable_params
+  cfg = t5_1_1(size)
+  model = Transformer(cfg, coda=CodaConfig(adapter_dim=64))
+  ones = jnp.ones((1, 8))
+  shapes = jax.eval_shape(functools.partial(model.init, enable_dropout=False),
+                          jax.random.PRNGKey(0), ones, ones, ones)['params']
+  count = trainable.count_params(shapes, trainable.trainable_mask(shapes))
+  assert count == coda_trainable_params(cfg, 64)['total']
+  # Same order as the paper's 2M / 5M / 10M (which counts its own 6-layer decoders).
+  assert paper < count < 1.35 * paper
+
+
+def test_jit_grad_of_the_small_preset_runs():
+  cfg = t5_1_1('small')
+  model = Transformer(cfg, coda=CodaConfig(reduction_factor=3.0))
+  enc = jnp.asarray(np.random.RandomState(0).randint(2, 1000, (2, 24)))
+  dec = jnp.asarray(np.random.RandomState(1).randint(2, 1000, (2, 4)))
+  params = init_params(model, enc, dec, dec)
+  mask = trainable.trainable_mask(params)
+  grads = jax.jit(jax.grad(_loss_fn(model)))(params, enc, dec, dec)
+  flat_g, flat_m = flatten_dict(grads), flatten_dict(mask)
+  assert all(np.isfinite(np.asarray(g)).all() for g in flat_g.values())
+  assert any(float(jnp.max(jnp.abs(flat_g[p]))) > 0 for p, m in flat_m.items()
+             if m and 'router' in p)

@@ -1,0 +1,189 @@
+"""Benchmark of the soft top-k solvers against lax.top_k and a T5 layer.
+
+Prints one JSON object (and writes it to --out):
+
+* rows: for batch B in {8, 128}, length n in {512, 2048, 4096}, k = n / 4:
+  median milliseconds of the forward and forward+backward (grad of
+  Σ λ·w for random w) of the iterative (paper's, T = 20) and exact solvers
+  and of lax.top_k (values; its backward is a scatter), with the ratios
+  exact / iterative, and Σλ/k of both solvers;
+* soft_topk_vs_encoder_layer: one soft top-k at B=8, n=512, k=128 against
+  the forward of a T5 v1.1-small encoder with one layer
+  (`Transformer.encode`, real parameters from `model.init`).
+
+All variants of a group are compiled first, then timed round-robin (one call
+of each per repeat, `block_until_ready`), so machine load hits them alike.
+
+  python tools/bench_soft_topk.py [--quick] [--repeats N] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from coda_jax import soft_topk as st
+
+FULL_BATCHES = (8, 128)
+FULL_LENGTHS = (512, 2048, 4096)
+QUICK_BATCHES = (2,)
+QUICK_LENGTHS = (64,)
+K_FRACTION = 4  # k = n / K_FRACTION
+LAYER_BATCH, LAYER_LENGTH = 8, 512
+QUICK_LAYER_LENGTH = 32
+FULL_REPEATS, QUICK_REPEATS = 20, 3
+
+
+def _time_round_robin(fns: dict[str, Callable[[], object]], repeats: int
+                      ) -> dict[str, float]:
+  """Median milliseconds per variant; compile excluded, interleaved."""
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
+def _solver_fns(scores: jax.Array, w: jax.Array, k: int
+                ) -> dict[str, Callable[[], object]]:
+  fns = {}
+  for method in st.METHODS:
+    fwd = jax.jit(lambda s, m=method: st.soft_topk(s, k, method=m))
+    loss = lambda s, m=method: jnp.sum(st.soft_topk(s, k, method=m) * w)
+    bwd = jax.jit(jax.grad(loss))
+    fns[f'{method}_fwd'] = lambda f=fwd: f(scores)
+    fns[f'{method}_fwd_bwd'] = lambda f=bwd: f(scores)
+  top_fwd = jax.jit(lambda s: lax.top_k(s, k)[0])
+  top_bwd = jax.jit(jax.grad(lambda s: jnp.sum(lax.top_k(s, k)[0] * w[:, :k])))
+  fns['top_k_fwd'] = lambda: top_fwd(scores)
+  fns['top_k_fwd_bwd'] = lambda: top_bwd(scores)
+  return fns
+
+
+def bench_solvers(batches: Sequence[int], lengths: Sequence[int], repeats: int,
+                  seed: int = 0) -> list[dict]:
+  rows = []
+  for batch in batches:
+    for n in lengths:
+      k = max(1, n // K_FRACTION)
+      key_s, key_w = jax.random.split(jax.random.PRNGKey(seed + 7 * n + batch))
+      scores = jax.random.normal(key_s, (batch, n), jnp.float32)
+      w = jax.random.normal(key_w, (batch, n), jnp.float32)
+      ms = _time_round_robin(_solver_fns(scores, w, k), repeats)
+      row = {'batch': batch, 'n': n, 'k': k}
+      row.update({f'{name}_ms': round(v, 4) for name, v in ms.items()})
+      row['exact_over_iterative_fwd'] = round(
+          ms['exact_fwd'] / ms['iterative_fwd'], 3)
+      row['exact_over_iterative_fwd_bwd'] = round(
+          ms['exact_fwd_bwd'] / ms['iterative_fwd_bwd'], 3)
+      for method in st.METHODS:
+        ratio = st.topk_mass_ratio(st.soft_topk(scores, k, method=method), k)
+        row[f'{method}_mass_ratio'] = round(float(jnp.mean(ratio)), 5)
+      rows.append(row)
+  return rows
+
+
+# --quick shrinks the layer so that the run stays a few seconds.
+QUICK_LAYER_OVERRIDES = dict(vocab_size=512, emb_dim=64, num_heads=2,
+                             head_dim=32, mlp_dim=128)
+
+
+def bench_layer(length: int, repeats: int, seed: int = 0,
+                overrides: Optional[dict] = None) -> dict:
+  """One soft top-k vs. a one-layer T5 v1.1-small `Transformer.encode`."""
+  try:
+    from coda_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+    from coda_jax import network  # pylint: disable=import-outside-toplevel
+    transformer_cls = network.Transformer
+  except (ImportError, AttributeError) as e:
+    return {'status': f'skipped: coda_jax.network.Transformer unavailable ({e})'}
+  cfg = config_lib.t5_1_1('small', num_encoder_layers=1, num_decoder_layers=1,
+                          **(overrides or {}))
+  model = transformer_cls(config=cfg)
+  batch = LAYER_BATCH
+  k = length // K_FRACTION
+  key_tok, key_init, key_s = jax.random.split(jax.random.PRNGKey(seed), 3)
+  tokens = jax.random.randint(key_tok, (batch, length), 1, cfg.vocab_size)
+  params = jax.jit(lambda key, t: model.init(
+      key, t, enable_dropout=False, method=transformer_cls.encode))(
+          key_init, tokens)
+  encode = jax.jit(lambda p, t: model.apply(p, t, enable_dropout=False,
+                                            method=transformer_cls.encode))
+  scores = jax.random.normal(key_s, (batch, length), jnp.float32)
+  fns = {'encoder_layer_fwd': lambda: encode(params, tokens)}
+  for method in st.METHODS:
+    fwd = jax.jit(lambda s, m=method: st.soft_topk(s, k, method=m))
+    fns[f'{method}_fwd'] = lambda f=fwd: f(scores)
+  ms = _time_round_robin(fns, repeats)
+  out = {'status': 'ok', 'batch': batch, 'n': length, 'k': k,
+         'model': ('t5_1_1 small, num_encoder_layers=1 (embedding + 1 layer '
+                   '+ final norm), dtype ' + jnp.dtype(cfg.dtype).name
+                   + (f', overrides {overrides}' if overrides else ''))}
+  out.update({f'{name}_ms': round(v, 4) for name, v in ms.items()})
+  for method in st.METHODS:
+    out[f'{method}_over_layer'] = round(
+        ms[f'{method}_fwd'] / ms['encoder_layer_fwd'], 5)
+  return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--quick', action='store_true',
+                      help='tiny sizes and few repeats (for tests)')
+  parser.add_argument('--repeats', type=int, default=None,
+                      help=f'timed calls per variant (default {FULL_REPEATS}, '
+                           f'{QUICK_REPEATS} with --quick)')
+  parser.add_argument('--out', default=None, help='also write the JSON here')
+  args = parser.parse_args(argv)
+  repeats = args.repeats or (QUICK_REPEATS if args.quick else FULL_REPEATS)
+  if repeats < 1:
+    parser.error(f'--repeats must be >= 1, got {repeats}')
+  batches = QUICK_BATCHES if args.quick else FULL_BATCHES
+  lengths = QUICK_LENGTHS if args.quick else FULL_LENGTHS
+  report = {
+      'backend': jax.default_backend(),
+      'device': str(jax.devices()[0]),
+      'jax': jax.__version__,
+      'machine': platform.machine(),
+      'repeats': repeats,
+      'quick': bool(args.quick),
+      'rows': bench_solvers(batches, lengths, repeats),
+      'soft_topk_vs_encoder_layer': (
+          bench_layer(QUICK_LAYER_LENGTH, repeats,
+                      overrides=QUICK_LAYER_OVERRIDES) if args.quick
+          else bench_layer(LAYER_LENGTH, repeats)),
+  }
+  rows = report['rows']
+  report['targets'] = {
+      'exact_fwd_le_2x_iterative_fwd': all(
+          r['exact_over_iterative_fwd'] <= 2.0 for r in rows),
+      'exact_fwd_bwd_le_iterative_fwd_bwd': all(
+          r['exact_over_iterative_fwd_bwd'] <= 1.0 for r in rows),
+  }
+  layer = report['soft_topk_vs_encoder_layer']
+  if layer.get('status') == 'ok':
+    report['targets']['soft_topk_le_1pct_of_layer'] = {
+        m: layer[f'{m}_over_layer'] <= 0.01 for m in st.METHODS}
+  text = json.dumps(report, indent=2)
+  print(text)
+  if args.out:
+    with open(args.out, 'w') as f:
+      f.write(text + '\n')
+  return report
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])

@@ -1,0 +1,17 @@
+#!/usr/bin/env python3
+"""Converts a T5 v1.1 checkpoint between formats; prints a JSON summary.
+
+  python tools/convert_checkpoint.py INPUT OUTPUT --to {hf,t5x-legacy,orbax}
+      [--dtype bfloat16] [--step N]
+
+The same as ``coda-jax convert`` (see `coda_jax.cli`): INPUT is anything
+`coda_jax.checkpoints.load_t5_v1_1` reads (T5X legacy or orbax checkpoint or
+model_dir, Hugging Face directory); ``--to hf`` writes a Hugging Face
+directory at OUTPUT, the T5X formats write OUTPUT/checkpoint_<step>/.
+"""
+import sys
+
+from coda_jax.cli import main
+
+if __name__ == '__main__':
+  sys.exit(main(['convert'] + sys.argv[1:]))
