@@ -1431,3 +1431,177 @@ def _abstract(x):
   if isinstance(x, jax.Array):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   return x  # numpy leaves restore as numpy
+
+
+# ----------------------------------------------------------------------------
+# CoDA from a pretrained T5, and adapter-only files.
+# ----------------------------------------------------------------------------
+
+ADAPTER_WEIGHTS = 'adapters.safetensors'
+ADAPTER_CONFIG = 'adapter_config.json'
+ADAPTER_FORMAT_VERSION = 1
+
+
+def _example_inputs(length: int = 8):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  ones = jnp.ones((1, length), jnp.int32)
+  return ones, ones, ones
+
+
+def init_coda_from_t5(t5_params: Mapping[str, Any], model, rng: jax.Array) -> Params:
+  """The parameters of `model` (a CoDA `Transformer`) started from a T5.
+
+  Every pretrained leaf is taken from `t5_params` (same t5x path, checked
+  shape); only the new leaves (routers, adapters, LoRA) are initialised, by a
+  jitted init whose unused outputs XLA drops, so the backbone's random
+  initialisation is never materialised.
+
+  Raises:
+    CheckpointError: a pretrained leaf of the model is missing from
+      `t5_params`, has another shape, or `t5_params` holds a leaf the model
+      does not have.
+  """
+  from coda_jax import trainable  # pylint: disable=g-import-not-at-top
+  inputs = _example_inputs()
+  init = lambda r: model.init(r, *inputs, enable_dropout=False)['params']
+  shapes = flatten(jax.eval_shape(init, rng))
+  given = flatten(t5_params)
+  unexpected = sorted(set(given) - set(shapes))
+  if unexpected:
+    raise CheckpointError(f'checkpoint has {len(unexpected)} leaves the model does not: '
+                          f'{unexpected[:5]}')
+  new = []
+  for name, shape in shapes.items():
+    if name in given:
+      if tuple(given[name].shape) != tuple(shape.shape):
+        raise CheckpointError(f'{name}: checkpoint shape {tuple(given[name].shape)} != '
+                              f'model shape {tuple(shape.shape)}')
+    elif trainable.is_trainable_path(name.split('/')) and not name.endswith('/scale'):
+      new.append(name)
+    else:
+      raise CheckpointError(f'checkpoint is missing {name}')
+  fresh = jax.jit(lambda r: {n: v for n, v in flatten(init(r)).items() if n in new})(rng)
+  flat = {name: given[name] if name in given else fresh[name] for name in shapes}
+  return unflatten(flat)
+
+
+def backbone_fingerprint(params: Mapping[str, Any], frozen_only: bool = True) -> str:
+  """A cheap identity of a backbone: paths, shapes, dtypes and sampled values.
+
+  Hashes every frozen leaf's path, shape, dtype and a strided sample of at
+  most 4096 of its values, so it is quick even for T5-XXL and changes when a
+  different checkpoint (or a different model) is used.
+  """
+  import hashlib  # pylint: disable=g-import-not-at-top
+  from coda_jax import trainable  # pylint: disable=g-import-not-at-top
+  digest = hashlib.sha256()
+  for name, leaf in sorted(flatten(params).items()):
+    if frozen_only and trainable.is_trainable_path(name.split('/')):
+      continue
+    arr = np.asarray(leaf).reshape(-1)
+    stride = max(1, arr.size // 4096)
+    digest.update(f'{name}:{arr.shape}:{arr.dtype};'.encode())
+    digest.update(np.ascontiguousarray(arr[::stride].astype(np.float32)).tobytes())
+  return digest.hexdigest()
+
+
+def save_adapters(params: Mapping[str, Any], coda, path: str,
+                  backbone: Optional[Mapping[str, Any]] = None,
+                  t5_config: Optional[T5Config] = None) -> str:
+  """Writes only the trainable leaves (adapters, routers, norms, LoRA) to `path`.
+
+  `path/adapters.safetensors` holds the leaves (float32, flat t5x paths);
+  `path/adapter_config.json` the `CodaConfig`, the backbone's `T5Config` and
+  identity (`backbone_fingerprint` of the frozen leaves, plus whatever
+  `backbone` says, e.g. the checkpoint path). Returns `path`.
+  """
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  from coda_jax import trainable  # pylint: disable=g-import-not-at-top
+  flat = flatten(params)
+  tensors = {name: np.ascontiguousarray(np.asarray(leaf, np.float32))
+             for name, leaf in flat.items() if trainable.is_trainable_path(name.split('/'))}
+  if not tensors:
+    raise CheckpointError('no trainable (adapter, router, layer norm, LoRA) leaves to save')
+  meta = {
+      'format_version': ADAPTER_FORMAT_VERSION,
+      'coda_config': dataclasses.asdict(coda) if coda is not None else None,
+      'backbone': dict(backbone or {}),
+      'backbone_fingerprint': backbone_fingerprint(params),
+      't5_config': _config_json(t5_config) if t5_config is not None else None,
+      'num_params': int(sum(v.size for v in tensors.values())),
+  }
+  tmp = path.rstrip('/') + '.tmp'
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  save_file(tensors, os.path.join(tmp, ADAPTER_WEIGHTS))
+  with open(os.path.join(tmp, ADAPTER_CONFIG), 'w') as f:
+    json.dump(meta, f, indent=2, sort_keys=True)
+  shutil.rmtree(path, ignore_errors=True)
+  os.replace(tmp, path)
+  return path
+
+
+def _config_json(config: T5Config) -> Dict[str, Any]:
+  out = dataclasses.asdict(config)
+  out['dtype'] = np.dtype(config.dtype).name
+  return out
+
+
+def load_adapters(path: str) -> Tuple[Any, Params, Dict[str, Any]]:
+  """Reads an adapter-only directory: `(CodaConfig, trainable params, metadata)`."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  from coda_jax.config import CodaConfig  # pylint: disable=g-import-not-at-top
+  weights = os.path.join(path, ADAPTER_WEIGHTS)
+  meta_file = os.path.join(path, ADAPTER_CONFIG)
+  for f in (weights, meta_file):
+    if not os.path.isfile(f):
+      raise CheckpointError(f'{path} is not an adapter directory: {f} is missing')
+  with open(meta_file) as f:
+    meta = json.load(f)
+  if meta.get('format_version') != ADAPTER_FORMAT_VERSION:
+    raise CheckpointError(f'{meta_file}: unsupported format_version '
+                          f'{meta.get("format_version")!r}')
+  try:
+    tensors = load_file(weights)
+  except Exception as e:  # safetensors raises its own error types
+    raise CheckpointError(f'{weights} is truncated or corrupt: {e}') from e
+  coda_fields = meta.get('coda_config')
+  coda = CodaConfig(**coda_fields) if coda_fields is not None else None
+  return coda, unflatten(tensors), meta
+
+
+def apply_adapters(base_params: Mapping[str, Any], path: str, model=None,
+                   rng: Optional[jax.Array] = None,
+                   check_backbone: bool = True) -> Tuple[Any, Params]:
+  """The tuned model: `base_params` (a T5 or CoDA tree) plus the adapter file.
+
+  With a plain T5 tree, pass the CoDA `model` (and an `rng` for nothing: every
+  new leaf must be in the file, so none is initialised at random). Returns
+  `(CodaConfig, params)`.
+
+  Raises:
+    CheckpointError: the file was trained on another backbone (fingerprint
+      mismatch, unless `check_backbone=False`), or a leaf's shape differs.
+  """
+  coda, tuned, meta = load_adapters(path)
+  if check_backbone:
+    have = backbone_fingerprint(base_params)
+    if have != meta['backbone_fingerprint']:
+      raise CheckpointError(
+          f'{path} was trained on another backbone (fingerprint '
+          f'{meta["backbone_fingerprint"][:12]}..., these parameters give {have[:12]}...); '
+          'pass check_backbone=False to apply it anyway')
+  flat = flatten(base_params)
+  if model is not None:
+    shapes = flatten(jax.eval_shape(
+        lambda r: model.init(r, *_example_inputs(), enable_dropout=False)['params'],
+        jax.random.PRNGKey(0) if rng is None else rng))
+    missing = sorted(n for n in shapes if n not in flat and n not in flatten(tuned))
+    if missing:
+      raise CheckpointError(f'neither the backbone nor {path} has {missing[0]}')
+  for name, value in flatten(tuned).items():
+    if name in flat and tuple(np.shape(flat[name])) != tuple(value.shape):
+      raise CheckpointError(f'{name}: adapter file shape {tuple(value.shape)} != '
+                            f'backbone shape {tuple(np.shape(flat[name]))}')
+    flat[name] = value
+  return coda, unflatten(flat)
