@@ -116,7 +116,7 @@ def epsilon_schedule(num_iters: int, *, epsilon: float = DEFAULTS.epsilon,
 
 def _iterative(s: Array, real: Array, k: int, eps_sched: tuple[float, ...]
                ) -> Array:
-  """Coordinate descent with ε-scaling. s [..., n] finite; real [..., n] bool."""
+  """Coordinate descent with ε-scaling; s [..., n] finite, real [..., n]."""
   num_iters = len(eps_sched) - 1
   eps = jnp.asarray(eps_sched, s.dtype)  # [T + 1]
   log_k = math.log(k)
@@ -153,10 +153,11 @@ def _exact_forward(s: Array, real: Array, k: int, epsilon: float
     otherwise bisection.
 
   Starts from lo = the m = 0 piece root ε ln k - ε logsumexp(s / ε) and
-  hi = -min(s) + ε ln(k / n_real) (every λ >= k / n_real). Stops a row when
-  |F(c) - k| <= tol k (tol a few float ulps); rows still open after
-  `EXACT_MAX_PASSES` passes use their best lower bound. Needs k < n_real on rows it
-  is asked about (others are answered by the caller).
+  hi = -min(s) + ε ln(k / n_real) (every λ >= k / n_real). A row stops when
+  r agrees with c to 64 float ulps (then a* = r, exact to float precision)
+  or when its bracket has no float left inside; rows still open after
+  `EXACT_MAX_PASSES` passes use their best lower bound. Rows with
+  k >= n_real have no root and are left to the caller.
 
   Returns (λ, unsaturated, passes): λ and unsaturated [..., n], and the
   number of passes the root search took (a diagnostic).
@@ -278,7 +279,7 @@ def soft_topk(scores: Array, k: int, *, mask: Optional[Array] = None,
     mask: optional [..., n] bool, True for real tokens. Padding gets λ = 0
       and zero gradient.
     method: "iterative" (the paper's T-step solver) or "exact" (converged,
-      implicit-function gradient).
+      implicit-function gradient; a custom VJP, so reverse mode only).
     epsilon: target ε (> 0).
     epsilon_init: ε-scaling start ε0 (iterative only).
     epsilon_decay: ε-scaling decay β in (0, 1] (iterative only).

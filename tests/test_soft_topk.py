@@ -1,0 +1,358 @@
+"""Tests of coda_jax.soft_topk (paper §3 and App. C) and its benchmark."""
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coda_jax import soft_topk as st
+
+EPS = st.DEFAULTS.epsilon
+EPS0 = st.DEFAULTS.epsilon_init
+BETA = st.DEFAULTS.epsilon_decay
+T = st.DEFAULTS.num_iters
+
+
+def _np_coordinate_descent(s, k, mask, eps, eps0, beta, num_iters):
+  """App. C eq. (11) with ε-scaling, in float64, one row at a time.
+
+  a_0 = 0, b_0 = -s; step t = 1..T at ε_t = max(ε0 β^(t-1), ε):
+    a = ε_t ln k - ε_t ln Σ exp((s + b) / ε_t);  b = min(-s - a, 0)
+  returns exp((s + a + b) / ε_{T+1}) on the real tokens, 0 on padding.
+  """
+  s = np.asarray(s, np.float64)
+  mask = np.asarray(mask, bool)
+  out = np.zeros_like(s)
+  for row in np.ndindex(s.shape[:-1]):
+    x = s[row][mask[row]]
+    a = 0.0
+    b = -x
+    for t in range(1, num_iters + 1):
+      e = max(eps0 * beta ** (t - 1), eps)
+      z = (x + b) / e
+      zmax = z.max()
+      a = e * math.log(k) - e * (zmax + math.log(np.exp(z - zmax).sum()))
+      b = np.minimum(-x - a, 0.0)
+    e = max(eps0 * beta ** num_iters, eps)
+    lam = np.exp((x + a + b) / e)
+    out[row][mask[row]] = lam
+  return out
+
+
+def _random_mask(rng, batch, n, min_real):
+  lengths = rng.integers(min_real, n + 1, size=batch)
+  return np.arange(n)[None, :] < lengths[:, None]
+
+
+# ----------------------------------------------------------------- iterative
+
+
+@pytest.mark.parametrize('use_mask', [False, True])
+@pytest.mark.parametrize('scale,n,k', [(1.0, 64, 16), (3.0, 200, 7),
+                                       (0.2, 33, 30)])
+def test_iterative_matches_numpy_transcription(use_mask, scale, n, k):
+  rng = np.random.default_rng(n + k)
+  s = (rng.normal(size=(3, n)) * scale).astype(np.float32)
+  mask = (_random_mask(rng, 3, n, k + 1) if use_mask
+          else np.ones((3, n), bool))
+  want = _np_coordinate_descent(s, k, mask, EPS, EPS0, BETA, T)
+  got = st.soft_topk(jnp.asarray(s), k, mask=jnp.asarray(mask) if use_mask
+                     else None, method='iterative')
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5)
+  assert np.all(np.asarray(got)[~mask] == 0.0)
+
+
+def test_iterative_matches_transcription_with_other_settings():
+  rng = np.random.default_rng(3)
+  s = rng.normal(size=(2, 50)).astype(np.float32)
+  mask = np.ones(s.shape, bool)
+  want = _np_coordinate_descent(s, 5, mask, 1.0, 4.0, 0.85, 7)
+  got = st.soft_topk(s, 5, method='iterative', epsilon=1.0, epsilon_init=4.0,
+                     epsilon_decay=0.85, num_iters=7)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5)
+
+
+def test_epsilon_schedule_convention():
+  sched = st.epsilon_schedule(20)
+  assert len(sched) == 21
+  assert sched[0] == 4.0  # ε_1 = ε0
+  assert sched[1] == pytest.approx(4.0 * 0.7)
+  assert sched[-1] == max(4.0 * 0.7**20, 0.03) == 0.03
+
+
+def test_iterative_is_not_converged_at_20_steps():
+  """The paper's operator: Σλ/k well below 1 for n=2048, k=512, ε=0.03."""
+  s = jax.random.normal(jax.random.PRNGKey(0), (2, 2048))
+  ratio = st.topk_mass_ratio(st.soft_topk(s, 512, method='iterative'), 512)
+  assert np.all(np.asarray(ratio) < 0.9)
+  assert np.all(np.asarray(ratio) > 0.5)
+  exact = st.topk_mass_ratio(st.soft_topk(s, 512, method='exact'), 512)
+  np.testing.assert_allclose(np.asarray(exact), 1.0, atol=1e-5)
+
+
+# --------------------------------------------------------------------- exact
+
+
+def _fit_a(s, lam, k, eps):
+  """The a of λ = min(1, exp((s + a)/ε)), from its unsaturated part.
+
+  When every λ rounds to 0 or 1 (well separated scores), a is any point
+  between the k-th and (k+1)-th largest score; take the middle.
+  """
+  s = np.asarray(s, np.float64)
+  lam = np.asarray(lam, np.float64)
+  a = np.zeros(s.shape[:-1] + (1,))
+  for row in np.ndindex(s.shape[:-1]):
+    free = (lam[row] > 1e-6) & (lam[row] < 1)
+    if free.any():
+      a[row] = np.median(eps * np.log(lam[row][free]) - s[row][free])
+    else:
+      top = np.sort(s[row])[::-1]
+      a[row] = -0.5 * (top[k - 1] + top[k])
+  return a
+
+
+@pytest.mark.parametrize('scale', [0.1, 1.0, 10.0])
+@pytest.mark.parametrize('n,k', [(16, 5), (300, 75), (2048, 512), (257, 256)])
+def test_exact_solves_the_problem(scale, n, k):
+  rng = np.random.default_rng(int(scale * 10) + n)
+  s = (rng.normal(size=(3, n)) * scale).astype(np.float32)
+  lam = np.asarray(st.soft_topk(s, k, method='exact'), np.float64)
+  assert np.all(lam >= 0) and np.all(lam <= 1)
+  np.testing.assert_array_less(np.abs(lam.sum(-1) - k), 1e-4 * k)
+  a = _fit_a(s, lam, k, EPS)
+  form = np.exp(np.minimum((s.astype(np.float64) + a) / EPS, 0.0))
+  np.testing.assert_allclose(lam, form, rtol=0, atol=1e-5)
+
+
+def test_exact_with_mask_solves_on_real_tokens():
+  rng = np.random.default_rng(7)
+  s = rng.normal(size=(4, 100)).astype(np.float32)
+  mask = _random_mask(rng, 4, 100, 30)
+  lam = np.asarray(st.soft_topk(s, 20, mask=mask, method='exact',
+                                epsilon=0.1), np.float64)
+  assert np.all(lam[~mask] == 0)
+  np.testing.assert_allclose(lam.sum(-1), 20, rtol=1e-5)
+  # Same as solving on the real tokens alone: Σλ = k and one a per row.
+  a = np.zeros((4, 1))
+  for row in range(4):
+    free = mask[row] & (lam[row] > 1e-6) & (lam[row] < 1)
+    a[row] = np.median(0.1 * np.log(lam[row][free]) - s[row][free])
+  form = np.where(mask, np.exp(np.minimum((s + a) / 0.1, 0.0)), 0.0)
+  np.testing.assert_allclose(lam, form, atol=1e-5)
+
+
+def test_exact_k1_is_softmax():
+  s = jax.random.normal(jax.random.PRNGKey(1), (3, 40))
+  for eps in (0.03, 0.5):
+    got = st.soft_topk(s, 1, method='exact', epsilon=eps)
+    x = np.asarray(s, np.float64) / eps
+    want = np.exp(x - x.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    # float32 a carries ulp(max s) / ε of relative error into λ.
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=1e-7)
+
+
+def test_exact_tends_to_hard_topk_as_epsilon_shrinks():
+  rng = np.random.default_rng(2)
+  s = rng.permutation(np.linspace(-2.0, 2.0, 41)).astype(np.float32)[None]
+  k = 10
+  hard = np.zeros(s.shape)
+  hard[0, np.argsort(-s[0])[:k]] = 1.0
+  dists = []
+  for eps in (1.0, 0.1, 0.01, 0.001):
+    lam = np.asarray(st.soft_topk(s, k, method='exact', epsilon=eps))
+    dists.append(np.abs(lam - hard).sum())
+  assert all(d1 > d2 for d1, d2 in zip(dists, dists[1:]))
+  assert dists[-1] < 1e-6
+  assert dists[0] > 1.0
+
+
+# ------------------------------------------------------------------ gradients
+
+
+def _central_differences(f, x, h):
+  """∂f/∂x by central differences, all coordinates in one vmapped call."""
+  x = np.asarray(x, np.float64)
+  steps = h * np.eye(x.size).reshape((x.size,) + x.shape)
+  values = np.asarray(jax.jit(jax.vmap(f))(
+      jnp.asarray(np.concatenate([x + steps, x - steps]))))
+  return ((values[:x.size] - values[x.size:]) / (2 * h)).reshape(x.shape)
+
+
+@pytest.mark.parametrize('method', st.METHODS)
+@pytest.mark.parametrize('use_mask', [False, True])
+def test_gradient_matches_finite_differences(method, use_mask):
+  rng = np.random.default_rng(11)
+  s = rng.normal(size=(2, 12))
+  g = rng.normal(size=(2, 12))
+  mask = np.ones((2, 12), bool)
+  if use_mask:
+    mask[0, 9:] = False
+  with jax.enable_x64(True):
+    def loss(x):
+      lam = st.soft_topk(x, 4, mask=jnp.asarray(mask), method=method,
+                         epsilon=0.3)
+      assert lam.dtype == jnp.float64
+      return jnp.sum(jnp.asarray(g) * lam)
+    got = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(s)))
+    want = _central_differences(loss, s, 1e-6)
+  assert np.linalg.norm(got - want) <= 1e-4 * np.linalg.norm(want)
+  assert np.all(got[~mask] == 0)
+
+
+def test_exact_vjp_matches_autodiff_through_converged_iterations():
+  rng = np.random.default_rng(5)
+  s = jnp.asarray(rng.normal(size=(3, 32)), jnp.float32)
+  g = jnp.asarray(rng.normal(size=(3, 32)), jnp.float32)
+  eps = 0.2
+
+  def loss(x, method, num_iters=T):
+    return jnp.sum(g * st.soft_topk(x, 8, method=method, epsilon=eps,
+                                    num_iters=num_iters))
+
+  converged = st.soft_topk(s, 8, method='iterative', epsilon=eps,
+                           num_iters=300)
+  np.testing.assert_allclose(np.asarray(converged.sum(-1)), 8, rtol=1e-5)
+  want = jax.grad(loss)(s, 'iterative', 300)
+  got = jax.grad(loss)(s, 'exact')
+  scale = float(jnp.abs(want).max())
+  assert float(jnp.abs(got - want).max()) <= 1e-4 * scale
+  # The unconverged 20-step operator has a visibly different gradient.
+  short = jax.grad(loss)(s, 'iterative', 3)
+  assert float(jnp.abs(short - want).max()) > 1e-2 * scale
+
+
+def test_exact_gradient_is_zero_on_saturated_entries():
+  s = jnp.array([[5.0, 4.0, 0.1, 0.0, -0.1, -3.0]])
+  lam = st.soft_topk(s, 3, method='exact', epsilon=0.1)
+  assert float(lam[0, 0]) == 1.0 and float(lam[0, 1]) == 1.0
+  jac = jax.jacrev(lambda x: st.soft_topk(x, 3, method='exact',
+                                          epsilon=0.1))(s)[0, :, 0, :]
+  assert np.all(np.asarray(jac[:, :2]) == 0)
+  assert np.all(np.asarray(jac[:2, :]) == 0)
+  # Rows of the Jacobian sum to zero: Σλ stays k.
+  np.testing.assert_allclose(np.asarray(jac.sum(0)), 0, atol=1e-5)
+
+
+# ------------------------------------------- transforms, dtypes, padding, k
+
+
+@pytest.mark.parametrize('method', st.METHODS)
+def test_jit_vmap_grad(method):
+  s = jax.random.normal(jax.random.PRNGKey(2), (3, 4, 24))
+  mask = jnp.arange(24)[None, None, :] < jnp.array([24, 20, 9, 0])[None, :,
+                                                                   None]
+  mask = jnp.broadcast_to(mask, s.shape)
+  f = lambda x, m: st.soft_topk(x, 6, mask=m, method=method)
+  jitted = np.asarray(jax.jit(f)(s, mask))
+  np.testing.assert_allclose(np.asarray(jax.vmap(f)(s, mask)), jitted,
+                             atol=1e-6)
+  np.testing.assert_allclose(jitted.sum(-1), np.minimum(
+      6, np.asarray(mask).sum(-1)), rtol=0.3)
+  grad = jax.jit(jax.grad(lambda x: jnp.sum(f(x, mask) * x)))(s)
+  assert np.all(np.isfinite(np.asarray(grad)))
+  assert np.any(np.asarray(grad) != 0)
+
+
+@pytest.mark.parametrize('method', st.METHODS)
+def test_bfloat16_inputs(method):
+  s = jax.random.normal(jax.random.PRNGKey(3), (2, 64)).astype(jnp.bfloat16)
+  lam = st.soft_topk(s, 16, method=method)
+  assert lam.dtype == jnp.float32
+  ref = st.soft_topk(s.astype(jnp.float32), 16, method=method)
+  np.testing.assert_array_equal(np.asarray(lam), np.asarray(ref))
+  grad = jax.grad(lambda x: jnp.sum(st.soft_topk(x, 16, method=method)
+                                    * jnp.arange(64.0)))(s)
+  assert grad.dtype == jnp.bfloat16
+  assert np.all(np.isfinite(np.asarray(grad, np.float32)))
+
+
+@pytest.mark.parametrize('method', st.METHODS)
+def test_padding_rows_and_saturation(method):
+  s = jax.random.normal(jax.random.PRNGKey(4), (4, 10))
+  # Padding scores may be garbage (-inf, nan): never read.
+  s = s.at[:, 7:].set(-jnp.inf).at[0, 9].set(jnp.nan)
+  lengths = jnp.array([7, 3, 0, 4])  # k = 4: rows 1-3 saturate
+  mask = jnp.arange(10)[None, :] < lengths[:, None]
+
+  def lam_fn(x):
+    return st.soft_topk(x, 4, mask=mask, method=method)
+
+  lam = np.asarray(lam_fn(s))
+  assert np.all(np.isfinite(lam))
+  assert np.all(lam[~np.asarray(mask)] == 0)
+  np.testing.assert_array_equal(lam[1:], np.asarray(mask[1:], np.float32))
+  assert 0 < lam[0, :7].sum() <= 4 + 1e-5
+  w = jax.random.normal(jax.random.PRNGKey(5), s.shape)
+  grad = np.asarray(jax.grad(lambda x: jnp.sum(lam_fn(x) * w))(s))
+  assert np.all(np.isfinite(grad))
+  assert np.all(grad[1:] == 0)  # saturated or empty rows: λ is constant
+  assert np.all(grad[~np.asarray(mask)] == 0)
+  assert np.any(grad[0] != 0)
+
+
+@pytest.mark.parametrize('method', st.METHODS)
+def test_k_at_least_length(method):
+  s = jnp.array([[0.3, -1.0, 2.0]])
+  for k in (3, 5):
+    np.testing.assert_array_equal(
+        np.asarray(st.soft_topk(s, k, method=method)), 1.0)
+
+
+def test_validation_errors():
+  s = jnp.zeros((2, 5))
+  with pytest.raises(ValueError, match='k must be >= 1, got 0'):
+    st.soft_topk(s, 0)
+  with pytest.raises(ValueError, match='k must be a Python int'):
+    st.soft_topk(s, 2.0)
+  with pytest.raises(ValueError, match='k must be a Python int'):
+    st.soft_topk(s, True)
+  with pytest.raises(ValueError, match="unknown soft top-k method 'sort'"):
+    st.soft_topk(s, 2, method='sort')
+  with pytest.raises(ValueError, match='epsilon must be > 0'):
+    st.soft_topk(s, 2, epsilon=0.0)
+  with pytest.raises(ValueError, match='mask shape'):
+    st.soft_topk(s, 2, mask=jnp.ones((2, 4), bool))
+  assert st.soft_topk(s, np.int64(2)).shape == (2, 5)
+
+
+def test_topk_mass_ratio():
+  lam = jnp.array([[1.0, 0.5, 0.5, 0.0], [0.2, 0.2, 0.0, 0.0],
+                   [0.0, 0.0, 0.0, 0.0]])
+  np.testing.assert_allclose(np.asarray(st.topk_mass_ratio(lam, 2)),
+                             [1.0, 0.2, 0.0])
+  mask = jnp.array([[True] * 4, [True, False, False, False], [False] * 4])
+  np.testing.assert_allclose(
+      np.asarray(st.topk_mass_ratio(lam, 2, mask=mask)), [1.0, 0.4, 1.0])
+
+
+# ----------------------------------------------------------------- benchmark
+
+
+def test_benchmark_quick_run():
+  path = pathlib.Path(__file__).resolve().parents[1] / 'tools' / \
+      'bench_soft_topk.py'
+  spec = importlib.util.spec_from_file_location('bench_soft_topk', path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    bench.main(['--quick'])
+  report = json.loads(out.getvalue())
+  assert report['rows']
+  for row in report['rows']:
+    for key in ('iterative_fwd_ms', 'exact_fwd_ms', 'top_k_fwd_ms',
+                'iterative_fwd_bwd_ms', 'exact_fwd_bwd_ms',
+                'exact_over_iterative_fwd', 'exact_over_iterative_fwd_bwd'):
+      assert row[key] > 0, key
+    assert row['exact_mass_ratio'] == pytest.approx(1.0, abs=1e-4)
+  layer = report['soft_topk_vs_encoder_layer']
+  assert set(layer) >= {'status'}
