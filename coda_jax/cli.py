@@ -6,6 +6,10 @@
       Any checkpoint `coda_jax.checkpoints.load_t5_v1_1` reads -> a Hugging
       Face directory (OUTPUT), or a T5X checkpoint OUTPUT/checkpoint_<step>/
       (legacy msgpack + TensorStore, or t5x's orbax layout).
+  coda-jax benchmark [--model small] [--tasks boolq] [--reduction_factors 1,3,5] ...
+      CoDA vs Parallel Adapter decoding latency (`coda_jax.benchmark`).
+  coda-jax train --gin_file=F [--gin.MACRO=VALUE ...]
+      gin-configured training, the same as ``python -m coda_jax.train``.
 
 Each subcommand is one entry of `SUBCOMMANDS`: (help, add_arguments, run),
 where ``run(args) -> exit code``; add a subcommand by adding an entry.
@@ -13,6 +17,7 @@ where ``run(args) -> exit code``; add a subcommand by adding an entry.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
@@ -82,6 +87,23 @@ def _run_convert(args: argparse.Namespace) -> int:
   return 0
 
 
+# -- benchmark (imported lazily: it compiles models) -------------------------------
+
+
+def _add_benchmark(parser: argparse.ArgumentParser) -> None:
+  from coda_jax import benchmark  # pylint: disable=import-outside-toplevel
+  benchmark.add_arguments(parser)
+
+
+def _run_benchmark(args: argparse.Namespace) -> int:
+  from coda_jax import benchmark  # pylint: disable=import-outside-toplevel
+  try:
+    return benchmark.run(args)
+  except ValueError as e:
+    print(f'coda-jax benchmark: error: {e}', file=sys.stderr)
+    return 2
+
+
 # -- dispatch ----------------------------------------------------------------------
 
 SUBCOMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None],
@@ -89,19 +111,30 @@ SUBCOMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None],
     'inspect': ('describe a checkpoint (JSON)', _add_inspect, _run_inspect),
     'convert': ('convert a checkpoint to another format', _add_convert,
                 _run_convert),
+    'benchmark': ('CoDA vs Parallel Adapter decoding latency', _add_benchmark,
+                  _run_benchmark),
 }
+# Subcommands with their own flag parsing (gin's --gin.NAME=VALUE flags),
+# handed the rest of the command line as is.
+PASSTHROUGH = {'train': 'coda_jax.train'}
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog='coda-jax', description='Conditional Adapters for T5 v1.1 (JAX).')
   sub = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
+  for name, module in PASSTHROUGH.items():
+    sub.add_parser(name, help=f'see python -m {module} --help', add_help=False)
   for name, (help_text, add_arguments, _) in SUBCOMMANDS.items():
     add_arguments(sub.add_parser(name, help=help_text, description=help_text))
   return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] in PASSTHROUGH:
+    module = importlib.import_module(PASSTHROUGH[argv[0]])
+    return module.main(argv[1:])
   args = build_parser().parse_args(argv)
   _, _, run = SUBCOMMANDS[args.command]
   try:

@@ -25,7 +25,9 @@ DECODER_START_ID = 0
 EOS_ID = 1
 # Cache entries that hold the encoder's keys/values: identical for every beam
 # of one example, so beam search never reorders them.
-BEAM_INVARIANT_CACHE = ('cached_cross_key', 'cached_cross_value', 'cross_kv_ready')
+CROSS_KV_CACHE = ('cached_cross_key', 'cached_cross_value')
+CROSS_KV_READY = 'cross_kv_ready'
+BEAM_INVARIANT_CACHE = CROSS_KV_CACHE + (CROSS_KV_READY,)
 
 
 def temperature_sample(cache: Cache,
@@ -225,19 +227,33 @@ def sequence_score(log_prob: Array, sequences: Array, alpha: float,
 
 def init_decode_cache(model, params, encoded: Array, encoder_input_tokens: Array,
                       max_decode_length: int) -> Cache:
-  """Zero decoder cache for `max_decode_length` steps, built from shapes only."""
-  batch = encoder_input_tokens.shape[0]
-  dummy = jnp.ones((batch, max_decode_length), jnp.int32)
+  """Decoder cache for `max_decode_length` steps, cross-attention K/V prefilled.
 
-  def init(enc, tokens):
+  The self-attention cache is zeros built from shapes only. With the model's
+  `cache_cross_kv` (the default) the cross-attention keys/values of `encoded`
+  are computed here, once, by a one-token pass whose other outputs XLA drops,
+  and stored without the `cross_kv_ready` flag, so the decoding loop only reads
+  them (no branch, no projection inside the loop).
+  """
+  batch = encoder_input_tokens.shape[0]
+
+  def init(enc, tokens, length):
+    dummy = jnp.ones((batch, length), jnp.int32)
     _, variables = model.apply(
         {'params': params}, enc, tokens, dummy, dummy, enable_dropout=False,
         decode=True, max_decode_length=max_decode_length, mutable=['cache'],
         method=model.decode)
-    return variables['cache']
+    return flax.traverse_util.flatten_dict(flax.core.unfreeze(variables['cache']))
 
-  shapes = jax.eval_shape(init, encoded, encoder_input_tokens)
-  return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  shapes = jax.eval_shape(functools.partial(init, length=max_decode_length), encoded,
+                          encoder_input_tokens)
+  cache = {path: jnp.zeros(s.shape, s.dtype) for path, s in shapes.items()
+           if path[-1] != CROSS_KV_READY}
+  if any(path[-1] == CROSS_KV_READY for path in shapes):
+    prefill = init(encoded, encoder_input_tokens, 1)
+    cache.update({path: value for path, value in prefill.items()
+                  if path[-1] in CROSS_KV_CACHE})
+  return flax.traverse_util.unflatten_dict(cache)
 
 
 def make_tokens_to_logits(model, params, encoded: Array, encoder_input_tokens: Array,

@@ -165,9 +165,9 @@ class MultiHeadDotProductAttention(nn.Module):
   With `decode=True` the self-attention cache is t5x's: `cached_key`,
   `cached_value` `[batch, kv_heads, head_dim, max_length]` and `cache_index`.
   With `cache_kv=True` (cross-attention while decoding) the projected keys and
-  values of `inputs_kv` are computed at the first step and reused afterwards
-  (`cached_cross_key`, `cached_cross_value`, `cross_kv_ready`); t5x recomputes
-  them at every step.
+  values of `inputs_kv` are computed once per sequence and kept in the cache
+  (`cached_cross_key`, `cached_cross_value`; see `_cached_cross_kv`); t5x
+  recomputes them at every step.
   """
   num_heads: int
   head_dim: int
@@ -269,7 +269,21 @@ class MultiHeadDotProductAttention(nn.Module):
     return out
 
   def _cached_cross_kv(self, inputs_kv: Array) -> Tuple[Array, Array]:
-    """Key/value projections of the encoder output, computed once per sequence."""
+    """Key/value projections of the encoder output, computed once per sequence.
+
+    Three cases, told apart by what the 'cache' collection holds:
+      * no `cached_cross_key` (init, or `decoding.init_decode_cache`'s prefill
+        pass): compute the projections and store them; `cross_kv_ready` is
+        created False, since init runs on dummy inputs.
+      * `cached_cross_key` without `cross_kv_ready` (a cache prefilled by
+        `decoding.init_decode_cache`): read it, nothing else runs in the loop.
+      * both (a cache from `init(..., decode=True)`, as t5x's decoding builds
+        it): compute at the first step, read afterwards (`nn.cond`).
+    """
+    if (self.has_variable('cache', 'cached_cross_key')
+        and not self.has_variable('cache', 'cross_kv_ready')):
+      return (self.get_variable('cache', 'cached_cross_key'),
+              self.get_variable('cache', 'cached_cross_value'))
     batch, length = inputs_kv.shape[:2]
     shape = (batch, length, self.kv_heads, self.head_dim)
     initialized = self.has_variable('cache', 'cached_cross_key')
@@ -287,7 +301,9 @@ class MultiHeadDotProductAttention(nn.Module):
               mdl.get_variable('cache', 'cached_cross_value'))
 
     if not initialized or self.is_initializing():
-      return compute(self, inputs_kv)
+      key, value = compute(self, inputs_kv)
+      cached_key.value, cached_value.value = key, value
+      return key, value
     # Both branches are traced (the projections' parameters exist either way);
     # only one runs: the projections at the first step, a read afterwards.
     key, value = nn.cond(ready.value, reuse, compute, self, inputs_kv)

@@ -154,6 +154,21 @@ def test_cached_decoding_equals_teacher_forcing(kv_heads, cache_cross_kv):
   assert int(flat_cache[('decoder', 'layers_0', 'self_attention', 'cache_index')]) == length
   cross = [k for k in flat_cache if 'cached_cross_key' in k]
   assert bool(cross) == cache_cross_kv
+  # Prefilled by init_decode_cache: the loop only reads the cross K/V.
+  assert not [k for k in flat_cache if 'cross_kv_ready' in k]
+  if cache_cross_kv:
+    # t5x's own decoding takes its cache from `init(..., decode=True)` (dummy
+    # inputs, `cross_kv_ready` False): the first step computes, later ones read.
+    t5x_cache = model.init(jax.random.PRNGKey(0), enc, dec_in, tgt, enable_dropout=False,
+                           decode=True)['cache']
+    assert not bool(flatten_dict(flax.core.unfreeze(t5x_cache))[
+        ('decoder', 'layers_0', 'encoder_decoder_attention', 'cross_kv_ready')])
+    t5x_logits = []
+    for i in range(length):
+      step_logits, t5x_cache = step(dec_in[:, i:i + 1], t5x_cache)
+      t5x_logits.append(step_logits)
+    np.testing.assert_allclose(np.asarray(jnp.stack(t5x_logits, 1))[real],
+                               np.asarray(full)[real], atol=1e-5)
 
 
 def test_cross_kv_is_computed_once_per_sequence():

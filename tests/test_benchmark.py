@@ -1,0 +1,235 @@
+"""The latency benchmark (coda_jax.benchmark, tools/benchmark_decoding.py) on a tiny model."""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coda_jax import benchmark as bm
+from coda_jax import decoding
+from coda_jax import flops
+from coda_jax import network
+from coda_jax.config import CodaConfig, T5Config, parallel_adapter_baseline
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ratio(base, times):
+  return statistics.median(base) / statistics.median(times)
+
+
+@pytest.fixture(scope='module')
+def tiny_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp('bench') / 'result.json'
+  argv = ['--preset', 'tiny', '--input_length', '32', '--output_length', '4',
+          '--batch_size', '2', '--repeats', '2', '--reduction_factors', '3',
+          '--attention', 'k_to_all', '--cross_kv_repeats', '2',
+          '--cross_kv_batch_size', '1', '--out', str(out), '--no_progress']
+  assert bm.main(argv) == 0
+  with open(out) as f:
+    return json.load(f), out
+
+
+def test_json_fields(tiny_run):
+  result, out = tiny_run
+  meta = result['meta']
+  for key in ('jax_version', 'platform', 'device_kind', 'dtype', 'model', 'config',
+              'coda', 'batch_size', 'repeats', 'decoding', 'eos_id', 'png'):
+    assert key in meta, key
+  assert meta['model'] == 'tiny' and meta['batch_size'] == 2 and meta['repeats'] == 2
+  assert meta['dtype'] == bm.default_dtype()
+  assert meta['eos_id'] == bm.NEVER_EOS
+  assert meta['config']['emb_dim'] == bm.TINY['emb_dim']
+  assert meta['platform'] == jax.default_backend()
+  (task,) = result['tasks']
+  assert (task['task'], task['input_length'], task['output_length']) == ('custom', 32, 4)
+  names = [row['name'] for row in task['variants']]
+  assert names == ['parallel_adapter', 'coda_k_to_all_r3']
+  for row in task['variants']:
+    for t in bm.TIMED:
+      assert len(row['times_s'][t]) == 2 and all(x > 0 for x in row['times_s'][t])
+      assert row['compile_s'][t] > 0
+    expected_k = 32 if row['attention'] is None else flops.coda_k(32, row['reduction_factor'])
+    assert row['k'] == expected_k
+  # The PNG next to the JSON.
+  png = os.path.splitext(str(out))[0] + '.png'
+  assert meta['png'] == png
+  with open(png, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+  assert os.path.getsize(png) > 1000
+
+
+def test_speedups_are_ratios_of_recorded_medians(tiny_run):
+  result, _ = tiny_run
+  (task,) = result['tasks']
+  base = task['variants'][0]
+  assert base['name'] == task['baseline'] == 'parallel_adapter'
+  for row in task['variants']:
+    for t in bm.TIMED:
+      assert row['median_ms'][t] == pytest.approx(1e3 * statistics.median(row['times_s'][t]))
+      assert row['speedup'][t] == pytest.approx(
+          _ratio(base['times_s'][t], row['times_s'][t]), rel=1e-12)
+      assert row['min_ms'][t] == pytest.approx(1e3 * min(row['times_s'][t]))
+      assert row['speedup_of_min'][t] == pytest.approx(
+          min(base['times_s'][t]) / min(row['times_s'][t]), rel=1e-12)
+    for t in ('encoder', 'end_to_end'):
+      assert row['fraction_of_bound'][t] == pytest.approx(
+          row['speedup'][t] / row['flop_bound'][t], rel=1e-12)
+  for t in bm.TIMED:
+    assert base['speedup'][t] == 1.0
+
+
+def test_flop_bounds_and_soft_topk_share(tiny_run):
+  result, _ = tiny_run
+  (task,) = result['tasks']
+  config = T5Config(**{**bm.TINY, 'dtype': jnp.dtype(result['meta']['dtype'])})
+  adapter_dim = result['meta']['coda']['adapter_dim']
+  for row in task['variants']:
+    if row['attention'] is None:
+      assert row['soft_topk'] is None
+      continue
+    r, att = row['reduction_factor'], row['attention']
+    assert row['flop_bound']['encoder'] == pytest.approx(
+        flops.encoder_speedup_bound(config, 32, r, att, adapter_dim))
+    assert row['flop_bound']['end_to_end'] == pytest.approx(
+        flops.end_to_end_speedup_bound(config, 32, 4, r, att, adapter_dim))
+    topk = row['soft_topk']
+    assert row['routed_layers'] == bm.TINY['num_encoder_layers']
+    raw = task['soft_topk_times_s'][topk['key']]
+    assert topk['key'] == f'soft_topk/k{row["k"]}' and len(raw) == 2
+    one = 1e3 * statistics.median(raw)
+    assert topk['one_layer_median_ms'] == pytest.approx(one)
+    assert topk['share_of_end_to_end'] == pytest.approx(
+        one * row['routed_layers'] / (1e3 * statistics.median(row['times_s']['end_to_end'])))
+
+
+def test_cross_kv_row(tiny_run):
+  result, _ = tiny_run
+  cross = result['cross_kv']
+  n_in, n_out = bm.TASK_SHAPES['xsum']
+  assert (cross['task'], cross['input_length'], cross['output_length']) == ('xsum', n_in, n_out)
+  assert cross['batch_size'] == 1
+  rows = {row['cross_kv']: row for row in cross['rows']}
+  assert rows['once_per_sequence']['cache_cross_kv'] is True
+  assert rows['every_step']['cache_cross_kv'] is False
+  assert cross['speedup_once_over_every_step'] == pytest.approx(
+      _ratio(rows['every_step']['times_s'], rows['once_per_sequence']['times_s']))
+  assert cross['flop_bound'] > 1.0
+  for row in rows.values():
+    assert isinstance(row['cross_kv_matmuls_in_decoding_loop'], int)
+  # Computed once, before the loop (decoding.init_decode_cache's prefill):
+  # the compiled decoding loop holds no cross K/V projection at all.
+  assert rows['once_per_sequence']['cross_kv_matmuls_in_decoding_loop'] == 0
+
+
+def test_checks_follow_the_numbers(tiny_run):
+  result, _ = tiny_run
+  assert result['checks']
+  for check in result['checks']:
+    if 'soft top-k share' in check['check']:
+      assert check['ok'] == (check['value'] <= 0.02)
+    elif 'FLOP bound' in check['check']:
+      assert check['ok'] == (check['value'] >= 0.7)
+
+
+def test_time_round_robin_interleaves():
+  calls = []
+  fns = {name: (lambda name=name: calls.append(name) or jnp.zeros(())) for name in 'abc'}
+  times = bm.time_round_robin(fns, 3)
+  assert {k: len(v) for k, v in times.items()} == {'a': 3, 'b': 3, 'c': 3}
+  # One untimed warm-up call of each, then one call of each per repeat,
+  # starting at a rotating offset.
+  assert calls == list('abc') + list('abc') + list('bca') + list('cab')
+  with pytest.raises(ValueError):
+    bm.time_round_robin(fns, 0)
+
+
+def test_end_to_end_bound_beam_search():
+  config = T5Config(**bm.TINY)
+  greedy = bm.end_to_end_bound(config, 64, 8, 3.0, 'k_to_all', 16, num_beams=1)
+  assert greedy == pytest.approx(flops.end_to_end_speedup_bound(config, 64, 8, 3.0,
+                                                                'k_to_all', 16))
+  # More beams: more of the (unchanged) decoder, so a smaller bound, above 1.
+  beam = bm.end_to_end_bound(config, 64, 8, 3.0, 'k_to_all', 16, num_beams=4)
+  assert 1.0 < beam < greedy
+
+
+@pytest.mark.parametrize('method', ['greedy', 'beam'])
+def test_never_eos_decodes_every_step(method):
+  """A decoder that always prefers EOS stops at once, except with NEVER_EOS."""
+  vocab, steps, batch, beams = 8, 5, 2, 2
+
+  def always_eos(tokens, cache):
+    logits = jnp.zeros((tokens.shape[0], vocab)).at[:, decoding.EOS_ID].set(5.0)
+    return logits, cache
+
+  def best_sequences(eos_id):
+    if method == 'greedy':
+      seqs, _ = decoding.temperature_sample(
+          jnp.zeros((batch,)), always_eos, batch_size=batch, max_decode_len=steps,
+          eos_id=eos_id, temperature=0.0)
+      return np.asarray(seqs)
+    seqs, _ = decoding.beam_search(
+        jnp.zeros((batch * beams,)), always_eos, batch_size=batch,
+        max_decode_len=steps, num_beams=beams, eos_id=eos_id)
+    return np.asarray(seqs)[:, 0]
+
+  eos = decoding.EOS_ID
+  assert best_sequences(eos).tolist() == [[eos] + [0] * (steps - 1)] * batch
+  assert best_sequences(bm.NEVER_EOS).tolist() == [[eos] * steps] * batch
+
+
+@pytest.fixture(scope='module')
+def tiny_params():
+  # The config the CLI builds for --preset tiny (its jitted init is reused).
+  config = bm.make_config('tiny', jnp.dtype(bm.default_dtype()))
+  params, info = bm.coda_params(config, CodaConfig(), seed=0)
+  return config, params, info
+
+
+def test_params_shared_and_restricted(tiny_params):
+  config, params, info = tiny_params
+  assert info['source'] == 'random_init'
+  base_model = network.Transformer(config, coda=parallel_adapter_baseline(CodaConfig()))
+  base = bm.restrict_params(params, base_model)
+  assert 'router' in params['encoder']['layers_0']
+  assert 'router' not in base['encoder']['layers_0']
+  np.testing.assert_array_equal(base['encoder']['layers_0']['adapter']['down']['kernel'],
+                                params['encoder']['layers_0']['adapter']['down']['kernel'])
+
+
+def test_merge_pretrained_takes_checkpoint_leaves(tiny_params):
+  config, fresh, _ = tiny_params
+  # A "checkpoint": the plain T5's leaves, all different from the fresh ones.
+  dense = bm.restrict_params(fresh, network.Transformer(config))
+  pretrained = jax.tree_util.tree_map(lambda x: np.asarray(x) + 1.0, dense)
+  params, info = bm.coda_params(config, CodaConfig(), pretrained=pretrained, seed=0)
+  n_pre = len(jax.tree_util.tree_leaves(pretrained))
+  assert info['source'] == 'checkpoint' and info['pretrained_leaves'] == n_pre
+  assert info['fresh_leaves'] == len(jax.tree_util.tree_leaves(params)) - n_pre > 0
+  query = params['encoder']['layers_1']['attention']['query']['kernel']
+  np.testing.assert_array_equal(
+      query, pretrained['encoder']['layers_1']['attention']['query']['kernel'])
+  np.testing.assert_array_equal(params['encoder']['layers_1']['router']['w'],
+                                fresh['encoder']['layers_1']['router']['w'])
+  np.testing.assert_array_equal(params['encoder']['layers_1']['adapter']['up']['kernel'],
+                                fresh['encoder']['layers_1']['adapter']['up']['kernel'])
+  bad = jax.tree_util.tree_map(lambda x: x, pretrained)
+  bad['encoder']['layers_0']['attention']['query']['kernel'] = np.zeros((3, 3))
+  with pytest.raises(ValueError, match='shape'):
+    bm.merge_pretrained(fresh, bad)
+
+
+def test_cli_script_help():
+  proc = subprocess.run([sys.executable, os.path.join(REPO, 'tools', 'benchmark_decoding.py'),
+                         '--help'], capture_output=True, text=True, timeout=60,
+                        env={**os.environ, 'PYTHONPATH': REPO})
+  assert proc.returncode == 0, proc.stderr
+  for flag in ('--preset', '--checkpoint', '--tasks', '--batch_size', '--reduction_factors',
+               '--attention', '--decoding', '--repeats', '--out', '--json', '--no_cross_kv'):
+    assert flag in proc.stdout
