@@ -136,7 +136,9 @@ def record(targets: Sequence[Mapping[str, Any]], predictions: Sequence[str]) -> 
   seen = set()
   kept_t, kept_p = [], []
   for t, p in zip(targets, predictions):
-    key = tuple(t['idx'])
+    idx = t['idx']
+    # {'passage': p, 'query': q} (TFDS) or its values [p, q] (after batching).
+    key = tuple(np.asarray(list(idx.values()) if isinstance(idx, Mapping) else idx).tolist())
     if key in seen:
       continue
     seen.add(key)
