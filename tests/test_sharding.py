@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,14 @@ def _shard_shape(arr):
   return list(arr.sharding.shard_shape(arr.shape))
 
 
-def run_scenarios() -> dict:
+# Two groups, each in its own process (tracing the model is most of the work
+# and runs on one core): CoDA fine-tuning on every mesh; full training (every
+# leaf, Adafactor factoring the 32x64 kernels) on one device and on (2,4).
+GROUPS = {'coda': [(shape, 'coda') for shape in ((1, 1),) + MESHES],
+          'all': [((1, 1), 'all'), ((2, 4), 'all')]}
+
+
+def run_scenarios(group: str) -> dict:
   from coda_jax.training import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
   from coda_jax.training import schedules  # pylint: disable=g-import-not-at-top
   from coda_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
@@ -70,10 +78,7 @@ def run_scenarios() -> dict:
   lr = schedules.constant(0.05)
   params0 = None
   report = {'runs': {}}
-  # CoDA fine-tuning on every mesh; full training (every leaf, Adafactor
-  # factoring the 32x64 kernels) on one device and on (2,4).
-  runs = [(shape, 'coda') for shape in ((1, 1),) + MESHES] + [((1, 1), 'all'), ((2, 4), 'all')]
-  for shape, trainable_params in runs:
+  for shape, trainable_params in GROUPS[group]:
     devices = jax.devices()[:shape[0] * shape[1]]
     mesh = partitioning.create_mesh(shape, devices)
     optimizer = optimizer_lib.create_optimizer(
@@ -108,6 +113,17 @@ def run_scenarios() -> dict:
     run['factored_stat_shards'] = sorted(
         {tuple(_shard_shape(x)) for x in jax.tree.leaves(state['opt_state'])
          if getattr(x, 'ndim', 0) == 1 and x.shape[0] in (TINY['emb_dim'], TINY['mlp_dim'])})
+    # The same, per statistic, for [emb, mlp] and the square [emb, joined_kv].
+    run['factored_stats'] = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(state['opt_state'])[0]:
+      key = jax.tree_util.keystr(path)
+      for stat in ('v_row', 'v_col'):
+        for name, where in (('wi_0', "['encoder']['layers_0']['mlp']['wi_0']['kernel']"),
+                            ('query', "['encoder']['layers_0']['attention']['query']"
+                                      "['kernel']")):
+          if f'.{stat}' in key and key.endswith(where):
+            run['factored_stats'][f'{name}/{stat}'] = {'full': list(x.shape),
+                                                      'shard': _shard_shape(x)}
     suffix = '' if trainable_params == 'coda' else '_all'
     report['runs'][f'{shape[0]}x{shape[1]}{suffix}'] = run
   return report
@@ -127,16 +143,35 @@ def runs(tmp_path_factory):
       'XLA_FLAGS': (env.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
                     ' --xla_backend_optimization_level=0').strip(),
       'TF_CPP_MIN_LOG_LEVEL': '3',
+      # Compiling the train steps is most of the runtime; reruns reuse it (the
+      # cache key hashes the HLO and flags, so edits cannot hit stale entries).
+      'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
       'PYTHONPATH': os.pathsep.join([REPO] + [p for p in [env.get('PYTHONPATH')] if p]),
   })
-  out = os.path.join(work, 'report.json')
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), out], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=600)
-  if proc.returncode != 0:
-    raise AssertionError(f'scenario failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n'
-                         f'{proc.stderr[-6000:]}')
-  with open(out) as f:
-    return json.load(f)
+  cache = env.get('JAX_COMPILATION_CACHE_DIR') or os.path.join(
+      tempfile.gettempdir(), 'coda_jax_test_sharding_cache')
+  procs = {}
+  for group in GROUPS:  # concurrently; one cache directory each (no file locks)
+    out = os.path.join(work, f'{group}.json')
+    procs[group] = (out, subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), out, group], cwd=REPO,
+        env=dict(env, JAX_COMPILATION_CACHE_DIR=os.path.join(cache, group)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  report = {'runs': {}}
+  for group, (out, proc) in procs.items():
+    try:
+      stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      stdout, stderr = proc.communicate()
+    if proc.returncode != 0:
+      for other in procs.values():
+        other[1].kill()
+      raise AssertionError(f'scenario {group!r} failed (rc {proc.returncode}):\n'
+                           f'{stdout[-3000:]}\n{stderr[-6000:]}')
+    with open(out) as f:
+      report['runs'].update(json.load(f)['runs'])
+  return report
 
 
 @pytest.mark.parametrize('mesh', [f'{d}x{m}' for d, m in MESHES])
@@ -169,6 +204,15 @@ def test_full_training_with_factored_adafactor_matches_and_shards_its_statistics
   assert [64] in one['factored_stat_shards'] and [32] in one['factored_stat_shards']
   assert [64 // 4] in many['factored_stat_shards']  # the mlp statistic, split 4 ways
   assert [32] in many['factored_stat_shards']       # the embed statistic, replicated
+  # Per statistic: the row one keeps the kernel's first ('embed', replicated)
+  # dimension, the column one its second (split 4 ways over 'model'); also for
+  # the square query kernel, whose shape alone does not say which is which.
+  assert many['factored_stats'] == {
+      'wi_0/v_row': {'full': [32], 'shard': [32]},
+      'wi_0/v_col': {'full': [64], 'shard': [16]},
+      'query/v_row': {'full': [32], 'shard': [32]},
+      'query/v_col': {'full': [32], 'shard': [8]}}
+  assert runs['runs']['2x4']['factored_stats'] == {}  # frozen kernels: no statistics
   # CoDA fine-tuning keeps no statistics for the frozen kernels at all (the
   # [32] ones left are the trained layer-norm scales').
   assert runs['runs']['2x4']['factored_stat_shards'] == [[32]]
@@ -240,7 +284,31 @@ def test_create_mesh_fills_minus_one_and_names_bad_shapes():
     partitioning.create_mesh((1, 1, 1))
 
 
+def test_factored_statistics_follow_the_dimension_they_keep_even_for_square_kernels():
+  import optax  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  shapes = {'query': {'kernel': jax.ShapeDtypeStruct((32, 32), jnp.float32)},   # square
+            'wo': {'kernel': jax.ShapeDtypeStruct((64, 32), jnp.float32)},
+            'scale': jax.ShapeDtypeStruct((32,), jnp.float32)}
+  specs = {'query': {'kernel': P(None, 'model')}, 'wo': {'kernel': P('model', None)},
+           'scale': P(None)}
+  opt = optax.adafactor(0.1, min_dim_size_to_factor=32)
+  fake = type('FakeMesh', (), {'shape': {'data': 2, 'model': 4}})()
+  got = trainer_lib.optimizer_state_specs(jax.eval_shape(opt.init, shapes), shapes, specs, fake)
+  state = got[0]
+  # optax factors (d1, d0) = argsort(shape)[-2:]; v_row drops d0, v_col d1.
+  # Square [32, 32]: d1 = 0, d0 = 1, so v_row keeps dim 0 ('embed').
+  assert state.v_row['query']['kernel'] == P(None)
+  assert state.v_col['query']['kernel'] == P('model')
+  # [64, 32]: d1 = 1, d0 = 0 -- v_row keeps the 32 ('embed'), v_col the 64 ('mlp').
+  assert state.v_row['wo']['kernel'] == P(None)
+  assert state.v_col['wo']['kernel'] == P('model')
+  assert state.v['query']['kernel'] == P()   # the [1] placeholder
+  assert state.v['scale'] == P(None)         # unfactored: the parameter's spec
+  assert state.count == P()
+
+
 if __name__ == '__main__':
-  result = run_scenarios()
+  result = run_scenarios(sys.argv[2])
   with open(sys.argv[1], 'w') as f:
     json.dump(result, f)

@@ -63,6 +63,20 @@ def _names(path) -> Tuple[str, ...]:
   return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
+def _adafactor_dropped_dim(path, pshape: Sequence[int]) -> Optional[int]:
+  """The dimension optax's Adafactor reduces for a `v_row` / `v_col` statistic.
+
+  optax factors the two largest dimensions (d1, d0) = argsort(shape)[-2:];
+  `v_row` drops d0 and `v_col` drops d1. Needed for square kernels, where the
+  shape alone does not say which dimension a statistic kept.
+  """
+  attrs = {k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)}
+  if len(pshape) < 2 or not attrs & {'v_row', 'v_col'}:
+    return None
+  d1, d0 = (int(d) for d in np.argsort(pshape)[-2:])
+  return d0 if 'v_row' in attrs else d1
+
+
 def _fit_spec(spec: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh) -> P:
   """Replicates the dimensions the mesh axis does not divide."""
   out = []
@@ -96,9 +110,12 @@ def optimizer_state_specs(opt_shapes: PyTree, param_shapes: PyTree, param_specs:
       if shape == pshape:
         return _fit_spec(pspec, shape, mesh)
       if len(shape) == len(pshape) - 1:
-        for d in range(len(pshape)):
-          if pshape[:d] + pshape[d + 1:] == shape:
-            return _fit_spec(pspec[:d] + pspec[d + 1:], shape, mesh)
+        dropped = [d for d in range(len(pshape)) if pshape[:d] + pshape[d + 1:] == shape]
+        if len(dropped) > 1 and _adafactor_dropped_dim(path, pshape) in dropped:
+          dropped = [_adafactor_dropped_dim(path, pshape)]
+        if dropped:
+          d = dropped[0]
+          return _fit_spec(pspec[:d] + pspec[d + 1:], shape, mesh)
       break
     return P()
 
