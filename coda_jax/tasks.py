@@ -12,7 +12,8 @@ Registered names (`register_tasks`, run at import with T5's vocabulary):
   coda_super_glue_record  super_glue/record "record query: .. entities: .. passage: .."
                           one example per answer; EM / F1 against all answers, once
                           per (passage, query)
-  coda_squad_v1_1         squad/v1.1       "question: .. context: .."  EM / F1 (all answers)
+  coda_squad_v1_1         squad/v1.1       "question: .. context: .."  EM / F1 (all answers;
+                          punctuation space-padded in question, context and answers, as T5)
   coda_xsum               xsum             "summarize: .."  ROUGE-1/2/L/Lsum
   coda_c4_span_corruption c4/en            T5's span corruption (noise density 0.15,
                           mean span 3, sentinels from the vocabulary's extra ids), the
@@ -20,11 +21,15 @@ Registered names (`register_tasks`, run at import with T5's vocabulary):
   coda_quickstart_reverse generated offline: reverse a list of words (tiny CPU runs)
 
 Labels of classification tasks are T5's label names; a prediction that is no
-label scores as wrong. Metrics are percentages, as T5 reports them. ROUGE is
-computed here (no `rouge_score` dependency): F-measures of ROUGE-1, ROUGE-2,
-ROUGE-L and ROUGE-Lsum (summary-level LCS over newline-separated sentences)
-on lower-cased alphanumeric tokens, without stemming (T5's evaluation stems,
-so its numbers can be slightly higher).
+label scores as wrong. Metrics are percentages, as T5 reports them, and
+follow `t5.evaluation.metrics`: accuracy; SQuAD EM / F1 with SQuAD's answer
+normalisation, max over the reference answers; ReCoRD the same once per
+(passage, query). ROUGE is computed here (no `rouge_score` dependency) as
+`rouge_score.RougeScorer` does with T5's settings (no stemming; lower-cased
+[a-z0-9] tokens; ROUGE-Lsum is the summary-level LCS over newline-separated
+sentences, after T5's " . " -> " .\\n"): F-measures of ROUGE-1, ROUGE-2,
+ROUGE-L and ROUGE-Lsum, averaged over examples (T5 reports the median of a
+bootstrap of that mean, which agrees to about 0.1).
 """
 from __future__ import annotations
 
@@ -51,6 +56,8 @@ TFDS = {
     'xsum': 'xsum:1.1.0',
     'c4': 'c4/en:3.1.0',
 }
+
+SPLITS = {'train': 'train', 'validation': 'validation', 'test': 'test'}
 
 LABELS = {
     'mnli': ('entailment', 'neutral', 'contradiction'),
@@ -186,6 +193,11 @@ def _lcs_positions(ref: Sequence[str], pred: Sequence[str]) -> set:
   return out
 
 
+def _sentence_per_line(text: str) -> str:
+  """T5's `_prepare_summary`: " . " ends a line, so ROUGE-Lsum sees sentences."""
+  return _text(text).replace(' . ', ' .\n')
+
+
 def _rouge_lsum(target: str, prediction: str) -> float:
   """Summary-level ROUGE-L: union LCS of each reference sentence with the
   predicted sentences, hits clipped by token counts."""
@@ -222,7 +234,7 @@ def rouge_scores(target: str, prediction: str) -> Dict[str, float]:
     out[f'rouge{n}'] = _f_measure(sum((r & p).values()), sum(p.values()), sum(r.values()))
   lcs = _lcs_table(ref, pred)[len(ref)][len(pred)] if ref and pred else 0
   out['rougeL'] = _f_measure(lcs, len(pred), len(ref))
-  out['rougeLsum'] = _rouge_lsum(target, prediction)
+  out['rougeLsum'] = _rouge_lsum(_sentence_per_line(target), _sentence_per_line(prediction))
   return out
 
 
@@ -287,13 +299,23 @@ def _label_text(label, names: Sequence[str]):
   return tf.gather(names, idx)
 
 
-def _collapse_spaces(text):
+def _pad_punctuation(text):
+  """T5's `_pad_punctuation`: spaces around every non-word character, runs of
+  whitespace collapsed to one space."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  return tf.strings.strip(tf.strings.regex_replace(text, r'\s+', ' '))
+  text = tf.strings.regex_replace(text, r'(\W)', r' \1 ')
+  return tf.strings.regex_replace(text, r'\s+', ' ')
+
+
+def _string_join(parts):
+  """T5's `_string_join`: join on spaces, collapse runs of whitespace."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf.strings.regex_replace(tf.strings.join(parts, separator=' '), r'\s+', ' ')
 
 
 def glue_text(benchmark: str, feature_keys: Sequence[str], label_names: Sequence[str]):
-  """T5's GLUE format: "<benchmark> key1: v1 key2: v2" -> label name."""
+  """T5's `preprocessors.glue`: "<benchmark> key1: v1 key2: v2" -> label name
+  ("<unk>" for label -1), keys in T5's order (sorted names), text untouched."""
   import seqio  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -302,7 +324,7 @@ def glue_text(benchmark: str, feature_keys: Sequence[str], label_names: Sequence
     parts = [benchmark]
     for key in feature_keys:
       parts += [f'{key}:', x[key]]
-    return {'inputs': _collapse_spaces(tf.strings.join(parts, separator=' ')),
+    return {'inputs': tf.strings.join(parts, separator=' '),
             'targets': _label_text(x['label'], label_names),
             'idx': tf.cast(x['idx'], tf.int32)}
 
@@ -310,30 +332,34 @@ def glue_text(benchmark: str, feature_keys: Sequence[str], label_names: Sequence
 
 
 def squad_text(dataset):
-  """SQuAD: "question: q context: c" -> the first answer; all answers kept."""
+  """T5's `preprocessors.squad`: "question: q context: c" -> the first answer,
+  question, context and answers with T5's punctuation padding; every answer
+  kept for the metric."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   def fn(x):
-    answers = x['answers']['text']
+    answers = _pad_punctuation(x['answers']['text'])
     first = tf.cond(tf.size(answers) > 0, lambda: answers[0], lambda: tf.constant(''))
-    inputs = tf.strings.join(['question:', _collapse_spaces(x['question']), 'context:',
-                              _collapse_spaces(x['context'])], separator=' ')
-    return {'inputs': inputs, 'targets': _collapse_spaces(first), 'answers': answers,
-            'id': x['id']}
+    inputs = _string_join(['question:', _pad_punctuation(x['question']), 'context:',
+                           _pad_punctuation(x['context'])])
+    return {'inputs': inputs, 'targets': first, 'answers': answers, 'id': x['id']}
 
   return dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE)
 
 
 def record_text(dataset):
-  """ReCoRD: "record query: q entities: e1, e2 passage: p", one example per answer."""
+  """T5's `preprocessors.record`: "record query: q entities: e1, e2 passage: p",
+  one example per answer ("<unk>" when there is none); "@highlight" markers
+  become sentence ends as in T5."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   def fn(x):
-    passage = tf.strings.regex_replace(x['passage'], r'(\.\s*)?\s*@highlight\s*', '. ')
+    passage = tf.strings.regex_replace(x['passage'], r'(\.|\?|\!|\"|\')\n@highlight\n',
+                                       r'\1 ')
+    passage = tf.strings.regex_replace(passage, r'\n@highlight\n', '. ')
     entities = tf.strings.reduce_join(x['entities'], separator=', ')
-    inputs = _collapse_spaces(tf.strings.join(
-        ['record query:', x['query'], 'entities:', entities, 'passage:', passage],
-        separator=' '))
+    inputs = tf.strings.join(['record query:', x['query'], 'entities:', entities,
+                              'passage:', passage], separator=' ')
     answers = x['answers']
     targets = tf.cond(tf.size(answers) > 0, lambda: answers,
                       lambda: tf.constant(['<unk>']))
@@ -536,11 +562,12 @@ def _text_to_text_preprocessors(text_fn):
 def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
   """Keyword arguments of `seqio.Task` for each task name."""
   import seqio  # pylint: disable=g-import-not-at-top
-  tfds_source = lambda key, splits=None: seqio.TfdsDataSource(tfds_name=TFDS[key],
-                                                              splits=splits)
+  # Splits are listed, so a task knows them without TFDS's dataset metadata.
+  tfds_source = lambda key, splits=SPLITS: seqio.TfdsDataSource(tfds_name=TFDS[key],
+                                                                splits=splits)
   features = _features(vocabulary)
 
-  def classification(key, feature_keys, splits=None):
+  def classification(key, feature_keys, splits=SPLITS):
     return dict(source=tfds_source(key, splits), output_features=features,
                 preprocessors=_text_to_text_preprocessors(
                     glue_text(key, feature_keys, LABELS[key])),
@@ -558,7 +585,8 @@ def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
           preprocessors=_text_to_text_preprocessors(record_text),
           postprocess_fn=record_postprocessor, metric_fns=[record]),
       'coda_squad_v1_1': dict(
-          source=tfds_source('squad'), output_features=features,
+          source=tfds_source('squad', {'train': 'train', 'validation': 'validation'}),
+          output_features=features,
           preprocessors=_text_to_text_preprocessors(squad_text),
           postprocess_fn=qa_postprocessor, metric_fns=[squad]),
       'coda_xsum': dict(

@@ -23,8 +23,11 @@ Flags (t5x's):
 from __future__ import annotations
 
 import argparse
+import difflib
+import inspect
 import json
 import os
+import re
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -68,9 +71,15 @@ def split_gin_overrides(extra: Sequence[str]) -> Tuple[List[Tuple[str, str]], Li
   return overrides, rest
 
 
+_NUMBER = re.compile(r'[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?$')
+
+
 def _looks_like_gin_value(value: str) -> bool:
+  """A gin literal or reference; anything else (a bare path such as
+  ./runs/x or gs://bucket/x, a word) is taken as a string."""
   v = value.strip()
-  return bool(v) and (v[0] in '\'"([{@%-+.0123456789' or v in ('True', 'False', 'None'))
+  return bool(v) and (v[0] in '\'"([{@%' or v in ('True', 'False', 'None')
+                      or bool(_NUMBER.match(v)))
 
 
 def _binding_line(name: str, value: str) -> str:
@@ -107,16 +116,23 @@ def parse_gin(gin_files: Sequence[str], overrides: Sequence[Tuple[str, str]] = (
   """Parses the gin files, then the bindings and `--gin.` overrides, and checks
   that every overridden macro is used by the configuration."""
   gin.clear_config()
-  paths = [p for p in search_paths if p] + [os.getcwd(), REPO_ROOT]
+  paths = list(dict.fromkeys([p for p in search_paths if p] + [os.getcwd(), REPO_ROOT]))
   for path in paths:
-    gin.add_config_file_search_path(path)
+    if path not in gin_config._LOCATION_PREFIXES:  # pylint: disable=protected-access
+      gin.add_config_file_search_path(path)
+  _quiet_package_file_reader()
   if not gin_files:
     raise GinError('no --gin_file given')
+  for gin_file in gin_files:
+    if not _find_gin_file(gin_file, paths):
+      raise GinError(f'gin file {gin_file} not found (looked in {paths})')
   lines = list(bindings) + [_binding_line(n, v) for n, v in overrides]
   try:
     gin.parse_config_files_and_bindings(list(gin_files), lines, finalize_config=False)
+  except TypeError as e:  # gin's resource reader on an `include` it cannot find
+    raise GinError(f'gin configuration error (a missing include?): {e}') from e
   except (ValueError, KeyError, OSError, SyntaxError) as e:
-    raise GinError(f'gin configuration error: {e}') from e
+    raise GinError(f'gin configuration error: {e}{_parameter_hint(str(e))}') from e
   used = referenced_macros()
   for name, value in overrides:
     if '.' in name or '/' in name:
@@ -124,7 +140,102 @@ def parse_gin(gin_files: Sequence[str], overrides: Sequence[Tuple[str, str]] = (
     if name not in used:
       known = sorted(used)
       raise GinError(f'unknown gin macro {name} (--gin.{name}={value}): no configuration '
-                     f'references %{name}; macros in use: {known}')
+                     f'references %{name}{did_you_mean(name, known)}; macros in use: '
+                     f'{known}')
+
+
+def _quiet_package_file_reader() -> None:
+  """Makes gin's "file inside a Python package" lookup fail quietly.
+
+  For `include 'gin_configs/runs/x.gin'` gin tries every search path in turn
+  and, where the file is not, looks for a package `gin_configs.runs`: that
+  logs "ERROR: Path not found" for each miss, and raises TypeError when the
+  repository is on sys.path (`gin_configs` is then a namespace package with
+  no file). The replacement answers False in both cases.
+  """
+  try:
+    from gin import resource_reader  # pylint: disable=g-import-not-at-top
+    readers = gin_config._FILE_READERS  # pylint: disable=protected-access
+  except (ImportError, AttributeError):
+    return
+
+  def package_file_exists(config_path: str) -> bool:
+    try:
+      return os.path.isfile(resource_reader._parse_config_path(config_path))  # pylint: disable=protected-access
+    except (ImportError, ValueError, TypeError, AttributeError):
+      return False
+
+  for i, (reader, check) in enumerate(readers):
+    if check is getattr(resource_reader, 'system_path_file_exists', None):
+      readers[i] = (reader, package_file_exists)
+
+
+def _find_gin_file(name: str, search_paths: Sequence[str]) -> Optional[str]:
+  if os.path.isabs(name):
+    return name if os.path.isfile(name) else None
+  for path in search_paths:
+    candidate = os.path.join(path, name)
+    if os.path.isfile(candidate):
+      return candidate
+  return None
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+  """'; did you mean X?' for the closest of `choices` to `name`, else ''."""
+  close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+  return f'; did you mean {close[0]}?' if close else ''
+
+
+_NO_PARAMETER = re.compile(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'")
+
+
+_NO_CONFIGURABLE = re.compile(r"No configurable matching '([^']+)'")
+
+
+def _parameter_hint(message: str) -> str:
+  """For gin's "doesn't have a parameter named" and "No configurable matching"
+  errors: the closest parameter or configurable name."""
+  match = _NO_CONFIGURABLE.search(message)
+  if match:
+    try:
+      names = [selector for selector, _ in
+               gin_config._REGISTRY.items()]  # pylint: disable=protected-access
+    except Exception:  # pylint: disable=broad-except
+      return ''
+    wanted = match.group(1)
+    # Compare like with like: 'config.CodaConfg' against 'coda_jax.config.CodaConfig'
+    # trimmed to as many dotted parts.
+    depth = wanted.count('.') + 1
+    short = {'.'.join(n.split('.')[-depth:]): n for n in names}
+    hint = did_you_mean(wanted, short)
+    return f'\n  ({hint[2:]})' if hint else ''
+  match = _NO_PARAMETER.search(message)
+  if not match:
+    return ''
+  try:
+    fn = gin.get_configurable(match.group(1))
+    fn = getattr(fn, '__wrapped__', fn)
+    params = list(inspect.signature(fn).parameters)
+  except Exception:  # pylint: disable=broad-except
+    return ''
+  hint = did_you_mean(match.group(2), params)
+  return f'\n  ({hint[2:]})' if hint else ''
+
+
+_GIN_CALL = re.compile(r"\n\s*In call to configurable '([^']+)' \(.*?\)(?: in scope '([^']*)')?")
+
+
+def describe_gin_call_error(error: BaseException) -> str:
+  """An exception raised inside a gin configurable, as one line: its own
+  message, then which configurable (and scope) gin was building."""
+  text = str(error)
+  calls = _GIN_CALL.findall(text)
+  message = _GIN_CALL.sub('', text).strip() or type(error).__name__
+  if not calls:
+    return message
+  name, scope = calls[0]
+  where = f"configurable '{name}'" + (f" in scope '{scope}'" if scope else '')
+  return f'{message} (building {where})'
 
 
 def gin_summary() -> Dict[str, Any]:
@@ -132,8 +243,20 @@ def gin_summary() -> Dict[str, Any]:
   out = {}
   for (scope, selector), bindings in gin_config._CONFIG.items():  # pylint: disable=protected-access
     if selector == 'gin.macro':
-      out[scope] = repr(bindings.get('value'))
+      value = bindings.get('value')
+      out[scope] = value if _plain(value) else repr(value)
   return out
+
+
+def _plain(value: Any) -> bool:
+  """Whether `value` is JSON-like data (numbers, strings, lists, dicts)."""
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return True
+  if isinstance(value, (list, tuple)):
+    return all(_plain(v) for v in value)
+  if isinstance(value, dict):
+    return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+  return False
 
 
 # ----------------------------------------------------------------------------
@@ -198,10 +321,12 @@ def run(args: argparse.Namespace, extra: Sequence[str] = ()) -> int:
     print(f'coda-jax train: error: unrecognized arguments: {" ".join(rest)}',
           file=sys.stderr)
     return 2
+  calls = None
   try:
     train_lib.maybe_initialize_distributed(args.multiprocess)
     search = [p for p in args.gin_search_paths.split(',') if p]
     parse_gin(args.gin_file, overrides, args.gin_bindings, search)
+    calls = train_lib.train_calls()
     if args.check_config:
       print(json.dumps(check_config(), indent=2, sort_keys=True, default=str))
       return 0
@@ -212,6 +337,13 @@ def run(args: argparse.Namespace, extra: Sequence[str] = ()) -> int:
   except train_lib.NonFiniteLossError as e:
     print(f'coda-jax train: error: {e.message}', file=sys.stderr)
     return 3
+  except (ValueError, TypeError) as e:
+    if calls is None or train_lib.train_calls() != calls:
+      raise  # not a configuration error: a bug, show the traceback
+    # gin raised it while building train()'s arguments (model, configs, ...).
+    print(f'coda-jax train: error: invalid configuration: {describe_gin_call_error(e)}',
+          file=sys.stderr)
+    return 2
   print(json.dumps({'model_dir': result.model_dir, 'step': result.step,
                     'start_step': result.start_step,
                     'last_eval': result.eval_metrics[-1] if result.eval_metrics else None},

@@ -6,6 +6,8 @@ backend at optimisation level 0 and a compilation cache, so the three runs
 that compile the same steps compile them once; the tests read its JSON report
 and the files it left.
 """
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -137,12 +139,28 @@ def run_scenarios(work: str) -> dict:
       f'--gin.INITIAL_CHECKPOINT_PATH={ckpt_path}', f'--gin.TRAIN_STEPS={TOTAL}',
       '--gin.BATCH_SIZE=8', "--gin.TRAINABLE='coda'"])
 
-  # D: a learning rate that turns NaN from the 16th update on.
-  base = schedules.constant(0.05)
-  nan_lr = lambda count: jnp.where(count >= NAN_FROM_UPDATE, jnp.nan, base(count))
-  parse(os.path.join(work, 'nan'), K_ANNEAL_FRACTION='0.0')
+  # D: a learning rate that turns NaN from the 16th update on, run through
+  # the command line (what the user sees on stderr, and the exit status).
+  @gin.configurable('test_nan_learning_rate')
+  def nan_learning_rate(base=0.05, from_update=NAN_FROM_UPDATE):
+    constant = schedules.constant(base)
+    return lambda count: jnp.where(count >= from_update, jnp.nan, constant(count))
+
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err):
+    report['nan_rc'] = train_cli.main([
+        f'--gin_file={QUICKSTART}', f'--gin.MODEL_DIR={os.path.join(work, "nan")}',
+        f'--gin.INITIAL_CHECKPOINT_PATH={ckpt_path}', "--gin.TRAINABLE='coda'",
+        f'--gin.TRAIN_STEPS={TOTAL}', '--gin.BATCH_SIZE=8', '--gin.CHECKPOINT_PERIOD=5',
+        '--gin.EVAL_PERIOD=20', '--gin.LOG_PERIOD=1', '--gin.K_ANNEAL_FRACTION=0.0',
+        '--gin.LEARNING_RATE_FN=@test_nan_learning_rate()'])
+  report['nan_stderr'] = err.getvalue()
+  # The exception itself carries the same message (gin appends its call
+  # context to str(), not to .message).
+  parse(os.path.join(work, 'nan'), K_ANNEAL_FRACTION='0.0',
+        LEARNING_RATE_FN='@test_nan_learning_rate()')
   try:
-    train_lib.train(learning_rate_fn=nan_lr)
+    train_lib.train()
     report['nan_error'] = None
   except train_lib.NonFiniteLossError as e:
     report['nan_error'] = e.message
@@ -237,10 +255,14 @@ def test_killed_run_resumes_bit_identically(runs):
 
 
 def test_nan_loss_stops_naming_step_and_last_good_checkpoint(runs):
-  message = runs['nan_error']
   ckpt_dir = os.path.join(runs['work'], 'nan', 'checkpoints')
-  assert message == f'loss is nan at step 17; last good checkpoint: {ckpt_dir}/15'
+  message = f'loss is nan at step 17; last good checkpoint: {ckpt_dir}/15'
+  # What `python -m coda_jax.train` prints, and its exit status.
+  assert runs['nan_stderr'] == f'coda-jax train: error: {message}\n'
+  assert runs['nan_rc'] == 3
   assert runs['nan_checkpoints'] == [5, 10, 15]
+  # A second run on the same MODEL_DIR resumes from 15 and stops at 17 again.
+  assert runs['nan_error'] == message
 
 
 if __name__ == '__main__':

@@ -12,6 +12,7 @@ consumed; a resumed run skips that many batches and sees the same stream.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
@@ -70,8 +71,11 @@ def get_task(name: str):
   try:
     return seqio.get_mixture_or_task(name)
   except ValueError as e:
+    names = registered_names()
+    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
+    hint = f'; did you mean {close[0]!r}?' if close else ''
     raise UnknownTaskError(
-        f'unknown task or mixture {name!r}; registered: {registered_names()}') from e
+        f'unknown task or mixture {name!r}{hint}; registered: {names}') from e
 
 
 def check_lengths(lengths: Mapping[str, int]) -> Dict[str, int]:

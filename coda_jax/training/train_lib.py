@@ -130,6 +130,11 @@ class RunSetup:
   task: Any
 
 
+def _describe_vocabulary(vocab) -> str:
+  path = getattr(vocab, 'sentencepiece_model_file', None)
+  return f'{type(vocab).__name__} {path}' if path else type(vocab).__name__
+
+
 def _check_dataset_cfg(cfg, what: str) -> data_lib.DatasetConfig:
   if cfg is None:
     raise ConfigError(f'{what} is not configured')
@@ -189,8 +194,18 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
     except data_lib.UnknownTaskError as e:
       raise ConfigError(str(e)) from e
   vocab = data_lib.output_vocabulary(task)
-  if vocab.vocab_size > model.config.vocab_size:
-    raise ConfigError(f'the task\'s vocabulary has {vocab.vocab_size} ids but the model '
+  try:
+    vocab_size = vocab.vocab_size
+  except Exception as e:  # pylint: disable=broad-except
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise ConfigError(
+        f'cannot read the vocabulary of task {train_cfg.mixture_or_task_name!r} '
+        f'({_describe_vocabulary(vocab)}): {reason}'
+        '; copy the file somewhere readable and bind it, e.g. '
+        '--gin.seqio.SentencePieceVocabulary.sentencepiece_model_file=/path/to/'
+        'sentencepiece.model') from e
+  if vocab_size > model.config.vocab_size:
+    raise ConfigError(f'the task\'s vocabulary has {vocab_size} ids but the model '
                       f'only {model.config.vocab_size} embeddings')
 
   # Mesh and batch split.
@@ -251,6 +266,16 @@ def _host(metrics) -> Dict[str, float]:
   return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
 
 
+_TRAIN_CALLS = 0
+
+
+def train_calls() -> int:
+  """How many times `train`'s body has started. An exception raised while
+  this count is unchanged came from gin building `train`'s arguments (the
+  model, configs, schedule): a configuration error, before any computation."""
+  return _TRAIN_CALLS
+
+
 @gin.configurable(module='coda_jax.training.train_lib')
 def train(*,
           model=None,
@@ -309,6 +334,8 @@ def train(*,
     dry_run: only check the configuration, build the model, task, mesh and
       train step's shardings and read one batch (no parameters, no training).
   """
+  global _TRAIN_CALLS
+  _TRAIN_CALLS += 1
   if not model_dir:
     raise ConfigError('MODEL_DIR must be set')
   if k_anneal_max_rungs < 2:

@@ -1,0 +1,139 @@
+"""k annealing (paper App. A) and learning-rate schedules, on real numbers."""
+import math
+
+import numpy as np
+import pytest
+
+from coda_jax.flops import coda_k
+from coda_jax.training import k_annealing
+from coda_jax.training import schedules
+
+
+# ----------------------------------------------------------------------------
+# k annealing: k falls linearly from n to ceil(n / r) over the first 10-20% of
+# the steps, as a ladder of at most 5 k values (one compilation each).
+# ----------------------------------------------------------------------------
+
+
+def test_mnli_ladder_by_hand():
+  # n = 128, r = 3 -> k = 43; 10% of 300K = 30000 steps in 4 segments of 7500:
+  # k_j = round(128 - 85 j / 4) = 128, 106.75 -> 107, 85.5 -> 86, 64.25 -> 64.
+  s = k_annealing.k_schedule(128, 3.0, 300000, fraction=0.1, max_rungs=5)
+  assert s.describe() == [(0, 128), (7500, 107), (15000, 86), (22500, 64), (30000, 43)]
+  assert s.num_rungs == 5
+  # Each rung starts at the linear ramp's value there.
+  for start, k in s.describe()[:-1]:
+    assert k == round(128 - 85 * start / 30000)
+
+
+def test_twenty_percent_ladder_and_lookup():
+  # n = 512, r = 5 -> k = 103; 20% of 1000 = 200 steps.
+  s = k_annealing.k_schedule(512, 5.0, 1000, fraction=0.2)
+  assert s.describe() == [(0, 512), (50, 410), (100, 308), (150, 205), (200, 103)]
+  assert [s.k(t) for t in (0, 49, 50, 99, 100, 199, 200, 999, 10**6)] == [
+      512, 512, 410, 410, 308, 205, 103, 103, 103]
+  assert [s.rung(t) for t in (0, 50, 150, 200, 5000)] == [0, 1, 3, 4, 4]
+  # Every rung is the same model with a reduction factor giving exactly its k.
+  assert [coda_k(512, s.reduction_factor(i)) for i in range(s.num_rungs)] == list(s.ks)
+
+
+def test_fewer_rungs_when_there_is_little_to_anneal():
+  # r = 1.25 on n = 10: k goes 10 -> 8, at most 3 distinct values.
+  assert k_annealing.k_schedule(10, 1.25, 100, 0.2).describe() == [(0, 10), (10, 9), (20, 8)]
+  # A 3-step run: one annealing step, then the target.
+  assert k_annealing.k_schedule(64, 2.0, 3, 0.1).describe() == [(0, 64), (1, 32)]
+  # max_rungs = 2: dense, then the target.
+  assert k_annealing.k_schedule(64, 4.0, 100, 0.1, max_rungs=2).describe() == [
+      (0, 64), (10, 16)]
+
+
+def test_no_annealing():
+  assert k_annealing.k_schedule(512, 2.6667, 100000, fraction=0.0).describe() == [(0, 192)]
+  assert k_annealing.k_schedule(48, 1.0, 100, fraction=0.2).describe() == [(0, 48)]
+  assert k_annealing.constant_schedule(48, None).describe() == [(0, 48)]
+  assert k_annealing.constant_schedule(48, 4.0).describe() == [(0, 12)]
+
+
+@pytest.mark.parametrize('n', [7, 48, 128, 384, 512, 1664])
+@pytest.mark.parametrize('r', [1.5, 2.0, 3.0, 5.0, 8.0])
+@pytest.mark.parametrize('fraction', [0.1, 0.15, 0.2])
+def test_ladder_invariants(n, r, fraction):
+  total = 300000
+  s = k_annealing.k_schedule(n, r, total, fraction)
+  assert 1 <= s.num_rungs <= k_annealing.MAX_RUNGS
+  assert s.ks[0] == (n if s.num_rungs > 1 else coda_k(n, r)) and s.ks[-1] == coda_k(n, r)
+  assert all(a > b for a, b in zip(s.ks, s.ks[1:]))          # k only falls
+  assert all(a < b for a, b in zip(s.starts, s.starts[1:]))  # rungs in order
+  assert s.starts[0] == 0 and s.starts[-1] == math.ceil(fraction * total)
+
+
+def test_reduction_factor_for_every_k():
+  for n in (1, 2, 7, 48, 512):
+    for k in range(1, n + 1):
+      assert coda_k(n, k_annealing.reduction_factor_for_k(n, k)) == k
+  assert k_annealing.reduction_factor_for_k(512, 512) == 1.0
+  with pytest.raises(ValueError, match=r'k must be in \[1, n=8\], got 9'):
+    k_annealing.reduction_factor_for_k(8, 9)
+
+
+def test_bad_ladder_settings():
+  with pytest.raises(ValueError, match=r'fraction must be in \[0, 1\], got 1.5'):
+    k_annealing.k_schedule(64, 2.0, 100, fraction=1.5)
+  with pytest.raises(ValueError, match='max_rungs >= 2, got 1'):
+    k_annealing.k_schedule(64, 2.0, 100, max_rungs=1)
+
+
+# ----------------------------------------------------------------------------
+# Learning-rate schedules (update count -> rate).
+# ----------------------------------------------------------------------------
+
+
+def _values(schedule, steps):
+  return [float(schedule(np.int32(s))) for s in steps]
+
+
+def test_constant():
+  # Paper Table 8 (NLP): Adafactor at a constant 1e-3.
+  assert _values(schedules.constant(1e-3), [0, 1, 1000, 299999]) == pytest.approx([1e-3] * 4)
+  assert _values(schedules.constant(1e-3, warmup_steps=100), [0, 50, 100, 5000]) == (
+      pytest.approx([0.0, 5e-4, 1e-3, 1e-3]))
+
+
+def test_inverse_square_root():
+  # T5's pre-training schedule: 1 / sqrt(max(step, 10000)).
+  assert _values(schedules.rsqrt(1.0, 10000), [0, 5000, 10000, 40000, 1000000]) == (
+      pytest.approx([0.01, 0.01, 0.01, 0.005, 0.001]))
+  normalized = schedules.create_learning_rate_scheduler(
+      'constant * rsqrt_normalized_decay', base_learning_rate=0.5, warmup_steps=100)
+  assert _values(normalized, [0, 100, 400, 10000]) == pytest.approx([0.5, 0.5, 0.25, 0.05])
+
+
+def test_cosine():
+  # Paper Table 8 (vision): 0.01 with cosine decay; here 10 warmup steps, 100 in all.
+  s = schedules.cosine(1e-2, total_steps=100, warmup_steps=10)
+  assert _values(s, [0, 5, 10, 55, 100, 150]) == pytest.approx(
+      [0.0, 5e-3, 1e-2, 5e-3, 0.0, 0.0], abs=1e-9)
+  # A third of the way through the 90 decay steps: (1 + cos(pi / 3)) / 2 = 0.75.
+  assert _values(s, [40])[0] == pytest.approx(7.5e-3)
+  factor = schedules.create_learning_rate_scheduler('constant * cosine_decay', 2.0,
+                                                    total_steps=100)
+  assert _values(factor, [0, 50, 100, 200]) == pytest.approx([2.0, 1.0, 0.0, 0.0], abs=1e-6)
+
+
+def test_linear_warmup_and_decay_factors():
+  s = schedules.create_learning_rate_scheduler('constant * linear_warmup * linear_decay',
+                                               1.0, warmup_steps=10, total_steps=100)
+  assert _values(s, [0, 5, 10, 50, 100, 120]) == pytest.approx(
+      [0.0, 0.5 * 0.95, 0.9, 0.5, 0.0, 0.0])
+
+
+def test_schedule_errors_name_the_problem():
+  with pytest.raises(ValueError, match="unknown learning-rate factor 'rsqrt' in "
+                     "'constant \\* rsqrt'; known: "):
+    schedules.create_learning_rate_scheduler('constant * rsqrt')
+  with pytest.raises(ValueError, match='need warmup_steps > 0'):
+    schedules.create_learning_rate_scheduler('constant * linear_warmup')
+  with pytest.raises(ValueError, match='need total_steps'):
+    schedules.create_learning_rate_scheduler('constant * cosine_decay')
+  with pytest.raises(ValueError, match='cosine schedule needs total_steps >= 1, got None'):
+    schedules.cosine(1e-2)
