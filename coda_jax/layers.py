@@ -67,6 +67,9 @@ def get_activation(name: Union[str, Callable]) -> Callable:
   return fn
 
 
+KV_LAYOUTS = ('bskd', 'heads_major')
+
+
 def dot_product_attention(query: Array,
                           key: Array,
                           value: Array,
@@ -75,7 +78,8 @@ def dot_product_attention(query: Array,
                           dropout_rate: float = 0.,
                           deterministic: bool = False,
                           dtype: DType = jnp.float32,
-                          float32_logits: bool = False) -> Array:
+                          float32_logits: bool = False,
+                          kv_layout: str = 'bskd') -> Array:
   """Dot-product attention with grouped key/value heads; no 1/sqrt(d) scaling.
 
   Args:
@@ -84,12 +88,20 @@ def dot_product_attention(query: Array,
       num_heads (1: multi-query attention).
     value: `[batch, kv_length, num_kv_heads, head_dim]`.
     bias: broadcastable to `[batch, num_heads, q_length, kv_length]`.
+    kv_layout: 'bskd' (as above) or 'heads_major': key `[batch, num_kv_heads,
+      head_dim, kv_length]` and value `[batch, num_kv_heads, kv_length,
+      head_dim]`, the operands of the two matmuls as they are (a cached
+      cross-attention reads them with no transpose per decoding step).
 
   Returns:
     `[batch, q_length, num_heads, head_dim]`.
   """
   batch, q_len, num_heads, head_dim = query.shape
-  num_kv_heads = key.shape[-2]
+  if kv_layout not in KV_LAYOUTS:
+    raise ValueError(f'kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}')
+  heads_major = kv_layout == 'heads_major'
+  num_kv_heads = key.shape[1] if heads_major else key.shape[-2]
+  kv_len = key.shape[-1] if heads_major else key.shape[1]
   if num_heads % num_kv_heads:
     raise ValueError(f'num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}')
   groups = num_heads // num_kv_heads
@@ -98,8 +110,9 @@ def dot_product_attention(query: Array,
     key = key.astype(jnp.float32)
   # Heads h = kv_head * groups + g, the layout of HF/t5x grouped attention.
   query = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
-  logits = jnp.einsum('bqkgd,bskd->bkgqs', query, key)
-  logits = logits.reshape(batch, num_heads, q_len, key.shape[1])
+  logits = jnp.einsum('bqkgd,bkds->bkgqs' if heads_major else 'bqkgd,bskd->bkgqs',
+                      query, key)
+  logits = logits.reshape(batch, num_heads, q_len, kv_len)
   if bias is not None:
     logits = logits + bias.astype(logits.dtype)
   weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(dtype)
@@ -107,8 +120,9 @@ def dot_product_attention(query: Array,
     keep_prob = 1.0 - dropout_rate
     keep = jax.random.bernoulli(dropout_rng, keep_prob, weights.shape)
     weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
-  weights = weights.reshape(batch, num_kv_heads, groups, q_len, key.shape[1])
-  out = jnp.einsum('bkgqs,bskd->bqkgd', weights, value.astype(dtype))
+  weights = weights.reshape(batch, num_kv_heads, groups, q_len, kv_len)
+  out = jnp.einsum('bkgqs,bksd->bqkgd' if heads_major else 'bkgqs,bskd->bqkgd',
+                   weights, value.astype(dtype))
   return out.reshape(batch, q_len, num_heads, head_dim)
 
 
@@ -224,13 +238,15 @@ class MultiHeadDotProductAttention(nn.Module):
       `[batch, q_len, emb]`.
     """
     query = self._project('query', inputs_q, self.num_heads)
+    kv_layout = 'bskd'
     if cache_kv:
       key, value = self._cached_cross_kv(inputs_kv)
+      kv_layout = 'heads_major'
     else:
       key = self._project('key', inputs_kv, self.kv_heads)
       value = self._project('value', inputs_kv, self.kv_heads)
     query = with_sharding_constraint(query, ('batch', 'length', 'heads', 'kv'))
-    if self.kv_heads == self.num_heads:
+    if self.kv_heads == self.num_heads and not cache_kv:
       key = with_sharding_constraint(key, ('batch', 'length', 'heads', 'kv'))
       value = with_sharding_constraint(value, ('batch', 'length', 'heads', 'kv'))
 
@@ -242,7 +258,7 @@ class MultiHeadDotProductAttention(nn.Module):
       if query_positions is None:
         query_positions = jnp.arange(query.shape[1])
       if key_positions is None:
-        key_positions = jnp.arange(key.shape[1])
+        key_positions = jnp.arange(key.shape[-1] if cache_kv else key.shape[1])
       relpos = self.relative_embedding(query_positions, key_positions, self.bidirectional)
       bias = relpos if bias is None else bias + relpos
 
@@ -261,7 +277,7 @@ class MultiHeadDotProductAttention(nn.Module):
     x = dot_product_attention(
         query, key, value, bias=attention_bias, dropout_rng=dropout_rng,
         dropout_rate=self.dropout_rate, deterministic=deterministic,
-        dtype=self.dtype, float32_logits=self.float32_logits)
+        dtype=self.dtype, float32_logits=self.float32_logits, kv_layout=kv_layout)
     out = DenseGeneral(
         features=inputs_q.shape[-1], axis=(-2, -1), kernel_init=self.kernel_init,
         kernel_axes=('joined_kv', 'embed'), dtype=self.dtype,
@@ -280,20 +296,27 @@ class MultiHeadDotProductAttention(nn.Module):
       * both (a cache from `init(..., decode=True)`, as t5x's decoding builds
         it): compute at the first step, read afterwards (`nn.cond`).
     """
+    # Stored (and returned) in dot_product_attention's 'heads_major' layout,
+    # key [batch, kv_heads, head_dim, length] and value [batch, kv_heads,
+    # length, head_dim]: the matmuls read them as they are, with no transpose
+    # at every decoding step.
+    to_key = lambda k: k.transpose(0, 2, 3, 1)
+    to_value = lambda v: v.transpose(0, 2, 1, 3)
     if (self.has_variable('cache', 'cached_cross_key')
         and not self.has_variable('cache', 'cross_kv_ready')):
       return (self.get_variable('cache', 'cached_cross_key'),
               self.get_variable('cache', 'cached_cross_value'))
     batch, length = inputs_kv.shape[:2]
-    shape = (batch, length, self.kv_heads, self.head_dim)
     initialized = self.has_variable('cache', 'cached_cross_key')
-    cached_key = self.variable('cache', 'cached_cross_key', jnp.zeros, shape, self.dtype)
-    cached_value = self.variable('cache', 'cached_cross_value', jnp.zeros, shape, self.dtype)
+    cached_key = self.variable('cache', 'cached_cross_key', jnp.zeros,
+                               (batch, self.kv_heads, self.head_dim, length), self.dtype)
+    cached_value = self.variable('cache', 'cached_cross_value', jnp.zeros,
+                                 (batch, self.kv_heads, length, self.head_dim), self.dtype)
     ready = self.variable('cache', 'cross_kv_ready', lambda: jnp.zeros((), jnp.bool_))
 
     def compute(mdl, kv):
-      return (mdl._project('key', kv, mdl.kv_heads).astype(mdl.dtype),
-              mdl._project('value', kv, mdl.kv_heads).astype(mdl.dtype))
+      return (to_key(mdl._project('key', kv, mdl.kv_heads).astype(mdl.dtype)),
+              to_value(mdl._project('value', kv, mdl.kv_heads).astype(mdl.dtype)))
 
     def reuse(mdl, kv):
       del kv
@@ -302,13 +325,12 @@ class MultiHeadDotProductAttention(nn.Module):
 
     if not initialized or self.is_initializing():
       key, value = compute(self, inputs_kv)
-      cached_key.value, cached_value.value = key, value
-      return key, value
-    # Both branches are traced (the projections' parameters exist either way);
-    # only one runs: the projections at the first step, a read afterwards.
-    key, value = nn.cond(ready.value, reuse, compute, self, inputs_kv)
+    else:
+      # Both branches are traced (the projections' parameters exist either
+      # way); only one runs: the projections at the first step, a read after.
+      key, value = nn.cond(ready.value, reuse, compute, self, inputs_kv)
+      ready.value = jnp.ones((), jnp.bool_)
     cached_key.value, cached_value.value = key, value
-    ready.value = jnp.ones((), jnp.bool_)
     return key, value
 
   def _update_self_attention_cache(self, key: Array, value: Array,
