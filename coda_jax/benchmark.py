@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from coda_jax import checkpoints
 from coda_jax import decoding
 from coda_jax import flops
 from coda_jax import network
@@ -217,23 +218,6 @@ def variant_name(reduction_factor: Optional[float], attention: Optional[str]) ->
   return f'coda_{attention}_r{r_text}'
 
 
-def _tree_paths(tree: Mapping[str, Any], prefix: Tuple[str, ...] = ()
-                ) -> Dict[Tuple[str, ...], Any]:
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, Mapping):
-      out.update(_tree_paths(value, prefix + (key,)))
-    else:
-      out[prefix + (key,)] = value
-  return out
-
-
-def _set_path(tree: Dict[str, Any], path: Tuple[str, ...], value: Any) -> None:
-  for key in path[:-1]:
-    tree = tree.setdefault(key, {})
-  tree[path[-1]] = value
-
-
 def _init_tokens(batch: int) -> Tuple[jax.Array, jax.Array]:
   return jnp.ones((batch, 8), jnp.int32), jnp.ones((batch, 4), jnp.int32)
 
@@ -250,52 +234,28 @@ def init_params(model: network.Transformer, seed: int = 0) -> Dict[str, Any]:
   return flax.core.unfreeze(variables['params'])
 
 
-def param_shapes(model: network.Transformer) -> Dict[Tuple[str, ...], Tuple[int, ...]]:
+def param_shapes(model: network.Transformer) -> Dict[str, Tuple[int, ...]]:
+  """{'a/b/c': shape} of `model`'s parameters (no weights allocated)."""
   enc, dec = _init_tokens(1)
   shapes = jax.eval_shape(
       lambda rng: model.init(rng, enc, dec, dec, enable_dropout=False),
       jax.random.PRNGKey(0))
-  return {p: tuple(s.shape) for p, s in _tree_paths(flax.core.unfreeze(shapes['params'])).items()}
-
-
-def merge_pretrained(fresh: Mapping[str, Any], pretrained: Mapping[str, Any]
-                     ) -> Tuple[Dict[str, Any], int, int]:
-  """`fresh` with every leaf that `pretrained` has replaced by the pretrained one.
-
-  Returns (params, leaves taken from pretrained, leaves kept fresh). A shape
-  mismatch raises ValueError; pretrained leaves the model lacks are ignored.
-  """
-  fresh_flat = _tree_paths(fresh)
-  pre_flat = _tree_paths(pretrained)
-  out: Dict[str, Any] = {}
-  taken = kept = 0
-  for path, leaf in fresh_flat.items():
-    if path in pre_flat:
-      value = pre_flat[path]
-      if tuple(np.shape(value)) != tuple(np.shape(leaf)):
-        raise ValueError(f'checkpoint leaf {"/".join(path)} has shape '
-                         f'{np.shape(value)}, the model expects {np.shape(leaf)}')
-      _set_path(out, path, jnp.asarray(value, jnp.float32))
-      taken += 1
-    else:
-      _set_path(out, path, leaf)
-      kept += 1
-  return out, taken, kept
+  return {n: tuple(s.shape) for n, s in checkpoints.flatten(shapes['params']).items()}
 
 
 def restrict_params(params: Mapping[str, Any], model: network.Transformer
                     ) -> Dict[str, Any]:
   """The leaves of `params` that `model` has (e.g. the baseline's, without routers)."""
-  flat = _tree_paths(params)
+  flat = checkpoints.flatten(params)
   out: Dict[str, Any] = {}
-  for path, shape in param_shapes(model).items():
-    if path not in flat:
-      raise ValueError(f'parameter {"/".join(path)} of the model is missing')
-    if tuple(np.shape(flat[path])) != shape:
-      raise ValueError(f'parameter {"/".join(path)} has shape {np.shape(flat[path])}, '
+  for name, shape in param_shapes(model).items():
+    if name not in flat:
+      raise ValueError(f'parameter {name} of the model is missing')
+    if tuple(np.shape(flat[name])) != shape:
+      raise ValueError(f'parameter {name} has shape {np.shape(flat[name])}, '
                        f'expected {shape}')
-    _set_path(out, path, flat[path])
-  return out
+    out[name] = flat[name]
+  return checkpoints.unflatten(out)
 
 
 def coda_params(config: T5Config, coda: CodaConfig,
@@ -304,17 +264,17 @@ def coda_params(config: T5Config, coda: CodaConfig,
   """Parameters of a CoDA model (every variant shares them) and a summary.
 
   Random init; with `pretrained` (a T5 'params' tree, e.g. from
-  `checkpoints.load_t5_v1_1`), every pretrained leaf is taken from it and the
-  routers and adapters stay fresh.
+  `checkpoints.load_t5_v1_1`), `checkpoints.init_coda_from_t5`: every
+  pretrained leaf taken from it (cast to float32), routers and adapters fresh.
   """
   model = network.Transformer(config, coda=coda)
-  params = init_params(model, seed)
-  info: Dict[str, Any] = {'source': 'random_init', 'seed': seed}
-  if pretrained is not None:
-    params, taken, kept = merge_pretrained(params, pretrained)
-    info = {'source': 'checkpoint', 'seed': seed, 'pretrained_leaves': taken,
-            'fresh_leaves': kept}
-  return params, info
+  if pretrained is None:
+    return init_params(model, seed), {'source': 'random_init', 'seed': seed}
+  pretrained = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), pretrained)
+  params = checkpoints.init_coda_from_t5(pretrained, model, jax.random.PRNGKey(seed))
+  taken = len(checkpoints.flatten(pretrained))
+  return params, {'source': 'checkpoint', 'seed': seed, 'pretrained_leaves': taken,
+                  'fresh_leaves': len(checkpoints.flatten(params)) - taken}
 
 
 # ------------------------------------------------------------------------------
@@ -698,7 +658,6 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
   tasks = _resolve_tasks(args)
   pretrained = None
   if args.checkpoint:
-    from coda_jax import checkpoints  # pylint: disable=import-outside-toplevel
     config, pretrained = checkpoints.load_t5_v1_1(args.checkpoint)
     config = dataclasses.replace(config, dtype=jnp.dtype(dtype))
     model_name = f'checkpoint:{args.checkpoint}'

@@ -118,12 +118,16 @@ def _join(path: Iterable[str]) -> str:
   return '/'.join(path)
 
 
-def flatten(tree: Mapping[str, Any]) -> Dict[str, Any]:
-  """Nested dict -> {'a/b/c': leaf}. Empty dicts are dropped."""
+def flatten(tree: Mapping[str, Any],
+            is_leaf: Optional[Callable[[Any], bool]] = None) -> Dict[str, Any]:
+  """Nested dict -> {'a/b/c': leaf}. Empty dicts are dropped.
+
+  `is_leaf(node)` True keeps a mapping whole (e.g. a TensorStore spec).
+  """
   out = {}
 
   def visit(prefix, node):
-    if isinstance(node, Mapping):
+    if isinstance(node, Mapping) and not (is_leaf is not None and is_leaf(node)):
       for k, v in node.items():
         visit(prefix + (str(k),), v)
     else:
@@ -1057,18 +1061,8 @@ def _is_ts_spec(x: Any) -> bool:
 
 
 def _flatten_t5x(tree: Mapping[str, Any]) -> Dict[str, Any]:
-  """Like `flatten`, but TensorStore spec dicts are leaves."""
-  out = {}
-
-  def visit(prefix, node):
-    if isinstance(node, Mapping) and not _is_ts_spec(node):
-      for k, v in node.items():
-        visit(prefix + (str(k),), v)
-    else:
-      out[_join(prefix)] = node
-
-  visit((), tree)
-  return out
+  """`flatten`, with TensorStore spec dicts as leaves."""
+  return flatten(tree, is_leaf=_is_ts_spec)
 
 
 def _read_bytes(path: str) -> bytes:

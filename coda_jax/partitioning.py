@@ -85,7 +85,8 @@ def logical_to_mesh_spec(logical: Sequence[Optional[str]], rules: LogicalRules) 
   return P(*mesh_axes)
 
 
-def _fit(spec: P, shape: Sequence[int], mesh: Mesh, path: str) -> P:
+def fit_spec(spec: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh,
+             path: str = '') -> P:
   """Replicates the dimensions whose size the mesh axis does not divide."""
   fitted = []
   for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
@@ -116,7 +117,7 @@ def params_partition_specs(params: Any, params_axes: Mapping[str, Any], mesh: Me
     if path not in flat_logical:
       raise ValueError(f'parameter {name} has no logical axis names in params_axes')
     spec = logical_to_mesh_spec(tuple(flat_logical[path]), rules)
-    specs[path] = _fit(spec, value.shape, mesh, name)
+    specs[path] = fit_spec(spec, value.shape, mesh, name)
   return flax.traverse_util.unflatten_dict(specs)
 
 

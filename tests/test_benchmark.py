@@ -222,7 +222,7 @@ def test_merge_pretrained_takes_checkpoint_leaves(tiny_params):
   bad = jax.tree_util.tree_map(lambda x: x, pretrained)
   bad['encoder']['layers_0']['attention']['query']['kernel'] = np.zeros((3, 3))
   with pytest.raises(ValueError, match='shape'):
-    bm.merge_pretrained(fresh, bad)
+    bm.coda_params(config, CodaConfig(), pretrained=bad, seed=0)
 
 
 def test_cli_script_help():

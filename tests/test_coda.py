@@ -16,14 +16,7 @@ from coda_jax import trainable
 from coda_jax.config import CodaConfig, parallel_adapter_baseline, t5_1_1
 from coda_jax.network import EncoderLayer, Transformer
 
-TINY = dict(vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, mlp_dim=48,
-            num_encoder_layers=2, num_decoder_layers=2)
-
-
-def tiny(**overrides):
-  kwargs = dict(TINY)
-  kwargs.update(overrides)
-  return t5_1_1('small', **kwargs)
+from tiny_models import tiny_config as tiny
 
 
 def batch(seed=0, b=3, n=12, m=5, real=(12, 7, 4)):

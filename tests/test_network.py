@@ -13,14 +13,7 @@ from coda_jax import decoding
 from coda_jax.config import T5Config, t5_1_1
 from coda_jax.network import Transformer
 
-TINY = dict(vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, mlp_dim=48,
-            num_encoder_layers=2, num_decoder_layers=2)
-
-
-def tiny_config(**overrides):
-  kwargs = dict(TINY)
-  kwargs.update(overrides)
-  return t5_1_1('small', **kwargs)
+from tiny_models import tiny_config
 
 
 def batch(seed=0, b=3, n=9, m=6, vocab=64):

@@ -52,7 +52,7 @@ class DatasetConfig:
 
 
 class UnknownTaskError(ValueError):
-  pass
+  """A task or mixture name seqio does not know (the message lists the known ones)."""
 
 
 def import_module(module: Optional[str]) -> None:

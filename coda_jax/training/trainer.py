@@ -77,14 +77,6 @@ def _adafactor_dropped_dim(path, pshape: Sequence[int]) -> Optional[int]:
   return d0 if 'v_row' in attrs else d1
 
 
-def _fit_spec(spec: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh) -> P:
-  """Replicates the dimensions the mesh axis does not divide."""
-  out = []
-  for dim, axis in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-    out.append(axis if axis is None or dim % mesh.shape[axis] == 0 else None)
-  return P(*out)
-
-
 def optimizer_state_specs(opt_shapes: PyTree, param_shapes: PyTree, param_specs: PyTree,
                           mesh: Mesh) -> PyTree:
   """`PartitionSpec`s of the optimizer state, from the parameters' specs.
@@ -108,14 +100,14 @@ def optimizer_state_specs(opt_shapes: PyTree, param_shapes: PyTree, param_specs:
       pshape, pspec = tuple(flat_shapes[key].shape), tuple(flat_specs[key])
       pspec = pspec + (None,) * (len(pshape) - len(pspec))
       if shape == pshape:
-        return _fit_spec(pspec, shape, mesh)
+        return partitioning.fit_spec(pspec, shape, mesh)
       if len(shape) == len(pshape) - 1:
         dropped = [d for d in range(len(pshape)) if pshape[:d] + pshape[d + 1:] == shape]
         if len(dropped) > 1 and _adafactor_dropped_dim(path, pshape) in dropped:
           dropped = [_adafactor_dropped_dim(path, pshape)]
         if dropped:
           d = dropped[0]
-          return _fit_spec(pspec[:d] + pspec[d + 1:], shape, mesh)
+          return partitioning.fit_spec(pspec[:d] + pspec[d + 1:], shape, mesh)
       break
     return P()
 
@@ -172,6 +164,7 @@ class Trainer:
     self.trace_counts: Dict[int, int] = collections.Counter()
     self._steps: Dict[int, Callable] = {}
     self._predict: Dict[Tuple[int, int], Callable] = {}
+    self._all_finite: Optional[Callable] = None
 
     enc_len, dec_len = example_lengths
     ones = lambda n: jnp.ones((1, n), jnp.int32)
@@ -344,9 +337,11 @@ class Trainer:
               if m]
     if not leaves:
       return True
-    fn = jax.jit(lambda ls: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in ls])),
-                 out_shardings=self.replicated)
-    return bool(fn(leaves))
+    if self._all_finite is None:  # compiled once, not at every checkpoint
+      self._all_finite = jax.jit(
+          lambda ls: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in ls])),
+          out_shardings=self.replicated)
+    return bool(self._all_finite(leaves))
 
   def predict_fn(self, max_decode_length: int, rung: int = -1) -> Callable:
     """Jitted greedy decoding `(params, encoder_input_tokens) -> tokens` (replicated)."""
