@@ -25,7 +25,7 @@ own RMS norm, `att`/`mlp` the pretrained sub-layers):
   sequential_pfeiffer (Pfeiffer et al. 2021): only `adapter_mlp`, as above.
   lora (Hu et al. 2021; CoDA App. B.3): no adapter module; low-rank `lora_a`,
   `lora_b` next to every projection kernel (done in `layers.DenseGeneral`),
-  scaled by `lora_scaling(rank, alpha)`.
+  scaled by `layers.lora_scaling(rank, alpha)`.
   none: the plain (pretrained or routed) layer.
 """
 from __future__ import annotations
@@ -37,49 +37,24 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax import layers
+from coda_jax.config import (ADAPTER_AXIS, ADAPTER_TYPES, DEFAULT_ADAPTER_ACTIVATION,
+                             DEFAULT_ADAPTER_DIM, DEFAULT_ADAPTER_SCALE, LORA, NO_ADAPTER,
+                             PARALLEL, SEQUENTIAL_HOULSBY, SEQUENTIAL_PFEIFFER,
+                             check_adapter_type)
 
 Array = jax.Array
 DType = Any
 Initializer = Callable[..., Array]
 
-# Defaults, in one place.
-DEFAULT_ADAPTER_DIM = 64           # d_adpt of the paper's text models (Table 7)
-DEFAULT_ADAPTER_ACTIVATION = 'relu'
-DEFAULT_ADAPTER_SCALE = 1.0
-# Logical axis of the adapter bottleneck (registered with the partitioner).
-ADAPTER_AXIS = 'adapter'
-
-PARALLEL = 'parallel'
-SEQUENTIAL_HOULSBY = 'sequential_houlsby'
-SEQUENTIAL_PFEIFFER = 'sequential_pfeiffer'
-LORA = 'lora'
-NONE = 'none'
-ADAPTER_TYPES: Tuple[str, ...] = (PARALLEL, SEQUENTIAL_HOULSBY, SEQUENTIAL_PFEIFFER,
-                                  LORA, NONE)
-
-# Adapter submodule names that each type adds to a layer (siblings of
-# `attention`, `mlp`, ...; `trainable.trainable_mask` keys on the 'adapter' prefix).
+# Which adapter submodules each type adds to a layer (siblings of `attention`,
+# `mlp`, ...; `coda_jax.params` recognises them by their 'adapter' prefix).
 ADAPTER_MODULE_NAMES = {
     PARALLEL: ('adapter',),
     SEQUENTIAL_HOULSBY: ('adapter_attention', 'adapter_mlp'),
     SEQUENTIAL_PFEIFFER: ('adapter_mlp',),
     LORA: (),
-    NONE: (),
+    NO_ADAPTER: (),
 }
-
-
-def check_adapter_type(name: str) -> str:
-  """Returns `name` if it is one of `ADAPTER_TYPES`, else raises ValueError."""
-  if name not in ADAPTER_TYPES:
-    raise ValueError(f'unknown adapter type {name!r}; expected one of {ADAPTER_TYPES}')
-  return name
-
-
-def lora_scaling(rank: int, alpha: float) -> float:
-  """LoRA's output multiplier `alpha / rank` (Hu et al. 2021, §4.1)."""
-  if int(rank) != rank or rank < 1:
-    raise ValueError(f'LoRA rank must be a positive integer, got {rank!r}')
-  return float(alpha) / int(rank)
 
 
 def get_adapter_activation(name: str) -> Callable[[Array], Array]:
@@ -140,10 +115,6 @@ class Adapter(nn.Module):
     if self.scale != 1.0:
       y = y * jnp.asarray(self.scale, self.dtype)
     return y
-
-
-# The parallel adapter is the bare bottleneck; the caller adds its output.
-ParallelAdapter = Adapter
 
 
 class SequentialAdapter(Adapter):

@@ -1,18 +1,29 @@
 """The ``coda-jax`` command line.
 
   coda-jax inspect PATH
-      JSON: detected format, inferred config, parameter count, bytes, step.
-  coda-jax convert INPUT OUTPUT --to {hf,t5x-legacy,orbax} [--dtype D] [--step N]
-      Any checkpoint `coda_jax.checkpoints.load_t5_v1_1` reads -> a Hugging
-      Face directory (OUTPUT), or a T5X checkpoint OUTPUT/checkpoint_<step>/
-      (legacy msgpack + TensorStore, or t5x's orbax layout).
+      JSON: detected format, config, parameter counts, bytes, step. PATH is any
+      checkpoint `coda_jax.checkpoints` reads, a trained MODEL_DIR included
+      (its newest step; or ``MODEL_DIR/checkpoints/<step>`` for another).
+  coda-jax convert INPUT [OUTPUT --to {hf,t5x-legacy,t5x-orbax}] [--adapters DIR]
+      [--dtype D] [--step N]
+      --to: the T5 v1.1 backbone of INPUT -> a Hugging Face directory (OUTPUT),
+      or a T5X checkpoint OUTPUT/checkpoint_<step>/ (legacy msgpack +
+      TensorStore, or t5x's orbax layout). --adapters: the trained leaves of a
+      MODEL_DIR (adapters, routers, layer norms) -> an adapter-only directory.
   coda-jax benchmark [--model small] [--tasks boolq] [--reduction_factors 1,3,5] ...
-      CoDA vs Parallel Adapter decoding latency (`coda_jax.benchmark`).
+      CoDA vs Parallel Adapter decoding latency (`coda_jax.bench.decoding_latency`).
   coda-jax train --gin_file=F [--gin.MACRO=VALUE ...]
       gin-configured training, the same as ``python -m coda_jax.train``.
+  coda-jax infer|eval --gin_file=RUN --gin_file=gin_configs/runs/{infer,eval}.gin
+      [--gin.MODEL_DIR=D] [--gin.INPUT_FILE=F] [--gin.DECODING=beam] ...
+      a trained model's predictions (JSONL) and, for eval, the task's metrics
+      (`coda_jax.infer`).
 
 Each subcommand is one entry of `SUBCOMMANDS`: (help, add_arguments, run),
 where ``run(args) -> exit code``; add a subcommand by adding an entry.
+`main` quiets TensorFlow's start-up chatter (`coda_jax.quiet`) before
+anything imports JAX or TensorFlow, so modules that import them are imported
+inside the functions.
 """
 from __future__ import annotations
 
@@ -22,7 +33,11 @@ import json
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
-from coda_jax import checkpoints
+from coda_jax import quiet
+
+
+class UsageError(ValueError):
+  """A command line that asks for something impossible (printed in one line)."""
 
 
 def _print_json(obj) -> None:
@@ -33,57 +48,91 @@ def _print_json(obj) -> None:
 
 
 def _add_inspect(parser: argparse.ArgumentParser) -> None:
-  parser.add_argument('path', help='checkpoint directory (T5X legacy/orbax, '
-                      'a t5x model_dir, or a Hugging Face T5 directory)')
+  parser.add_argument('path', help='checkpoint directory (T5X legacy/orbax, a t5x '
+                      'model_dir, a Hugging Face T5 directory, or a trained MODEL_DIR '
+                      'or one of its checkpoints/<step> directories)')
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
+  from coda_jax import checkpoints  # pylint: disable=import-outside-toplevel
   _print_json(checkpoints.inspect_checkpoint(args.path))
   return 0
 
 
 # -- convert -----------------------------------------------------------------------
 
-_WRITERS = ('hf', 't5x-legacy', 'orbax')
+# Output formats, and the names they are also known by.
+_WRITERS = ('hf', 't5x-legacy', 't5x-orbax')
+_WRITER_ALIASES = {'orbax': 't5x-orbax'}
 
 
 def _add_convert(parser: argparse.ArgumentParser) -> None:
+  from coda_jax.checkpoints.base import DTYPE_NAMES  # pylint: disable=import-outside-toplevel
   parser.add_argument('input', help='any checkpoint `inspect` reads')
-  parser.add_argument('output', help='Hugging Face directory (--to hf) or T5X '
-                      'model_dir that receives checkpoint_<step>/')
-  parser.add_argument('--to', required=True, choices=_WRITERS,
-                      help='output format')
-  parser.add_argument('--dtype', default=None,
-                      help='cast parameters (float32, bfloat16, float16); '
-                      'default: keep the stored dtype')
+  parser.add_argument('output', nargs='?', default=None,
+                      help='with --to: the Hugging Face directory, or the T5X model_dir '
+                      'that receives checkpoint_<step>/')
+  parser.add_argument('--to', default=None, choices=_WRITERS + tuple(_WRITER_ALIASES),
+                      help='write the T5 v1.1 backbone in this format')
+  parser.add_argument('--adapters', default=None, metavar='DIR',
+                      help='write the trained leaves of a trained MODEL_DIR (adapters, '
+                      'routers, layer norms, LoRA) as an adapter-only directory')
+  parser.add_argument('--dtype', default=None, choices=DTYPE_NAMES,
+                      help='cast parameters; default: keep the stored dtype')
   parser.add_argument('--step', type=int, default=None,
                       help='step of the T5X output (default: the input\'s step, '
                       'else 0)')
 
 
-def convert(input_path: str, output: str, to: str, dtype: Optional[str] = None,
-            step: Optional[int] = None) -> Dict[str, object]:
-  """Converts `input_path` to format `to` at `output`; returns a JSON summary."""
-  if to not in _WRITERS:
-    raise ValueError(f'unknown output format {to!r}; known: {list(_WRITERS)}')
+def convert(input_path: str, output: Optional[str] = None, to: Optional[str] = None,
+            dtype: Optional[str] = None, step: Optional[int] = None,
+            adapters: Optional[str] = None) -> Dict[str, object]:
+  """Converts `input_path`; returns a JSON summary.
+
+  `to` (with `output`): its T5 v1.1 backbone in that format (for a trained
+  MODEL_DIR, every leaf but CoDA's routers, adapters and LoRA factors).
+  `adapters`: the trained leaves of a trained MODEL_DIR, as
+  `checkpoints.save_adapters` writes them.
+  """
+  from coda_jax import checkpoints  # pylint: disable=import-outside-toplevel
+  to = _WRITER_ALIASES.get(to, to)
+  if to is None and adapters is None:
+    raise UsageError('nothing to write: give OUTPUT --to FORMAT and/or --adapters DIR')
+  if to is not None and to not in _WRITERS:
+    raise UsageError(f'unknown output format --to {to!r}; known: {list(_WRITERS)}')
+  if (to is None) != (output is None):
+    raise UsageError('OUTPUT and --to go together' if to is None else
+                     f'--to {to} needs an OUTPUT directory')
   info = checkpoints.inspect_checkpoint(input_path)
-  config, params = checkpoints.load_t5_v1_1(input_path, dtype=dtype)
+  if adapters is not None and info['format'] != checkpoints.CODA_TRAIN_STATE:
+    raise UsageError(f'--adapters needs a trained MODEL_DIR; {input_path} is a '
+                     f'{info["format"]} checkpoint, which has no adapters')
   if step is None:
     step = info['step'] if info['step'] is not None else 0
-  if to == 'hf':
-    checkpoints.save_hf(params, config, output)
-    written = output
-  elif to == 't5x-legacy':
-    written = checkpoints.save_t5x_legacy(params, output, step=step)
-  else:
-    written = checkpoints.save_t5x_orbax(params, output, step=step)
-  return {'input': info['path'], 'input_format': info['format'],
-          'output': written, 'output_format': to, 'step': step,
-          'num_params': info['num_params']}
+  summary = {'input': info['path'], 'input_format': info['format'], 'step': step,
+             'num_params': info['num_params']}
+  if to is not None:
+    config, params = checkpoints.load_t5_v1_1(input_path, dtype=dtype)
+    if to == 'hf':
+      checkpoints.save_hf(params, config, output)
+      written = output
+    elif to == 't5x-legacy':
+      written = checkpoints.save_t5x_legacy(params, output, step=step)
+    else:
+      written = checkpoints.save_t5x_orbax(params, output, step=step)
+    summary.update(output=written, output_format=to,
+                   num_backbone_params=info.get('num_backbone_params', info['num_params']))
+  if adapters is not None:
+    run = checkpoints.load_train_state(info['path'])
+    checkpoints.save_adapters(run.params, run.coda, adapters, t5_config=run.config,
+                              backbone={'model_dir': run.model_dir, 'step': run.step})
+    summary['adapters'] = adapters
+  return summary
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-  _print_json(convert(args.input, args.output, args.to, args.dtype, args.step))
+  _print_json(convert(args.input, args.output, args.to, args.dtype, args.step,
+                      args.adapters))
   return 0
 
 
@@ -91,14 +140,14 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _add_benchmark(parser: argparse.ArgumentParser) -> None:
-  from coda_jax import benchmark  # pylint: disable=import-outside-toplevel
-  benchmark.add_arguments(parser)
+  from coda_jax.bench import decoding_latency  # pylint: disable=import-outside-toplevel
+  decoding_latency.add_arguments(parser)
 
 
 def _run_benchmark(args: argparse.Namespace) -> int:
-  from coda_jax import benchmark  # pylint: disable=import-outside-toplevel
+  from coda_jax.bench import decoding_latency  # pylint: disable=import-outside-toplevel
   try:
-    return benchmark.run(args)
+    return decoding_latency.run(args)
   except ValueError as e:
     print(f'coda-jax benchmark: error: {e}', file=sys.stderr)
     return 2
@@ -115,16 +164,17 @@ SUBCOMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None],
                   _run_benchmark),
 }
 # Subcommands with their own flag parsing (gin's --gin.NAME=VALUE flags),
-# handed the rest of the command line as is.
-PASSTHROUGH = {'train': 'coda_jax.train'}
+# handed the rest of the command line as is: (module, its main function).
+PASSTHROUGH = {'train': ('coda_jax.train', 'main'), 'infer': ('coda_jax.infer', 'main'),
+               'eval': ('coda_jax.infer', 'main_eval')}
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog='coda-jax', description='Conditional Adapters for T5 v1.1 (JAX).')
   sub = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
-  for name, module in PASSTHROUGH.items():
-    sub.add_parser(name, help=f'see python -m {module} --help', add_help=False)
+  for name in PASSTHROUGH:
+    sub.add_parser(name, help=f'see coda-jax {name} --help', add_help=False)
   for name, (help_text, add_arguments, _) in SUBCOMMANDS.items():
     add_arguments(sub.add_parser(name, help=help_text, description=help_text))
   return parser
@@ -132,14 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  if argv and argv[0] in PASSTHROUGH:
-    module = importlib.import_module(PASSTHROUGH[argv[0]])
-    return module.main(argv[1:])
+  passthrough = bool(argv) and argv[0] in PASSTHROUGH
+  # Before JAX or TensorFlow is imported; TensorFlow only for the trainer's input
+  # pipeline (not for its --help).
+  quiet.quiet_start(tensorflow=passthrough and not {'-h', '--help'} & set(argv))
+  if passthrough:
+    module, function = PASSTHROUGH[argv[0]]
+    return getattr(importlib.import_module(module), function)(argv[1:])
   args = build_parser().parse_args(argv)
   _, _, run = SUBCOMMANDS[args.command]
+  from coda_jax.checkpoints.base import CheckpointError  # pylint: disable=import-outside-toplevel
   try:
     return run(args)
-  except checkpoints.CheckpointError as e:
+  except (CheckpointError, UsageError) as e:
     print(f'coda-jax {args.command}: error: {e}', file=sys.stderr)
     return 2
 

@@ -1,18 +1,23 @@
-"""Model configuration: one small dataclass per model, gin-configurable.
+"""Settings, in one place: one small gin-configurable dataclass per model part.
 
 `T5Config` uses t5x's field names (``t5x/examples/t5/network.py``) so gin files
 move between t5x and coda_jax unchanged; `num_kv_heads` adds multi-query
-(``1``) and grouped-query attention.
+(``1``) and grouped-query attention. `CodaConfig` holds the Conditional Adapter
+settings with its `SoftTopKConfig`; the names the modules share (adapter
+types, attention variants, router normalisers, logical axes) and
+`k = ceil(n / r)` are defined here too. No flax import: this module is the
+ground floor every other one stands on.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+import math
+import numbers
+import operator
+from typing import Any, Optional, Sequence, Tuple
 
 import gin
 import jax.numpy as jnp
-
-from coda_jax import adapters
 
 
 @gin.configurable
@@ -56,6 +61,13 @@ class T5Config:
         raise ValueError(f'T5Config.{name} must be >= 0, got {getattr(self, name)}')
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f'T5Config.dropout_rate must be in [0, 1), got {self.dropout_rate}')
+    if self.relative_attention_max_distance <= self.relative_attention_num_buckets // 2:
+      # T5's log-spaced buckets start past the exact ones (num_buckets // 2
+      # at most) and saturate at max_distance; below that they are undefined.
+      raise ValueError(
+          f'T5Config.relative_attention_max_distance ({self.relative_attention_max_distance}) '
+          f'must exceed relative_attention_num_buckets // 2 '
+          f'({self.relative_attention_num_buckets // 2})')
     kv = self.kv_heads
     if kv < 1 or self.num_heads % kv:
       raise ValueError(
@@ -93,8 +105,116 @@ def t5_1_1(size: str, **overrides) -> T5Config:
   return T5Config(**kwargs)
 
 
+# CoDA attention variants (paper §3.1): routed queries attend to every real
+# token ('k_to_all') or only to the routed ones ('k_to_k').
 ATTENTION_VARIANTS = ('k_to_all', 'k_to_k')
+# Router normalisers f(s) (paper §3 and Table 3's baselines).
 NORMALIZERS = ('soft_topk', 'sigmoid', 'truncation')
+# Soft top-k solvers (`coda_jax.soft_topk`) and their implementations: 'xla'
+# (the reference, the CPU/TPU default), 'pallas' (a fused kernel,
+# `coda_jax.kernels`), 'auto' (the kernel on GPU, XLA elsewhere).
+SOFT_TOPK_METHODS = ('iterative', 'exact')
+SOFT_TOPK_IMPLS = ('auto', 'xla', 'pallas')
+# Start of the iterative solver's b: 'colt5' (b₀ = -s, as colt5-attention's
+# coor_descent) or 'zeros' (b₀ = 0, which the paper allows).
+SOFT_TOPK_B_INITS = ('colt5', 'zeros')
+
+# Adapter types and their defaults (`coda_jax.adapters`).
+PARALLEL = 'parallel'
+SEQUENTIAL_HOULSBY = 'sequential_houlsby'
+SEQUENTIAL_PFEIFFER = 'sequential_pfeiffer'
+LORA = 'lora'
+NO_ADAPTER = 'none'
+ADAPTER_TYPES: Tuple[str, ...] = (PARALLEL, SEQUENTIAL_HOULSBY, SEQUENTIAL_PFEIFFER,
+                                  LORA, NO_ADAPTER)
+SEQUENTIAL_ADAPTERS = (SEQUENTIAL_HOULSBY, SEQUENTIAL_PFEIFFER)
+DEFAULT_ADAPTER_DIM = 64           # d_adpt of the paper's text models (Table 7)
+DEFAULT_ADAPTER_ACTIVATION = 'relu'
+DEFAULT_ADAPTER_SCALE = 1.0
+
+# Logical axes coda_jax adds to t5x's (registered with the partitioner rules
+# and Adafactor's factor rules): the adapter bottleneck and the LoRA rank.
+ADAPTER_AXIS = 'adapter'
+LORA_AXIS = 'lora'
+# An ACM gate's hidden width and its N + 1 choices (`coda_jax.acm`).
+# A logical name may appear once per array, so the gate's square middle
+# kernel is (ACM_GATE_IN_AXIS, ACM_GATE_AXIS).
+ACM_GATE_AXIS = 'acm_gate'
+ACM_GATE_IN_AXIS = 'acm_gate_in'    # the input side of the gate's middle layer
+ACM_CHOICES_AXIS = 'acm_choices'
+
+
+def check_adapter_type(name: str) -> str:
+  """Returns `name` if it is one of `ADAPTER_TYPES`, else raises ValueError."""
+  if name not in ADAPTER_TYPES:
+    raise ValueError(f'unknown adapter type {name!r}; expected one of {ADAPTER_TYPES}')
+  return name
+
+
+def coda_k(n: int, reduction_factor: float) -> int:
+  """Number of routed tokens `k = ceil(n / r)` (paper §3.1), for `r >= 1`."""
+  if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+    raise ValueError(f'sequence length n must be a non-negative integer, got {n!r}')
+  if (isinstance(reduction_factor, bool) or not isinstance(reduction_factor, numbers.Real)
+      or not math.isfinite(reduction_factor) or reduction_factor < 1):
+    raise ValueError(f'reduction_factor r must be a finite number >= 1, '
+                     f'got {reduction_factor!r}')
+  return math.ceil(int(n) / reduction_factor)
+
+
+def _is_int(value) -> bool:
+  if isinstance(value, bool):
+    return False
+  try:
+    operator.index(value)
+  except TypeError:
+    return False
+  return True
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class SoftTopKConfig:
+  """Soft top-k settings (paper §3, App. C); defaults are the text/vision values.
+
+  Speech models in the paper use epsilon=1.0, epsilon_decay=0.85.
+  """
+  # 'iterative' (the paper's T-step solver) or 'exact' (converged, implicit
+  # gradient).
+  method: str = 'iterative'
+  # Target entropy coefficient ε (the temperature of the soft top-k).
+  epsilon: float = 0.03
+  # ε-scaling start ε0 and decay β: ε_t = max(ε0 β^(t-1), ε) (iterative only).
+  epsilon_init: float = 4.0
+  epsilon_decay: float = 0.7
+  # Number T of coordinate-descent steps of the iterative solver.
+  num_iters: int = 20
+  # 'auto' | 'xla' | 'pallas' (see SOFT_TOPK_IMPLS).
+  impl: str = 'auto'
+  # The iterative solver's start a₀ = 0 and b₀: 'colt5' (-s) or 'zeros'.
+  # After 20 steps both select the same tokens; their gates differ (by up to
+  # ~1 when the scores' standard deviation is 5).
+  b_init: str = 'colt5'
+
+  def __post_init__(self):
+    for name, choices in (('method', SOFT_TOPK_METHODS), ('impl', SOFT_TOPK_IMPLS),
+                          ('b_init', SOFT_TOPK_B_INITS)):
+      if getattr(self, name) not in choices:
+        raise ValueError(f'unknown soft top-k {name} {getattr(self, name)!r}; '
+                         f'expected one of {choices}')
+    if not self.epsilon > 0:
+      raise ValueError(f'SoftTopKConfig.epsilon must be > 0, got {self.epsilon}')
+    if not self.epsilon_init > 0:
+      raise ValueError(f'SoftTopKConfig.epsilon_init must be > 0, got {self.epsilon_init}')
+    if not 0 < self.epsilon_decay <= 1:
+      raise ValueError(f'SoftTopKConfig.epsilon_decay must be in (0, 1], '
+                       f'got {self.epsilon_decay}')
+    if not _is_int(self.num_iters) or self.num_iters < 1:
+      raise ValueError(f'SoftTopKConfig.num_iters must be an int >= 1, '
+                       f'got {self.num_iters!r}')
+    for name in ('epsilon', 'epsilon_init', 'epsilon_decay'):
+      object.__setattr__(self, name, float(getattr(self, name)))
+    object.__setattr__(self, 'num_iters', int(self.num_iters))
 
 
 @gin.configurable
@@ -114,39 +234,43 @@ class CodaConfig:
   # Router normaliser f(s): 'soft_topk' (the paper's), 'sigmoid', or
   # 'truncation' (the first k real tokens, no parameters).
   normalizer: str = 'soft_topk'
-  # Soft top-k settings (App. C; speech models use epsilon=1, decay 0.85).
-  soft_topk_method: str = 'iterative'
-  epsilon: float = 0.03
-  epsilon_init: float = 4.0
-  epsilon_decay: float = 0.7
-  num_iters: int = 20
+  # Soft top-k settings (App. C), handed whole to the router.
+  soft_topk: SoftTopKConfig = SoftTopKConfig()
   router_init_stddev: float = 0.02
   # Encoder layers that route (None: every encoder layer).
   routed_layers: Optional[Sequence[int]] = None
   # 'parallel', 'sequential_houlsby', 'sequential_pfeiffer', 'lora' or 'none'.
-  adapter: str = adapters.PARALLEL
-  adapter_dim: int = adapters.DEFAULT_ADAPTER_DIM
-  adapter_activation: str = adapters.DEFAULT_ADAPTER_ACTIVATION
-  adapter_scale: float = adapters.DEFAULT_ADAPTER_SCALE
+  adapter: str = PARALLEL
+  adapter_dim: int = DEFAULT_ADAPTER_DIM
+  adapter_activation: str = DEFAULT_ADAPTER_ACTIVATION
+  adapter_scale: float = DEFAULT_ADAPTER_SCALE
   lora_rank: int = 4
   lora_alpha: float = 8.0
   # Adapters (or LoRA) in the decoder layers too, as in the baseline.
   decoder_adapters: bool = True
+  # A fixed number of routed tokens k, overriding ceil(n / reduction_factor)
+  # (the rungs of k annealing set k directly); None: k from the factor.
+  num_routed_tokens: Optional[int] = None
 
   def __post_init__(self):
     r = self.reduction_factor
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 1:
       raise ValueError(f'reduction_factor must be >= 1, got {r}')
-    if self.attention not in ATTENTION_VARIANTS:
-      raise ValueError(f'CodaConfig.attention must be one of {ATTENTION_VARIANTS}, '
-                       f'got {self.attention!r}')
-    if self.normalizer not in NORMALIZERS:
-      raise ValueError(f'CodaConfig.normalizer must be one of {NORMALIZERS}, '
-                       f'got {self.normalizer!r}')
-    adapters.check_adapter_type(self.adapter)
+    for name, choices in (('attention', ATTENTION_VARIANTS), ('normalizer', NORMALIZERS)):
+      if getattr(self, name) not in choices:
+        raise ValueError(f'CodaConfig.{name} must be one of {choices}, '
+                         f'got {getattr(self, name)!r}')
+    if not isinstance(self.soft_topk, SoftTopKConfig):
+      raise ValueError(f'CodaConfig.soft_topk must be a SoftTopKConfig, '
+                       f'got {type(self.soft_topk).__name__}')
+    check_adapter_type(self.adapter)
+    k = self.num_routed_tokens
+    if k is not None and (not _is_int(k) or k < 1):
+      raise ValueError(f'CodaConfig.num_routed_tokens must be None or an int >= 1, '
+                       f'got {k!r}')
     if self.adapter_dim < 1:
       raise ValueError(f'CodaConfig.adapter_dim must be >= 1, got {self.adapter_dim}')
-    if self.adapter == 'lora' and self.lora_rank < 1:
+    if self.adapter == LORA and self.lora_rank < 1:
       raise ValueError(f'CodaConfig.lora_rank must be >= 1 for LoRA, got {self.lora_rank}')
     if self.routed_layers is not None:
       object.__setattr__(self, 'routed_layers', tuple(int(i) for i in self.routed_layers))
@@ -162,16 +286,155 @@ class CodaConfig:
     return layer in self.routed_layers
 
   def num_selected(self, length: int) -> int:
-    """k = ceil(length / reduction_factor), a Python int."""
-    from coda_jax.flops import coda_k
+    """k, a Python int: `num_routed_tokens` (at most `length`) if set, else
+    ceil(length / reduction_factor)."""
+    if self.num_routed_tokens is not None:
+      return min(int(self.num_routed_tokens), int(length))
     return coda_k(length, self.reduction_factor)
 
   @property
   def lora(self) -> int:
     """LoRA rank to put on the pretrained projections (0: none)."""
-    return self.lora_rank if self.adapter == 'lora' else 0
+    return self.lora_rank if self.adapter == LORA else 0
 
 
 def parallel_adapter_baseline(coda: CodaConfig) -> CodaConfig:
   """The same adapters with no routing: the paper's Parallel Adapter model."""
-  return dataclasses.replace(coda, reduction_factor=1.0, routed_layers=())
+  return dataclasses.replace(coda, reduction_factor=1.0, routed_layers=(),
+                             num_routed_tokens=None)
+
+
+# Modules an ACM can replace (the FFN; low-rank learners on the attention
+# projections are not built yet), the conversion phases a forward pass
+# serves, and how inference runs the learners (`coda_jax.acm`).
+ACM_MODULES = ('mlp',)
+ACM_PHASES = ('distill', 'gate', 'finetune')
+ACM_INFERENCE = ('masked', 'gather')
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class AcmConfig:
+  """Adaptive Computation Modules (Wójcik et al. 2023): per-token width.
+
+  Each replaced module becomes N learners whose outputs are summed,
+  h(z, k) = Σ_{n<=k} s_n(z), and a gate MLP (d -> gate_dim -> gate_dim -> N+1)
+  that picks k in {0..N} per token. `phase` says which conversion phase the
+  forward pass serves: 'distill' and 'gate' run the frozen pretrained module
+  (the teacher) forward and add the learners' reconstruction loss / the gate's
+  cross-entropy; 'finetune' runs the learners as the gate chooses (Gumbel-
+  softmax, hard, straight-through, in training; argmax in evaluation).
+  """
+  num_learners: int = 4
+  # Which modules are ACMs: 'mlp' (each FFN).
+  modules: Sequence[str] = ('mlp',)
+  # Which stacks carry ACMs.
+  encoder: bool = True
+  decoder: bool = True
+  gate_dim: int = 16
+  gumbel_temperature: float = 0.8
+  # None, or a fixed k in 0..num_learners for every token (evaluation, ablations).
+  force_learners: Optional[int] = None
+  phase: str = 'finetune'
+  # Target fraction β of the learners used, and the auxiliary loss weights.
+  budget: float = 0.5
+  budget_loss_weight: float = 0.1
+  entropy_loss_weight: float = 0.05
+  diversity_loss_weight: float = 0.05
+  # Gate labels (phase 'gate'): the smallest k after which one more learner
+  # improves the error by less than this factor.
+  label_error_factor: float = 1.2
+  # Inference: 'masked' (every learner on every token, masked: exact) or
+  # 'gather' (learner n runs only on the tokens that chose k >= n, at most a
+  # static capacity of them: real savings).
+  inference: str = 'masked'
+  # 'gather' capacity of learner n: ceil(tokens * min(1, capacity_factor * u_n))
+  # with u_n = learner_usage[n] (measured fractions) or the budget β.
+  capacity_factor: float = 1.25
+  learner_usage: Optional[Sequence[float]] = None
+
+  def __post_init__(self):
+    if not _is_int(self.num_learners) or self.num_learners < 1:
+      raise ValueError(f'AcmConfig.num_learners must be an int >= 1, got {self.num_learners!r}')
+    object.__setattr__(self, 'modules', tuple(self.modules))
+    unknown = sorted(set(self.modules) - set(ACM_MODULES))
+    if unknown or not self.modules:
+      raise ValueError(f'AcmConfig.modules must be a non-empty subset of {ACM_MODULES}, '
+                       f'got {self.modules!r}')
+    for name, choices in (('phase', ACM_PHASES), ('inference', ACM_INFERENCE)):
+      if getattr(self, name) not in choices:
+        raise ValueError(f'AcmConfig.{name} must be one of {choices}, '
+                         f'got {getattr(self, name)!r}')
+    k = self.force_learners
+    if k is not None and (not _is_int(k) or not 0 <= k <= self.num_learners):
+      raise ValueError(f'AcmConfig.force_learners must be None or an int in '
+                       f'[0, {self.num_learners}], got {k!r}')
+    if not 0.0 <= self.budget <= 1.0:
+      raise ValueError(f'AcmConfig.budget must be in [0, 1], got {self.budget}')
+    for name in ('gate_dim',):
+      if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+        raise ValueError(f'AcmConfig.{name} must be an int >= 1, got {getattr(self, name)!r}')
+    for name in ('gumbel_temperature', 'label_error_factor', 'capacity_factor'):
+      if not getattr(self, name) > 0:
+        raise ValueError(f'AcmConfig.{name} must be > 0, got {getattr(self, name)}')
+    if self.learner_usage is not None:
+      usage = tuple(float(u) for u in self.learner_usage)
+      if len(usage) != self.num_learners or not all(0.0 <= u <= 1.0 for u in usage):
+        raise ValueError(f'AcmConfig.learner_usage must be {self.num_learners} fractions '
+                         f'in [0, 1], got {self.learner_usage!r}')
+      object.__setattr__(self, 'learner_usage', usage)
+
+  def replaces(self, module: str, stack: str) -> bool:
+    """Whether `module` (`ACM_MODULES`) of the `stack` ('encoder' | 'decoder')
+    layers is an ACM."""
+    return module in self.modules and bool(getattr(self, stack))
+
+  def capacities(self, tokens: int) -> Tuple[int, ...]:
+    """'gather' inference: how many of `tokens` each learner runs on."""
+    usage = self.learner_usage or (self.budget,) * self.num_learners
+    return tuple(min(tokens, max(1, math.ceil(tokens * min(1.0, self.capacity_factor * u))))
+                 for u in usage)
+
+
+# ----------------------------------------------------------------------------
+# Configs as JSON (benchmark results, adapter files, run summaries).
+# ----------------------------------------------------------------------------
+
+# CodaConfig's soft top-k fields before they moved into `soft_topk` (adapter
+# files written by coda_jax 0.1 carry them flat).
+_LEGACY_SOFT_TOPK_FIELDS = {'soft_topk_method': 'method', 'epsilon': 'epsilon',
+                            'epsilon_init': 'epsilon_init',
+                            'epsilon_decay': 'epsilon_decay', 'num_iters': 'num_iters'}
+
+
+def to_dict(config: Any) -> dict:
+  """A config dataclass as plain JSON values: nested configs as dicts, tuples
+  as lists, the dtype by its name."""
+  out = {}
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if dataclasses.is_dataclass(value):
+      value = to_dict(value)
+    elif isinstance(value, tuple):
+      value = list(value)
+    elif field.name == 'dtype':
+      value = jnp.dtype(value).name
+    out[field.name] = value
+  return out
+
+
+def from_dict(cls, values: dict):
+  """The inverse of `to_dict` for `T5Config`, `SoftTopKConfig`, `CodaConfig`
+  or `AcmConfig`."""
+  values = dict(values)
+  if cls is CodaConfig:
+    legacy = {new: values.pop(old) for old, new in _LEGACY_SOFT_TOPK_FIELDS.items()
+              if old in values}
+    soft = values.get('soft_topk')
+    if isinstance(soft, dict) or legacy:
+      values['soft_topk'] = SoftTopKConfig(**{**(soft or {}), **legacy})
+  known = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - known)
+  if unknown:
+    raise ValueError(f'{cls.__name__} has no field(s) {unknown}')
+  return cls(**values)

@@ -26,34 +26,21 @@ With r = 1 (k = n) both CoDA variants cost the parallel adapter plus the router.
 """
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Dict
 
-from coda_jax.adapters import DEFAULT_ADAPTER_DIM
-from coda_jax.config import T5Config
+from coda_jax.config import ATTENTION_VARIANTS, DEFAULT_ADAPTER_DIM, T5Config, coda_k
 
 DENSE = 'dense'
 PARALLEL_ADAPTER = 'parallel_adapter'
 CODA_K_TO_ALL = 'coda_k_to_all'
 CODA_K_TO_K = 'coda_k_to_k'
 VARIANTS = (DENSE, PARALLEL_ADAPTER, CODA_K_TO_ALL, CODA_K_TO_K)
-# CoDA's attention variants (paper §3.1) and the layer variant of each.
-ATTENTION_VARIANTS = {'k_to_all': CODA_K_TO_ALL, 'k_to_k': CODA_K_TO_K}
+# The layer variant of each CoDA attention variant (paper §3.1).
+VARIANT_OF_ATTENTION = dict(zip(ATTENTION_VARIANTS, (CODA_K_TO_ALL, CODA_K_TO_K)))
 
 ENCODER_COMPONENTS = ('q_proj', 'k_proj', 'v_proj', 'logits', 'attn_v', 'out_proj',
                       'mlp', 'adapter', 'router')
-
-
-def coda_k(n: int, reduction_factor: float) -> int:
-  """Number of routed tokens `k = ceil(n / r)` (paper §3.1), for `r >= 1`."""
-  if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-    raise ValueError(f'sequence length n must be a non-negative integer, got {n!r}')
-  if (isinstance(reduction_factor, bool) or not isinstance(reduction_factor, numbers.Real)
-      or not math.isfinite(reduction_factor) or reduction_factor < 1):
-    raise ValueError(f'reduction_factor r must be a finite number >= 1, '
-                     f'got {reduction_factor!r}')
-  return math.ceil(int(n) / reduction_factor)
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -118,12 +105,12 @@ def encoder_layer_macs(config: T5Config, n: int, *, variant: str = DENSE,
 
 
 def _coda_variant(attention: str) -> str:
-  if attention in ATTENTION_VARIANTS:
-    return ATTENTION_VARIANTS[attention]
-  if attention in ATTENTION_VARIANTS.values():
+  if attention in VARIANT_OF_ATTENTION:
+    return VARIANT_OF_ATTENTION[attention]
+  if attention in VARIANT_OF_ATTENTION.values():
     return attention
   raise ValueError(f'unknown CoDA attention {attention!r}; expected one of '
-                   f'{tuple(ATTENTION_VARIANTS)}')
+                   f'{ATTENTION_VARIANTS}')
 
 
 def encoder_macs(config: T5Config, n: int, *, variant: str = DENSE,
@@ -229,11 +216,66 @@ def end_to_end_macs(config: T5Config, n_in: int, n_out: int, *, variant: str,
 def end_to_end_speedup_bound(config: T5Config, n_in: int, n_out: int,
                              reduction_factor: float, attention: str = 'k_to_all',
                              adapter_dim: int = DEFAULT_ADAPTER_DIM,
-                             cross_kv_cached: bool = True) -> float:
-  """MACs(parallel adapter) / MACs(CoDA) of greedy decoding `n_out` tokens."""
+                             cross_kv_cached: bool = True, num_beams: int = 1) -> float:
+  """MACs(parallel adapter) / MACs(CoDA) of decoding `n_out` tokens.
+
+  Greedy by default; beam search (`num_beams` > 1) runs the decoder and the
+  cross-attention key/value projections on `num_beams` rows per example, the
+  encoder on one, so more beams bring the bound closer to 1.
+  """
+  num_beams = _check_positive_int('num_beams', num_beams)
+
+  def total(macs):
+    return macs['encoder'] + num_beams * (macs['cross_kv'] + macs['decoder'])
+
   coda = end_to_end_macs(config, n_in, n_out, variant=_coda_variant(attention),
                          reduction_factor=reduction_factor, adapter_dim=adapter_dim,
                          cross_kv_cached=cross_kv_cached)
   dense = end_to_end_macs(config, n_in, n_out, variant=PARALLEL_ADAPTER,
                           adapter_dim=adapter_dim, cross_kv_cached=cross_kv_cached)
-  return dense['total'] / coda['total']
+  return total(dense) / total(coda)
+
+
+def cross_kv_speedup_bound(config: T5Config, n_in: int, n_out: int,
+                           adapter_dim: int = DEFAULT_ADAPTER_DIM) -> float:
+  """MACs of the Parallel Adapter decoder with the cross-attention keys/values
+  recomputed at every step (t5x) over those with them computed once per sequence.
+
+  The encoder is left out (the same in both); beams scale both alike.
+  """
+  def decoder(cross_kv_cached):
+    macs = end_to_end_macs(config, n_in, n_out, variant=PARALLEL_ADAPTER,
+                           adapter_dim=adapter_dim, cross_kv_cached=cross_kv_cached)
+    return macs['cross_kv'] + macs['decoder']
+  return decoder(False) / decoder(True)
+
+
+# ----------------------------------------------------------------------------
+# Adaptive Computation Modules.
+# ----------------------------------------------------------------------------
+
+
+def acm_encoder_layer_macs(config: T5Config, n: int, learners_used: float,
+                           num_learners: int = 4, gate_dim: int = 16) -> Dict[str, int]:
+  """MACs of one encoder layer whose FFN is an ACM (`coda_jax.acm`).
+
+  The attention is dense; the FFN costs `learners_used` (the fraction of its
+  N learners a token runs on average, i.e. the achieved budget) of the dense
+  FFN, plus the gate: d·g + g·g + g·(N + 1) per token.
+  """
+  if not 0.0 <= learners_used <= 1.0:
+    raise ValueError(f'learners_used must be in [0, 1], got {learners_used!r}')
+  n = _check_positive_int('n', n)
+  macs = _attention_mlp_macs(config, q=n, s=n, kv_proj_tokens=n)
+  macs['mlp'] = round(macs['mlp'] * learners_used)
+  macs['gate'] = n * (config.emb_dim * gate_dim + gate_dim * gate_dim
+                      + gate_dim * (num_learners + 1))
+  return _with_total(macs)
+
+
+def acm_encoder_speedup_bound(config: T5Config, n: int, learners_used: float,
+                              num_learners: int = 4, gate_dim: int = 16) -> float:
+  """MACs(dense encoder layer) / MACs(ACM encoder layer) at budget `learners_used`."""
+  dense = encoder_layer_macs(config, n, variant=DENSE)['total']
+  return dense / acm_encoder_layer_macs(config, n, learners_used, num_learners,
+                                        gate_dim)['total']

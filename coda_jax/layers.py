@@ -24,6 +24,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from coda_jax.config import LORA_AXIS
+
 Array = jax.Array
 DType = Any
 Initializer = Callable[..., Array]
@@ -39,8 +41,6 @@ relpos_embedding_init = nn.initializers.variance_scaling(1.0, 'fan_avg', 'unifor
 
 # Additive bias for masked attention logits (t5x's value).
 MASK_VALUE = -1e10
-# Logical axis of the LoRA rank (registered with the partitioner: replicated).
-LORA_AXIS = 'lora'
 
 
 def _normalize_axes(axes: Iterable[int], ndim: int) -> Tuple[int, ...]:
@@ -65,6 +65,13 @@ def get_activation(name: Union[str, Callable]) -> Callable:
     raise ValueError(f'unknown activation {name!r}: expected "linear" or a '
                      'flax.linen activation such as "gelu", "relu", "silu"')
   return fn
+
+
+def lora_scaling(rank: int, alpha: float) -> float:
+  """LoRA's output multiplier `alpha / rank` (Hu et al. 2021, §4.1)."""
+  if int(rank) != rank or rank < 1:
+    raise ValueError(f'LoRA rank must be a positive integer, got {rank!r}')
+  return float(alpha) / int(rank)
 
 
 KV_LAYOUTS = ('bskd', 'heads_major')
@@ -129,7 +136,7 @@ def dot_product_attention(query: Array,
 class DenseGeneral(nn.Module):
   """A linear map over the last axis, kernel stored 2-D as t5x stores it.
 
-  With `lora_rank > 0` it adds the LoRA branch `(x @ lora_a) @ lora_b * alpha/rank`
+  With `lora_rank > 0` it adds the LoRA branch `(x @ lora_a) @ lora_b * lora_scaling`
   (Hu et al.; CoDA App. B.3) with `lora_b` zero-initialised, so the layer starts
   as the pretrained projection.
   """
@@ -163,7 +170,7 @@ class DenseGeneral(nn.Module):
                                jnp.float32, axes=(LORA_AXIS, out_axis))
       lora_a = jnp.asarray(lora_a, self.dtype).reshape(in_shape + (self.lora_rank,))
       low = lax.dot_general(inputs, lora_a, (contract, ((), ())))
-      low = low * jnp.asarray(self.lora_alpha / self.lora_rank, self.dtype)
+      low = low * jnp.asarray(lora_scaling(self.lora_rank, self.lora_alpha), self.dtype)
       up = jnp.asarray(lora_b, self.dtype).reshape((self.lora_rank,) + features)
       y = y + jnp.tensordot(low, up, axes=1)
     return y
@@ -225,11 +232,18 @@ class MultiHeadDotProductAttention(nn.Module):
                deterministic: bool = False) -> Array:
     """Attends from `inputs_q [batch, q_len, emb]` to `inputs_kv [batch, kv_len, emb]`.
 
+    Four steps: project (queries; keys/values, or the cross-attention cache),
+    extend the self-attention cache while decoding, the additive bias (mask,
+    relative positions, `bias`), then `dot_product_attention` and `out`.
+
     Args:
       mask: `[batch, 1 | heads, q_len, kv_len]`, 1 where attention is allowed.
       bias: broadcastable to `[batch, heads, q_len, kv_len]` (relative position
         bias), added to the logits. While decoding with the self-attention
         cache, `bias` and `mask` cover the full cache length `[.., 1, max_len]`.
+      query_positions, key_positions: `[q_len]` / `[kv_len]` or per row
+        `[batch, ...]` positions for the relative position bias (default:
+        0, 1, ...; routed tokens pass their original positions).
       decode: use and update the autoregressive self-attention cache.
       cache_kv: compute the key/value projections of `inputs_kv` once per
         sequence while decoding (cross-attention).
@@ -237,40 +251,14 @@ class MultiHeadDotProductAttention(nn.Module):
     Returns:
       `[batch, q_len, emb]`.
     """
-    query = self._project('query', inputs_q, self.num_heads)
-    kv_layout = 'bskd'
-    if cache_kv:
-      key, value = self._cached_cross_kv(inputs_kv)
-      kv_layout = 'heads_major'
-    else:
-      key = self._project('key', inputs_kv, self.kv_heads)
-      value = self._project('value', inputs_kv, self.kv_heads)
-    query = with_sharding_constraint(query, ('batch', 'length', 'heads', 'kv'))
-    if self.kv_heads == self.num_heads and not cache_kv:
-      key = with_sharding_constraint(key, ('batch', 'length', 'heads', 'kv'))
-      value = with_sharding_constraint(value, ('batch', 'length', 'heads', 'kv'))
-
+    query, key, value, kv_layout = self._project_qkv(inputs_q, inputs_kv, cache_kv)
     if decode:
       key, value, mask, cur_index = self._update_self_attention_cache(key, value, mask)
       if cur_index is not None and query_positions is None:
         query_positions = cur_index[None]
-    if self.relative_embedding is not None:
-      if query_positions is None:
-        query_positions = jnp.arange(query.shape[1])
-      if key_positions is None:
-        key_positions = jnp.arange(key.shape[-1] if cache_kv else key.shape[1])
-      relpos = self.relative_embedding(query_positions, key_positions, self.bidirectional)
-      bias = relpos if bias is None else bias + relpos
-
-    attention_bias = None
-    if mask is not None:
-      attention_bias = lax.select(
-          mask > 0,
-          jnp.zeros(mask.shape, self.dtype),
-          jnp.full(mask.shape, MASK_VALUE, self.dtype))
-    if bias is not None:
-      attention_bias = bias if attention_bias is None else attention_bias + bias
-
+    kv_len = key.shape[-1] if kv_layout == 'heads_major' else key.shape[1]
+    attention_bias = self._attention_bias(mask, bias, query_positions, key_positions,
+                                          query.shape[1], kv_len)
     dropout_rng = None
     if not deterministic and self.dropout_rate > 0.:
       dropout_rng = self.make_rng('dropout')
@@ -278,11 +266,47 @@ class MultiHeadDotProductAttention(nn.Module):
         query, key, value, bias=attention_bias, dropout_rng=dropout_rng,
         dropout_rate=self.dropout_rate, deterministic=deterministic,
         dtype=self.dtype, float32_logits=self.float32_logits, kv_layout=kv_layout)
-    out = DenseGeneral(
+    return DenseGeneral(
         features=inputs_q.shape[-1], axis=(-2, -1), kernel_init=self.kernel_init,
         kernel_axes=('joined_kv', 'embed'), dtype=self.dtype,
         lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, name='out')(x)
-    return out
+
+  def _project_qkv(self, inputs_q: Array, inputs_kv: Array, cache_kv: bool
+                   ) -> Tuple[Array, Array, Array, str]:
+    """Queries `[b, q, heads, head_dim]` and keys/values in `kv_layout`.
+
+    'bskd' (`[b, kv, kv_heads, head_dim]`) when projected here; 'heads_major'
+    when read from the once-per-sequence cross-attention cache.
+    """
+    query = self._project('query', inputs_q, self.num_heads)
+    query = with_sharding_constraint(query, ('batch', 'length', 'heads', 'kv'))
+    if cache_kv:
+      key, value = self._cached_cross_kv(inputs_kv)
+      return query, key, value, 'heads_major'
+    key = self._project('key', inputs_kv, self.kv_heads)
+    value = self._project('value', inputs_kv, self.kv_heads)
+    if self.kv_heads == self.num_heads:
+      key = with_sharding_constraint(key, ('batch', 'length', 'heads', 'kv'))
+      value = with_sharding_constraint(value, ('batch', 'length', 'heads', 'kv'))
+    return query, key, value, 'bskd'
+
+  def _attention_bias(self, mask: Optional[Array], bias: Optional[Array],
+                      query_positions: Optional[Array], key_positions: Optional[Array],
+                      q_len: int, kv_len: int) -> Optional[Array]:
+    """The additive logits bias `[1 | batch, 1 | heads, q_len, kv_len]`:
+    MASK_VALUE where `mask` is 0, plus the relative position bias, plus `bias`."""
+    if self.relative_embedding is not None:
+      if query_positions is None:
+        query_positions = jnp.arange(q_len)
+      if key_positions is None:
+        key_positions = jnp.arange(kv_len)
+      relpos = self.relative_embedding(query_positions, key_positions, self.bidirectional)
+      bias = relpos if bias is None else bias + relpos
+    if mask is None:
+      return bias
+    masked = lax.select(mask > 0, jnp.zeros(mask.shape, self.dtype),
+                        jnp.full(mask.shape, MASK_VALUE, self.dtype))
+    return masked if bias is None else masked + bias
 
   def _cached_cross_kv(self, inputs_kv: Array) -> Tuple[Array, Array]:
     """Key/value projections of the encoder output, computed once per sequence.
@@ -482,6 +506,11 @@ class RelativePositionBiases(nn.Module):
                bidirectional: bool = True) -> Array:
     """Bias for attention logits.
 
+    Buckets saturate at `max_distance`, so the bias is a function of the
+    relative position clipped to [-max_distance, max_distance]: it is looked
+    up per distance (2 max_distance + 1 buckets, [heads, distances]) and then
+    gathered per (query, key), with no per-pair bucket arithmetic.
+
     Args:
       query_positions: int `[q_len]` or `[batch, q_len]`.
       key_positions: int `[kv_len]` or `[batch, kv_len]`.
@@ -495,15 +524,17 @@ class RelativePositionBiases(nn.Module):
       query_positions = query_positions[None]
     if key_positions.ndim == 1:
       key_positions = key_positions[None]
-    relative = key_positions[:, None, :] - query_positions[:, :, None]
-    buckets = relative_position_bucket(relative, bidirectional=bidirectional,
-                                       num_buckets=self.num_buckets,
-                                       max_distance=self.max_distance)
     table = param_with_axes('rel_embedding', self.embedding_init,
                             (self.num_heads, self.num_buckets), jnp.float32,
                             axes=('heads', 'relpos_buckets'))
-    values = jnp.take(jnp.asarray(table, self.dtype).T, buckets, axis=0)  # [b, q, k, h]
-    return jnp.transpose(values, (0, 3, 1, 2))
+    m = self.max_distance
+    distances = jnp.arange(-m, m + 1)
+    buckets = relative_position_bucket(distances, bidirectional=bidirectional,
+                                       num_buckets=self.num_buckets, max_distance=m)
+    by_distance = jnp.take(jnp.asarray(table, self.dtype), buckets, axis=1)  # [h, 2m+1]
+    relative = key_positions[:, None, :] - query_positions[:, :, None]       # [b, q, k]
+    values = jnp.take(by_distance, jnp.clip(relative, -m, m) + m, axis=1)    # [h, b, q, k]
+    return jnp.transpose(values, (1, 0, 2, 3))
 
 
 def make_attention_mask(query_input: Array, key_input: Array,

@@ -12,13 +12,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from coda_jax import acm as acm_lib
 from coda_jax import adapters
 from coda_jax import layers
 from coda_jax import routing
 from coda_jax import soft_topk
-from coda_jax.config import CodaConfig, T5Config, parallel_adapter_baseline, t5_1_1  # noqa: F401
+from coda_jax.config import (NO_ADAPTER, PARALLEL, SEQUENTIAL_ADAPTERS, SEQUENTIAL_HOULSBY,
+                             AcmConfig, CodaConfig, T5Config,
+                             parallel_adapter_baseline, t5_1_1)  # noqa: F401
 
 Array = jax.Array
+
+# Why a routed encoder refuses packed rows (`Transformer.encode`, and the
+# trainer before any compute).
+PACKED_INPUTS_MESSAGE = (
+    'CoDA routing needs unpacked inputs (pack=False): a top-k over a packed row '
+    'would let examples take each other\'s capacity')
 
 
 def _dropout(config: T5Config):
@@ -49,6 +58,26 @@ def _mlp(config: T5Config, coda: Optional[CodaConfig] = None) -> layers.MlpBlock
       name='mlp', **_lora(coda))
 
 
+def _ffn(module: nn.Module, config: T5Config, coda: Optional[CodaConfig],
+         acm: Optional[AcmConfig], stack: str, z: Array, token_mask: Optional[Array],
+         deterministic: bool) -> Array:
+  """The layer's FFN on `z [b, l, emb]`: the pretrained `mlp`, or its ACM.
+
+  An ACM ('mlp' in `acm.modules` for this `stack`) keeps the pretrained `mlp`
+  as its frozen teacher: run in phases 'distill' and 'gate' (and at init, so
+  every phase has the same parameter tree), not in 'finetune'.
+  """
+  if acm is None or not acm.replaces('mlp', stack):
+    return _mlp(config, coda)(z, deterministic=deterministic)
+  teacher = None
+  if acm.phase in ('distill', 'gate') or module.is_initializing():
+    teacher = _mlp(config, coda)(z, deterministic=True)
+  return acm_lib.AcmMlp(acm, config.mlp_dim, config.mlp_activations, dtype=config.dtype,
+                        name=acm_lib.ACM_MLP)(
+                            z, token_mask, teacher if acm.phase != 'finetune' else None,
+                            deterministic=deterministic)
+
+
 def _adapter(config: T5Config, coda: CodaConfig, name: str, sequential: bool = False):
   cls = adapters.SequentialAdapter if sequential else adapters.Adapter
   return cls(adapter_dim=coda.adapter_dim, activation=coda.adapter_activation,
@@ -62,31 +91,30 @@ def _relative_embedding(config: T5Config) -> layers.RelativePositionBiases:
       num_heads=config.num_heads, dtype=config.dtype, name='relpos_bias')
 
 
-def _gather_query_rows(mask: Optional[Array], indices: Array) -> Optional[Array]:
-  """`[batch, 1, n, n]` attention mask -> the rows of the routed queries `[batch, 1, k, n]`."""
-  if mask is None:
-    return None
-  return jnp.take_along_axis(mask, indices[:, None, :, None], axis=2)
-
-
 class EncoderLayer(nn.Module):
   """A T5 encoder layer, dense or CoDA-routed, with optional adapters.
 
   Dense (t5x): `h = x + att(LN(x))`, `y = h + mlp(LN(h))`. With a parallel
   adapter, `y += adapter(LN(x))`. Routed (`routed=True`, paper §3.1, DESIGN.md):
   the router picks k = ceil(n / r) tokens of `LN(x)`; only they go through the
-  pretrained attention and MLP, and their update `delta = att + ffn` is
-  scattered back scaled by the router's gate:
+  pretrained attention and MLP, and their update `delta = att + ffn` is put
+  back at their positions scaled by the router's gate:
 
-      y = x + adapter(LN(x)) + scatter(idx, gate * delta)        [batch, n, emb]
+      y = x + adapter(LN(x)) + unroute(gate * delta)             [batch, n, emb]
 
-  k-to-all: the routed queries attend to every token's keys/values; k-to-k:
-  only to the routed ones. Relative position biases use original positions.
+  Tokens move by gathers both ways (`routing.gather_tokens` /
+  `ungather_tokens`, whose backward passes are gathers too). k-to-all: the
+  routed queries attend to every token's keys/values; k-to-k: only to the
+  routed ones. Relative position biases use original positions. A routed
+  layer's attention mask is the padding mask (`input_mask`) of its queries
+  and keys: routing refuses packed inputs. With k = n (r = 1) every token is
+  routed in order, so the layer is the dense one, gated, with no gathers.
   """
   config: T5Config
   relative_embedding: nn.Module
   coda: Optional[CodaConfig] = None
   routed: bool = False
+  acm: Optional[AcmConfig] = None
 
   @nn.compact
   def __call__(self, inputs: Array, encoder_mask: Optional[Array] = None,
@@ -100,35 +128,38 @@ class EncoderLayer(nn.Module):
     cfg, coda = self.config, self.coda
     xn = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')(inputs)
     if not self.routed:
-      att, ffn = self._pretrained_update(inputs, xn, xn, encoder_mask, deterministic)
+      att, ffn = self._pretrained_update(inputs, xn, xn, encoder_mask, deterministic,
+                                         token_mask=input_mask)
       y = inputs + att
       y = y + ffn
     else:
       y = inputs + self._routed_update(inputs, xn, encoder_mask, input_mask, deterministic)
-    if coda is not None and coda.adapter == adapters.PARALLEL:
+    if coda is not None and coda.adapter == PARALLEL:
       y = y + _adapter(cfg, coda, 'adapter')(xn)
     return layers.with_sharding_constraint(y, ('batch', 'length', 'embed'))
 
   def _pretrained_update(self, x: Array, xn: Array, kv: Array, mask: Optional[Array],
                          deterministic: bool, query_positions: Optional[Array] = None,
-                         key_positions: Optional[Array] = None) -> Tuple[Array, Array]:
+                         key_positions: Optional[Array] = None,
+                         token_mask: Optional[Array] = None) -> Tuple[Array, Array]:
     """The frozen layer's attention and MLP updates of the query tokens `x [b, q, emb]`.
 
-    `xn` is LN(x), `kv [b, s, emb]` the normalised tokens attended to.
+    `xn` is LN(x), `kv [b, s, emb]` the normalised tokens attended to,
+    `token_mask [b, q]` the real queries (for an ACM's statistics).
     Returns `(att, ffn)`, each `[b, q, emb]`; the layer output is x + att + ffn.
     """
     cfg, coda = self.config, self.coda
-    sequential = coda is not None and coda.adapter in (adapters.SEQUENTIAL_HOULSBY,
-                                                        adapters.SEQUENTIAL_PFEIFFER)
+    sequential = coda is not None and coda.adapter in SEQUENTIAL_ADAPTERS
     att = _attention(cfg, 'attention', coda, relative_embedding=self.relative_embedding)(
         xn, kv, mask, query_positions=query_positions, key_positions=key_positions,
         deterministic=deterministic)
     att = _dropout(cfg)(att, deterministic=deterministic)
-    if sequential and coda.adapter == adapters.SEQUENTIAL_HOULSBY:
+    if sequential and coda.adapter == SEQUENTIAL_HOULSBY:
       att = _adapter(cfg, coda, 'adapter_attention', sequential=True)(att)
     h = x + att
-    ffn = _mlp(cfg, coda)(layers.RMSNorm(dtype=cfg.dtype, name='pre_mlp_layer_norm')(h),
-                          deterministic=deterministic)
+    ffn = _ffn(self, cfg, coda, self.acm, 'encoder',
+               layers.RMSNorm(dtype=cfg.dtype, name='pre_mlp_layer_norm')(h), token_mask,
+               deterministic)
     ffn = _dropout(cfg)(ffn, deterministic=deterministic)
     if sequential:
       ffn = _adapter(cfg, coda, 'adapter_mlp', sequential=True)(ffn)
@@ -136,32 +167,40 @@ class EncoderLayer(nn.Module):
 
   def _routed_update(self, x: Array, xn: Array, encoder_mask: Optional[Array],
                      input_mask: Optional[Array], deterministic: bool) -> Array:
-    """`scatter(idx, gate * (att + ffn))` over the routed tokens, `[batch, n, emb]`."""
+    """`unroute(gate * (att + ffn))` of the routed tokens, `[batch, n, emb]`."""
     cfg, coda = self.config, self.coda
-    k = coda.num_selected(x.shape[1])
-    decision = routing.Router(
-        normalizer=coda.normalizer, method=coda.soft_topk_method, epsilon=coda.epsilon,
-        epsilon_init=coda.epsilon_init, epsilon_decay=coda.epsilon_decay,
-        num_iters=coda.num_iters,
-        w_init=nn.initializers.normal(stddev=coda.router_init_stddev),
-        name='router')(xn, k, input_mask)
-    idx = decision.indices                               # [b, k]
-    xr = routing.gather_tokens(x, idx)                   # [b, k, emb]
-    xrn = routing.gather_tokens(xn, idx)
-    mask = _gather_query_rows(encoder_mask, idx)         # [b, 1, k, n]
-    if coda.attention == 'k_to_all':
-      kv, key_positions = xn, None
-    else:
-      kv, key_positions = xrn, idx
-      if mask is not None:
-        mask = jnp.take_along_axis(mask, idx[:, None, None, :], axis=3)
-    att, ffn = self._pretrained_update(xr, xrn, kv, mask, deterministic,
-                                       query_positions=idx, key_positions=key_positions)
-    delta = (att + ffn) * decision.gate[..., None].astype(att.dtype)
+    batch, length = x.shape[:2]
+    k = coda.num_selected(length)
+    with jax.named_scope('router'):
+      decision = routing.Router(
+          normalizer=coda.normalizer, soft_topk=coda.soft_topk,
+          w_init=nn.initializers.normal(stddev=coda.router_init_stddev),
+          name='router')(xn, k, input_mask)
     self.sow('intermediates', 'routing', {
-        'indices': idx, 'gate': decision.gate,
-        'mass_ratio': soft_topk.topk_mass_ratio(decision.weights, k)})
-    return routing.scatter_add_tokens(jnp.zeros_like(x), idx, delta)
+        'indices': decision.indices, 'gate': decision.gate,
+        'mass_ratio': soft_topk.topk_mass_ratio(decision.weights, k, mask=input_mask)})
+    gate = decision.gate[..., None].astype(cfg.dtype)            # [b, k, 1]
+    if k == length:
+      att, ffn = self._pretrained_update(x, xn, xn, encoder_mask, deterministic,
+                                         token_mask=input_mask)
+      return (att + ffn) * gate
+    idx, slots = decision.indices, decision.slots                # [b, k], [b, n]
+    real = jnp.ones((batch, length), bool) if input_mask is None else input_mask
+    with jax.named_scope('route'):
+      xr = routing.gather_tokens(x, idx, slots)                  # [b, k, emb]
+      xrn = routing.gather_tokens(xn, idx, slots)
+      query_real = routing.gather_tokens(real, idx)              # [b, k]
+    if coda.attention == 'k_to_all':
+      kv, key_real, key_positions = xn, real, None
+    else:
+      kv, key_real, key_positions = xrn, query_real, idx
+    mask = None if encoder_mask is None else layers.make_attention_mask(
+        query_real, key_real, dtype=encoder_mask.dtype)          # [b, 1, k, n | k]
+    att, ffn = self._pretrained_update(xr, xrn, kv, mask, deterministic,
+                                       query_positions=idx, key_positions=key_positions,
+                                       token_mask=query_real)
+    with jax.named_scope('unroute'):
+      return routing.ungather_tokens((att + ffn) * gate, idx, slots)
 
 
 class DecoderLayer(nn.Module):
@@ -175,24 +214,25 @@ class DecoderLayer(nn.Module):
   relative_embedding: nn.Module
   cache_cross_kv: bool = True
   coda: Optional[CodaConfig] = None
+  acm: Optional[AcmConfig] = None
 
   @nn.compact
   def __call__(self, inputs: Array, encoded: Array,
                decoder_mask: Optional[Array] = None,
                encoder_decoder_mask: Optional[Array] = None,
                deterministic: bool = False, decode: bool = False,
-               max_decode_length: Optional[int] = None) -> Array:
-    """`inputs [batch, length, emb]`, `encoded [batch, enc_length, emb]`."""
-    del max_decode_length  # the cache's own length bounds decoding
+               token_mask: Optional[Array] = None) -> Array:
+    """`inputs [batch, length, emb]`, `encoded [batch, enc_length, emb]`;
+    `token_mask [batch, length]` the real target positions (for an ACM)."""
     cfg = self.config
     coda = self.coda if self.coda is not None and self.coda.decoder_adapters else None
-    adapter_type = coda.adapter if coda is not None else adapters.NONE
+    adapter_type = coda.adapter if coda is not None else NO_ADAPTER
     xn = layers.RMSNorm(dtype=cfg.dtype, name='pre_self_attention_layer_norm')(inputs)
     x = _attention(cfg, 'self_attention', coda, relative_embedding=self.relative_embedding,
                    bidirectional=False)(xn, xn, decoder_mask, decode=decode,
                                         deterministic=deterministic)
     x = _dropout(cfg)(x, deterministic=deterministic)
-    if adapter_type == adapters.SEQUENTIAL_HOULSBY:
+    if adapter_type == SEQUENTIAL_HOULSBY:
       x = _adapter(cfg, coda, 'adapter_attention', sequential=True)(x)
     x = x + inputs
     y = layers.RMSNorm(dtype=cfg.dtype, name='pre_cross_attention_layer_norm')(x)
@@ -201,12 +241,12 @@ class DecoderLayer(nn.Module):
         deterministic=deterministic)
     y = _dropout(cfg)(y, deterministic=deterministic) + x
     z = layers.RMSNorm(dtype=cfg.dtype, name='pre_mlp_layer_norm')(y)
-    z = _mlp(cfg, coda)(z, deterministic=deterministic)
+    z = _ffn(self, cfg, coda, self.acm, 'decoder', z, token_mask, deterministic)
     z = _dropout(cfg)(z, deterministic=deterministic)
-    if adapter_type in (adapters.SEQUENTIAL_HOULSBY, adapters.SEQUENTIAL_PFEIFFER):
+    if adapter_type in SEQUENTIAL_ADAPTERS:
       z = _adapter(cfg, coda, 'adapter_mlp', sequential=True)(z)
     z = z + y
-    if adapter_type == adapters.PARALLEL:
+    if adapter_type == PARALLEL:
       z = z + _adapter(cfg, coda, 'adapter')(xn)
     return layers.with_sharding_constraint(z, ('batch', 'length', 'embed'))
 
@@ -216,6 +256,7 @@ class Encoder(nn.Module):
   config: T5Config
   shared_embedding: nn.Module
   coda: Optional[CodaConfig] = None
+  acm: Optional[AcmConfig] = None
 
   @nn.compact
   def __call__(self, encoder_input_tokens: Array, encoder_mask: Optional[Array] = None,
@@ -229,7 +270,7 @@ class Encoder(nn.Module):
     for lyr in range(cfg.num_encoder_layers):
       routed = self.coda is not None and self.coda.is_routed(lyr, cfg.num_encoder_layers)
       x = EncoderLayer(config=cfg, relative_embedding=rel_emb, coda=self.coda,
-                       routed=routed, name=f'layers_{lyr}')(
+                       routed=routed, acm=self.acm, name=f'layers_{lyr}')(
                            x, encoder_mask, deterministic, input_mask)
     x = layers.RMSNorm(dtype=cfg.dtype, name='encoder_norm')(x)
     return _dropout(cfg)(x, deterministic=deterministic)
@@ -241,28 +282,26 @@ class Decoder(nn.Module):
   shared_embedding: nn.Module
   cache_cross_kv: bool = True
   coda: Optional[CodaConfig] = None
+  acm: Optional[AcmConfig] = None
 
   @nn.compact
   def __call__(self, encoded: Array, decoder_input_tokens: Array,
-               decoder_positions: Optional[Array] = None,
                decoder_mask: Optional[Array] = None,
                encoder_decoder_mask: Optional[Array] = None,
                deterministic: bool = False, decode: bool = False,
-               max_decode_length: Optional[int] = None) -> Array:
+               token_mask: Optional[Array] = None) -> Array:
     """Returns float32 logits `[batch, length, vocab]`."""
-    del decoder_positions  # T5's relative attention needs no absolute positions.
     cfg = self.config
     rel_emb = _relative_embedding(cfg)
     y = self.shared_embedding(decoder_input_tokens.astype('int32'))
     y = _dropout(cfg)(y, deterministic=deterministic).astype(cfg.dtype)
     for lyr in range(cfg.num_decoder_layers):
       y = DecoderLayer(config=cfg, relative_embedding=rel_emb,
-                       cache_cross_kv=self.cache_cross_kv, coda=self.coda,
+                       cache_cross_kv=self.cache_cross_kv, coda=self.coda, acm=self.acm,
                        name=f'layers_{lyr}')(
                            y, encoded, decoder_mask=decoder_mask,
                            encoder_decoder_mask=encoder_decoder_mask,
-                           deterministic=deterministic, decode=decode,
-                           max_decode_length=max_decode_length)
+                           deterministic=deterministic, decode=decode, token_mask=token_mask)
     y = layers.RMSNorm(dtype=cfg.dtype, name='decoder_norm')(y)
     y = _dropout(cfg)(y, deterministic=deterministic)
     if cfg.logits_via_embedding:
@@ -283,10 +322,14 @@ class Transformer(nn.Module):
       t5x paths, routers and adapters are new siblings).
     cache_cross_kv: while decoding, compute the cross-attention keys/values
       once per sequence (True) or at every step as t5x does (False).
+    acm: None, or an `AcmConfig`: the FFNs of the encoder and/or decoder as
+      Adaptive Computation Modules (`coda_jax.acm`; the pretrained `mlp`s stay
+      as their frozen teachers, learners and gates are new `acm_mlp` siblings).
   """
   config: T5Config
   coda: Optional[CodaConfig] = None
   cache_cross_kv: bool = True
+  acm: Optional[AcmConfig] = None
 
   def setup(self):
     cfg = self.config
@@ -294,9 +337,9 @@ class Transformer(nn.Module):
         num_embeddings=cfg.vocab_size, features=cfg.emb_dim, dtype=cfg.dtype,
         attend_dtype=jnp.float32, name='token_embedder')
     self.encoder = Encoder(config=cfg, shared_embedding=self.shared_embedding,
-                           coda=self.coda)
+                           coda=self.coda, acm=self.acm)
     self.decoder = Decoder(config=cfg, shared_embedding=self.shared_embedding,
-                           cache_cross_kv=self.cache_cross_kv, coda=self.coda)
+                           cache_cross_kv=self.cache_cross_kv, coda=self.coda, acm=self.acm)
 
   @property
   def routes_tokens(self) -> bool:
@@ -313,9 +356,7 @@ class Transformer(nn.Module):
     encoder_mask = layers.make_attention_mask(tokens > 0, tokens > 0, dtype=cfg.dtype)
     if encoder_segment_ids is not None:
       if self.routes_tokens:
-        raise ValueError(
-            'CoDA routing needs unpacked inputs (pack=False): a top-k over a packed '
-            'row would let examples take each other\'s capacity; got encoder_segment_ids')
+        raise ValueError(f'{PACKED_INPUTS_MESSAGE}; got encoder_segment_ids')
       encoder_mask = layers.combine_masks(
           encoder_mask,
           layers.make_attention_mask(encoder_segment_ids, encoder_segment_ids,
@@ -330,7 +371,13 @@ class Transformer(nn.Module):
              decoder_positions: Optional[Array] = None,
              enable_dropout: bool = True, decode: bool = False,
              max_decode_length: Optional[int] = None) -> Array:
-    """Decoder logits `[batch, dec_length, vocab]` (float32)."""
+    """Decoder logits `[batch, dec_length, vocab]` (float32).
+
+    `decoder_positions` and `max_decode_length` are t5x's interface: T5's
+    relative attention needs no absolute positions, and the cache's own length
+    bounds decoding.
+    """
+    del decoder_positions, max_decode_length
     cfg = self.config
     encoder_input_tokens = encoder_input_tokens.astype(jnp.int32)
     decoder_input_tokens = decoder_input_tokens.astype(jnp.int32)
@@ -353,10 +400,9 @@ class Transformer(nn.Module):
           layers.make_attention_mask(decoder_segment_ids, encoder_segment_ids,
                                      jnp.equal, dtype=cfg.dtype),
           dtype=cfg.dtype)
-    return self.decoder(encoded, decoder_input_tokens, decoder_positions,
-                        decoder_mask, encoder_decoder_mask,
+    return self.decoder(encoded, decoder_input_tokens, decoder_mask, encoder_decoder_mask,
                         deterministic=not enable_dropout, decode=decode,
-                        max_decode_length=max_decode_length)
+                        token_mask=None if decode else decoder_target_tokens > 0)
 
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
                decoder_target_tokens: Array,

@@ -3,7 +3,9 @@
 Parameters carry logical axis names (`params_axes`, recorded by
 `param_with_axes`); activations are constrained with logical names inside the
 model. One set of rules maps logical names to the axes of a `(data, model)`
-mesh; this module turns rules + mesh into `NamedSharding`s for `jax.jit`.
+mesh; this module turns rules + mesh into `NamedSharding`s for `jax.jit`:
+of the parameters (`params_partition_specs`), of the optimizer state, whose
+slots follow their parameter (`optimizer_state_specs`), and of batches.
 """
 from __future__ import annotations
 
@@ -17,11 +19,23 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
-from coda_jax import adapters
-from coda_jax import layers
+from coda_jax import params as params_lib
+from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ADAPTER_AXIS,
+                             LORA_AXIS)
 
 LogicalRules = Sequence[Tuple[str, Optional[str]]]
 MESH_AXES = ('data', 'model')
+
+
+# Rules for the axes coda_jax adds to t5x's: adapter bottlenecks, LoRA ranks
+# and ACM gates are small, replicate them.
+CODA_LOGICAL_AXIS_RULES: Tuple[Tuple[str, Optional[str]], ...] = (
+    (ADAPTER_AXIS, None),
+    (LORA_AXIS, None),
+    (ACM_GATE_AXIS, None),
+    (ACM_GATE_IN_AXIS, None),
+    (ACM_CHOICES_AXIS, None),
+)
 
 
 def standard_logical_axis_rules() -> Tuple[Tuple[str, Optional[str]], ...]:
@@ -43,9 +57,7 @@ def standard_logical_axis_rules() -> Tuple[Tuple[str, Optional[str]], ...]:
       ('layers', None),
       ('stack', None),
       ('mlp_activations', None),
-      (adapters.ADAPTER_AXIS, None),
-      (layers.LORA_AXIS, None),
-  )
+  ) + CODA_LOGICAL_AXIS_RULES
 
 
 def create_mesh(mesh_shape: Sequence[int] = (-1, 1),
@@ -108,25 +120,71 @@ def params_partition_specs(params: Any, params_axes: Mapping[str, Any], mesh: Me
       names suffixed `_axes`).
   """
   rules = standard_logical_axis_rules() if rules is None else rules
-  logical = nn_partitioning.get_axis_names(flax.core.unfreeze(params_axes))
-  flat_params = flax.traverse_util.flatten_dict(flax.core.unfreeze(params))
-  flat_logical = flax.traverse_util.flatten_dict(flax.core.unfreeze(logical))
+  flat_logical = params_lib.flatten(
+      nn_partitioning.get_axis_names(flax.core.unfreeze(params_axes)))
   specs = {}
-  for path, value in flat_params.items():
-    name = '/'.join(path)
-    if path not in flat_logical:
+  for name, value in params_lib.flatten(params).items():
+    if name not in flat_logical:
       raise ValueError(f'parameter {name} has no logical axis names in params_axes')
-    spec = logical_to_mesh_spec(tuple(flat_logical[path]), rules)
-    specs[path] = fit_spec(spec, value.shape, mesh, name)
-  return flax.traverse_util.unflatten_dict(specs)
+    spec = logical_to_mesh_spec(tuple(flat_logical[name]), rules)
+    specs[name] = fit_spec(spec, value.shape, mesh, name)
+  return params_lib.unflatten(specs)
 
 
-def params_shardings(params: Any, params_axes: Mapping[str, Any], mesh: Mesh,
-                     rules: Optional[LogicalRules] = None) -> Any:
-  """`NamedSharding` of each parameter on `mesh`."""
-  specs = params_partition_specs(params, params_axes, mesh, rules)
-  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
-                                is_leaf=lambda x: isinstance(x, P))
+def _adafactor_dropped_dim(key_path, pshape: Sequence[int]) -> Optional[int]:
+  """The dimension optax's Adafactor reduces for a `v_row` / `v_col` statistic.
+
+  optax factors the two largest dimensions (d1, d0) = argsort(shape)[-2:];
+  `v_row` drops d0 and `v_col` drops d1. Needed for square kernels, where the
+  shape alone does not say which dimension a statistic kept.
+  """
+  attrs = {k.name for k in key_path if isinstance(k, jax.tree_util.GetAttrKey)}
+  if len(pshape) < 2 or not attrs & {'v_row', 'v_col'}:
+    return None
+  d1, d0 = (int(d) for d in np.argsort(pshape)[-2:])
+  return d0 if 'v_row' in attrs else d1
+
+
+def optimizer_state_specs(opt_shapes: Any, param_shapes: Any, param_specs: Any,
+                          mesh: Mesh) -> Any:
+  """`PartitionSpec`s of the optimizer state, from the parameters' specs.
+
+  An optimizer leaf whose key path ends with a parameter's path takes that
+  parameter's spec when it has the parameter's shape, and the spec minus the
+  dropped dimension when it is a factored statistic (one dimension fewer);
+  everything else (counts, unfactored placeholders) is replicated.
+  """
+  flat_shapes = params_lib.flatten(param_shapes)
+  flat_specs = params_lib.flatten(param_specs)
+
+  def spec_of(key_path, leaf):
+    names = params_lib.path_names(key_path)
+    shape = tuple(leaf.shape)
+    for start in range(len(names)):
+      name = params_lib.join(names[start:])
+      if name not in flat_shapes:
+        continue
+      pshape, pspec = tuple(flat_shapes[name].shape), tuple(flat_specs[name])
+      pspec = pspec + (None,) * (len(pshape) - len(pspec))
+      if shape == pshape:
+        return fit_spec(pspec, shape, mesh)
+      if len(shape) == len(pshape) - 1:
+        dropped = [d for d in range(len(pshape)) if pshape[:d] + pshape[d + 1:] == shape]
+        if len(dropped) > 1 and _adafactor_dropped_dim(key_path, pshape) in dropped:
+          dropped = [_adafactor_dropped_dim(key_path, pshape)]
+        if dropped:
+          d = dropped[0]
+          return fit_spec(pspec[:d] + pspec[d + 1:], shape, mesh)
+      break
+    return P()
+
+  return jax.tree_util.tree_map_with_path(spec_of, opt_shapes)
+
+
+def named_shardings(specs: Any, mesh: Mesh) -> Any:
+  """A tree of `PartitionSpec`s -> the same tree of `NamedSharding`s on `mesh`."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, P))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -13,6 +13,14 @@ Normalisers f:
 
 Padding (mask False) is never selected while a real token is left; if a row
 has fewer than k real tokens, padding fills the remaining slots with gate 0.
+
+Tokens move by gathers in both directions, never by scatter (which lowers to
+atomics on GPU and is slow on TPU; MaxText's MoE permute/unpermute is the
+model): `gather_tokens(x, indices, slots)` takes the k selected rows
+(route) and `ungather_tokens(y, indices, slots)` puts them back by gathering
+with the inverse index `slots` (each position's slot among the selected, or
+the sentinel k that reads a zero row). Their custom VJPs make each one's
+backward pass the other gather.
 """
 from __future__ import annotations
 
@@ -26,11 +34,10 @@ from jax import lax
 import jax.numpy as jnp
 
 from coda_jax import soft_topk as soft_topk_lib
+from coda_jax.config import NORMALIZERS, SoftTopKConfig
 
 Array = jax.Array
 Initializer = Callable[..., Array]
-
-NORMALIZERS = ('soft_topk', 'sigmoid', 'truncation')
 
 # Selection key of padding: below every λ in [0, 1], so padding is only taken
 # once the real tokens run out.
@@ -53,6 +60,22 @@ class RoutingDecision:
   weights: Array
   selected: Array
 
+  @property
+  def slots(self) -> Array:
+    """[batch, length] int32: each position's slot in `indices`, or k (the
+    sentinel) where not selected. The inverse index of `indices`."""
+    return token_slots(self.selected, self.indices.shape[1])
+
+
+def token_slots(selected: Array, k: int) -> Array:
+  """[batch, length] bool selection with k True per row -> inverse index.
+
+  Position p's slot is the number of selected positions before it (indices
+  are ascending), or k where p is not selected.
+  """
+  rank = jnp.cumsum(selected.astype(jnp.int32), axis=-1) - 1
+  return jnp.where(selected, rank, k).astype(jnp.int32)
+
 
 def check_k(k, length: int) -> int:
   k = soft_topk_lib.check_k(k)
@@ -62,26 +85,93 @@ def check_k(k, length: int) -> int:
   return k
 
 
-def gather_tokens(x: Array, indices: Array) -> Array:
-  """x[b, indices[b]] for every row.
-
-  Args:
-    x: [batch, length, ...].
-    indices: [batch, k] integer positions.
-
-  Returns:
-    [batch, k, ...] with x's trailing dimensions.
-  """
+def _check_gather(x: Array, indices: Array, slots: Optional[Array]) -> None:
   if indices.ndim != 2 or x.ndim < 2 or x.shape[0] != indices.shape[0]:
     raise ValueError(f'gather_tokens expects x [batch, length, ...] and '
                      f'indices [batch, k]; got x {x.shape}, indices '
                      f'{indices.shape}')
-  idx = indices.reshape(indices.shape + (1,) * (x.ndim - 2))
-  return jnp.take_along_axis(x, idx, axis=1)
+  if slots is not None and slots.shape != x.shape[:2]:
+    raise ValueError(f'gather_tokens expects slots [batch, length] = {x.shape[:2]}, '
+                     f'got {slots.shape}')
+
+
+def _take_rows(x: Array, index: Array) -> Array:
+  """x[b, index[b]] for x [batch, m, ...] and index [batch, j] -> [batch, j, ...]."""
+  return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def _ungather(y: Array, slots: Array) -> Array:
+  """y [batch, k, ...] -> [batch, length, ...]: row slots[b, p] of y, 0 at slot k."""
+  zero = jnp.zeros((y.shape[0], 1) + y.shape[2:], y.dtype)
+  return _take_rows(jnp.concatenate([y, zero], axis=1), slots)
+
+
+def _gather_pair(forward: Callable, backward: Callable) -> Callable:
+  """`forward(v, indices, slots)` with `backward(g, indices, slots)` as its VJP.
+
+  Route and un-route are each other's transpose: each one's backward pass is
+  the other gather.
+  """
+  move = jax.custom_vjp(lambda v, indices, slots: forward(v, indices, slots))
+  move.defvjp(lambda v, indices, slots: (forward(v, indices, slots), (indices, slots)),
+              lambda res, g: (backward(g, *res), None, None))
+  return move
+
+
+_route = _gather_pair(lambda x, indices, slots: _take_rows(x, indices),
+                      lambda g, indices, slots: _ungather(g, slots))
+_unroute = _gather_pair(lambda y, indices, slots: _ungather(y, slots),
+                        lambda g, indices, slots: _take_rows(g, indices))
+
+
+def gather_tokens(x: Array, indices: Array, slots: Optional[Array] = None) -> Array:
+  """x[b, indices[b]] for every row: route the selected tokens.
+
+  Args:
+    x: [batch, length, ...].
+    indices: [batch, k] integer positions.
+    slots: optional [batch, length] inverse index of `indices`
+      (`RoutingDecision.slots`; indices then distinct). With it the backward
+      pass is `ungather_tokens` (a gather) instead of autodiff's scatter-add.
+
+  Returns:
+    [batch, k, ...] with x's trailing dimensions.
+  """
+  _check_gather(x, indices, slots)
+  if slots is None:
+    return _take_rows(x, indices)
+  return _route(x, indices, slots)
+
+
+def ungather_tokens(y: Array, indices: Array, slots: Array) -> Array:
+  """The routed rows put back at their positions, zeros elsewhere: un-route.
+
+  out[b, p] = y[b, slots[b, p]] where p is selected, 0 elsewhere; the same
+  values `scatter_add_tokens(zeros, indices, y)` gives, moved by a gather,
+  and a gather (`gather_tokens`) in the backward pass too.
+
+  Args:
+    y: [batch, k, ...].
+    indices: [batch, k] distinct positions (used by the backward pass).
+    slots: [batch, length] their inverse index (`RoutingDecision.slots`).
+
+  Returns:
+    [batch, length, ...] in y's dtype.
+  """
+  if (indices.ndim != 2 or y.shape[:2] != indices.shape or slots.ndim != 2
+      or slots.shape[0] != y.shape[0]):
+    raise ValueError(f'ungather_tokens expects y [batch, k, ...], indices [batch, k] '
+                     f'and slots [batch, length]; got y {y.shape}, indices '
+                     f'{indices.shape}, slots {slots.shape}')
+  return _unroute(y, indices, slots)
 
 
 def scatter_add_tokens(base: Array, indices: Array, values: Array) -> Array:
   """base with values[b, j] added at position indices[b, j].
+
+  The general (scatter-add) form: repeated positions accumulate. The routed
+  layers un-route with `ungather_tokens`, its gather-only special case for
+  distinct indices.
 
   Args:
     base: [batch, length, ...].
@@ -125,17 +215,26 @@ def select_top_k(weights: Array, k: int, mask: Optional[Array] = None
     real = jnp.ones(weights.shape, bool)
   else:
     real = mask.astype(bool)
-  key = jnp.where(real, weights, _PADDING_KEY)
+  key = lax.stop_gradient(jnp.where(real, weights, _PADDING_KEY))
+  batch, length = weights.shape
+  weights = jnp.where(real, weights, 0.0)
+  if k == length:
+    # Every token, in order: no top-k and no gather.
+    return RoutingDecision(
+        indices=jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length)),
+        gate=weights, weights=weights, selected=jnp.ones((batch, length), bool))
   # lax.top_k puts the lower index first among equal keys.
-  _, indices = lax.top_k(lax.stop_gradient(key), k)
+  values, indices = lax.top_k(key, k)
   indices = jnp.sort(indices, axis=-1).astype(jnp.int32)
-  gate = jnp.take_along_axis(weights, indices, axis=-1)
-  gate = jnp.where(jnp.take_along_axis(real, indices, axis=-1), gate, 0.0)
-  batch_idx = jnp.arange(weights.shape[0])[:, None]
-  selected = jnp.zeros(weights.shape, bool).at[batch_idx, indices].set(True)
-  return RoutingDecision(indices=indices, gate=gate,
-                         weights=jnp.where(real, weights, 0.0),
-                         selected=selected)
+  # The same set as a mask, without a scatter: every key above the k-th
+  # value, and of the keys equal to it the first ones (top_k's tie rule).
+  kth = values[:, k - 1:]
+  above = key > kth
+  ties = key == kth
+  room = k - jnp.sum(above.astype(jnp.int32), axis=-1, keepdims=True)
+  selected = above | (ties & (jnp.cumsum(ties.astype(jnp.int32), axis=-1) <= room))
+  gate = gather_tokens(weights, indices, token_slots(selected, k))
+  return RoutingDecision(indices=indices, gate=gate, weights=weights, selected=selected)
 
 
 class Router(nn.Module):
@@ -143,26 +242,17 @@ class Router(nn.Module):
 
   Attributes:
     normalizer: "soft_topk", "sigmoid" or "truncation".
-    method: soft top-k solver, "iterative" (the paper's) or "exact".
-    epsilon, epsilon_init, epsilon_decay, num_iters: soft top-k settings
-      (`coda_jax.soft_topk.soft_topk`).
+    soft_topk: the soft top-k settings (`coda_jax.config.SoftTopKConfig`).
     w_init: initialiser of the score vector w [embed].
   """
   normalizer: str = 'soft_topk'
-  method: str = soft_topk_lib.DEFAULTS.method
-  epsilon: float = soft_topk_lib.DEFAULTS.epsilon
-  epsilon_init: float = soft_topk_lib.DEFAULTS.epsilon_init
-  epsilon_decay: float = soft_topk_lib.DEFAULTS.epsilon_decay
-  num_iters: int = soft_topk_lib.DEFAULTS.num_iters
+  soft_topk: SoftTopKConfig = SoftTopKConfig()
   w_init: Initializer = nn.initializers.normal(stddev=0.02)
 
   def __post_init__(self):
     if self.normalizer not in NORMALIZERS:
       raise ValueError(f'unknown router normalizer {self.normalizer!r}; '
                        f'expected one of {NORMALIZERS}')
-    if self.method not in soft_topk_lib.METHODS:
-      raise ValueError(f'unknown soft top-k method {self.method!r}; '
-                       f'expected one of {soft_topk_lib.METHODS}')
     super().__post_init__()
 
   @nn.compact
@@ -204,8 +294,5 @@ class Router(nn.Module):
     if self.normalizer == 'sigmoid':
       weights = jnp.where(real, jax.nn.sigmoid(scores), 0.0)
     else:
-      weights = soft_topk_lib.soft_topk(
-          scores, k, mask=real, method=self.method, epsilon=self.epsilon,
-          epsilon_init=self.epsilon_init, epsilon_decay=self.epsilon_decay,
-          num_iters=self.num_iters)
+      weights = soft_topk_lib.soft_topk(scores, k, self.soft_topk, mask=real)
     return select_top_k(weights, k, real)

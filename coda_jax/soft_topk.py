@@ -9,25 +9,38 @@ the unique scalar `a` (per row) with Σ λ = k. Two solvers:
 
 * ``"iterative"`` -- the paper's operator: T steps of coordinate descent on
   the dual variables (a, b) with ε-scaling (App. C, eq. 11), differentiated
-  by plain reverse-mode through the loop. Convention (the same as the public
-  colt5-attention ``coor_descent``): a₀ = 0, b₀ = -s; step t = 1..T runs at
-  ε_t = max(ε0 β^(t-1), ε):
+  by plain reverse-mode through the steps. Start (`SoftTopKConfig.b_init`):
+  a₀ = 0 and b₀ = -s ('colt5', the default: the public colt5-attention
+  ``coor_descent``'s) or b₀ = 0 ('zeros', which the paper allows); step
+  t = 1..T runs at ε_t = max(ε0 β^(t-1), ε):
 
     a = ε_t ln k - ε_t logsumexp((s + b) / ε_t)
     b = min(-s - a, 0)
 
-  and returns λ = exp((s + a + b) / ε_{T+1}). With T = 20 this is *not*
-  converged for small ε (Σλ/k is often 0.75-0.95); that is the paper's
-  operator. `topk_mass_ratio` reports Σλ/k.
-* ``"exact"`` -- the converged solution: a safeguarded root search on the
-  scalar a (Newton on ln Σλ, bisection fallback, and the exact root of the
-  piece of Σλ(a) with a fixed saturated set, which ends the search once the
-  right piece is found), so λ_i = min(1, exp((s_i + a)/ε)) holds by
-  construction and Σλ = k to float precision. No sort: each pass is one
-  exp and two sums over the row, and 5-12 passes are typical. Its VJP comes
-  from the implicit function theorem: on the unsaturated set U,
+  and returns λ = exp((s + a + b) / ε_{T+1}). T is static, so the steps are
+  unrolled (no device loop: XLA on GPU would launch a while loop's body from
+  the host at every step). With T = 20 this is *not* converged for small ε
+  (Σλ/k is often 0.75-0.95); that is the paper's operator. `topk_mass_ratio`
+  reports Σλ/k.
+* ``"exact"`` -- the converged solution in closed form, without a loop. With
+  the scores sorted in decreasing order s_(1) >= s_(2) >= ..., suppose the m
+  largest saturate (λ = 1); the others give Σ_{i>m} exp((s_(i) + a)/ε) = k - m,
+  so a = r_m = ε ln(k - m) - ε logsumexp_{i>m}(s_(i)/ε) (a suffix logsumexp
+  of the sorted scores). Since m + Σ_{i>m} exp(...) >= Σλ(a) for every a,
+  each r_m is a lower bound on the solution a*, and r_m = a* for the true
+  saturated count: a* = max_{0<=m<k} r_m. So: a top-k of the scores, a
+  reverse cumulative logsumexp over it, one max. Its VJP comes from the implicit function
+  theorem: on the unsaturated set U,
   ∂λ_U/∂s_U = (diag(λ_U) - λ_U λ_Uᵀ / Σ_U λ) / ε, and saturated or padding
   entries have zero derivative.
+
+`SoftTopKConfig.impl` picks how the iterative solver runs: ``"xla"`` (the
+steps above as XLA ops, the reference), ``"pallas"`` (the fused Pallas kernels
+of `coda_jax.kernels.soft_topk`: the T steps on-chip, forward and backward;
+Pallas interpret mode off GPU; method "exact" has no kernel and raises) or
+``"auto"`` (the default: the kernel on GPU where a one-time probe finds that
+it lowers, compiles and matches XLA, else XLA; always XLA on CPU/TPU and for
+method "exact").
 
 Both compute in float32 (float64 inputs stay float64), accept a padding mask
 (`True` = real token; padding gets λ = 0 and no gradient), give every real
@@ -38,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import operator
 from typing import Optional
@@ -46,35 +60,12 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from coda_jax.config import SOFT_TOPK_METHODS, SoftTopKConfig
+
 Array = jax.Array
 
-METHODS = ('iterative', 'exact')
-
-
-@dataclasses.dataclass(frozen=True)
-class SoftTopKConfig:
-  """Soft top-k settings; the defaults are the paper's text/vision values.
-
-  Speech models in the paper use epsilon=1.0, epsilon_decay=0.85.
-  """
-  method: str = 'iterative'
-  # Target entropy coefficient ε (the temperature of the soft top-k).
-  epsilon: float = 0.03
-  # ε-scaling start ε0 and decay β: ε_t = max(ε0 β^(t-1), ε).
-  epsilon_init: float = 4.0
-  epsilon_decay: float = 0.7
-  # Number T of coordinate-descent steps of the iterative solver.
-  num_iters: int = 20
-
-
+METHODS = SOFT_TOPK_METHODS
 DEFAULTS = SoftTopKConfig()
-
-# Safeguard on the exact solver's root search (typically 5-12 passes; the
-# bisection fallback halves the bracket, so 64 reaches float resolution).
-EXACT_MAX_PASSES = 64
-# From below, the exact solver steps to the piece root rather than Newton's
-# point when the root is within this many ε.
-_PIECE_STEP = 1.0
 
 # Finite stand-in for -inf on padding: large enough that exp() of it, even
 # after division by a small ε, is exactly 0, small enough that differences of
@@ -114,9 +105,12 @@ def epsilon_schedule(num_iters: int, *, epsilon: float = DEFAULTS.epsilon,
                for t in range(num_iters + 1))
 
 
-def _iterative(s: Array, real: Array, k: int, eps_sched: tuple[float, ...]
-               ) -> Array:
-  """Coordinate descent with ε-scaling; s [..., n] finite, real [..., n]."""
+def _iterative(s: Array, real: Array, k: int, eps_sched: tuple[float, ...],
+               b_init: str = 'colt5') -> Array:
+  """Coordinate descent with ε-scaling, unrolled; s [..., n] finite, real [..., n].
+
+  Starts at a₀ = 0 and b₀ = -s ('colt5') or b₀ = 0 ('zeros').
+  """
   num_iters = len(eps_sched) - 1
   eps = jnp.asarray(eps_sched, s.dtype)  # [T + 1]
   log_k = math.log(k)
@@ -130,121 +124,53 @@ def _iterative(s: Array, real: Array, k: int, eps_sched: tuple[float, ...]
     return a, b
 
   a0 = jnp.zeros(s.shape[:-1] + (1,), s.dtype)
-  a, b = lax.fori_loop(0, num_iters, step, (a0, -s))
+  b0 = -s if b_init == 'colt5' else jnp.zeros_like(s)
+  a, b = lax.fori_loop(0, num_iters, step, (a0, b0), unroll=True)
   # s + a + b = min(s + a, 0) <= 0, so λ <= 1 and exp never overflows.
   lam = jnp.exp((s + a + b) / eps[num_iters])
   return jnp.where(real, lam, 0.0)
 
 
 def _exact_forward(s: Array, real: Array, k: int, epsilon: float
-                   ) -> tuple[Array, Array, Array]:
-  """Converged soft top-k by a safeguarded root search on the scalar `a`.
+                   ) -> tuple[Array, Array]:
+  """Converged soft top-k in closed form: a* = max_{0<=m<k} r_m (module docstring).
 
-  F(a) = Σ_real min(1, exp((s + a) / ε)) is continuous and increasing; the
-  solution is its root F(a) = k. Each pass at a point c gives the number m of
-  saturated entries and the unsaturated mass μ = Σ_U exp((s + c)/ε), hence
+  Only the k largest scores are sorted (`lax.top_k`); the suffix logsumexp of
+  the rest is one masked logsumexp below the k-th value (with that value's
+  ties counted). Rows must have more than k real tokens (others are the
+  caller's): then m < k < n_real and every suffix holds a real token.
 
-  * F(c) = m + μ, which moves one end of the bracket [lo, hi] to c;
-  * the root of the piece of F on which c lies (the same m saturated
-    entries): r = c + ε ln((k - m) / μ). Because m + Σ_U exp(...) >= F
-    everywhere, r <= a* always: r is a lower bound, and it is a* exactly
-    once c lies in the solution's piece;
-  * a Newton step on ln F (slope μ / (ε F)), used when inside the bracket;
-    otherwise bisection.
-
-  Starts from lo = the m = 0 piece root ε ln k - ε logsumexp(s / ε) and
-  hi = -min(s) + ε ln(k / n_real) (every λ >= k / n_real). A row stops when
-  r agrees with c to 64 float ulps (then a* = r, exact to float precision)
-  or when its bracket has no float left inside; rows still open after
-  `EXACT_MAX_PASSES` passes use their best lower bound. Rows with
-  k >= n_real have no root and are left to the caller.
-
-  Returns (λ, unsaturated, passes): λ and unsaturated [..., n], and the
-  number of passes the root search took (a diagnostic).
+  Returns (λ, unsaturated), both [..., n].
   """
-  dtype = s.dtype
-  tol = 64 * float(jnp.finfo(dtype).eps)
-  log_k = math.log(k)
-  n_real = jnp.sum(real.astype(dtype), axis=-1, keepdims=True)
-  s_max = jnp.max(jnp.where(real, s, -jnp.inf), axis=-1, keepdims=True)
-  s_min = jnp.min(jnp.where(real, s, jnp.inf), axis=-1, keepdims=True)
-  open_ = n_real > k  # rows that have a root
-  s_max = jnp.where(open_, s_max, 0.0)
-  s_min = jnp.where(open_, s_min, 0.0)
-  lse = jnp.log(jnp.sum(jnp.where(real, jnp.exp((s - s_max) / epsilon), 0.0),
-                        axis=-1, keepdims=True))
-  lo = -s_max + epsilon * (log_k - lse)
-  hi = -s_min + epsilon * (log_k - jnp.log(jnp.maximum(n_real, 1.0)))
-
-  def evaluate(c):
-    u = (s + c) / epsilon
-    saturated = real & (u >= 0.0)
-    m = jnp.sum(saturated.astype(dtype), axis=-1, keepdims=True)
-    mu = jnp.sum(jnp.where(real & ~saturated, jnp.exp(jnp.minimum(u, 0.0)),
-                           0.0), axis=-1, keepdims=True)
-    return m, mu
-
-  def cond(state):
-    it, _, _, _, done, _ = state
-    return (it < EXACT_MAX_PASSES) & ~jnp.all(done)
-
-  def body(state):
-    it, lo, hi, c, done, a = state
-    m, mu = evaluate(c)
-    f = m + mu
-    has_mu = mu > 0.0
-    safe_mu = jnp.where(has_mu, mu, 1.0)
-    below = f <= k
-    new_lo = jnp.where(below, jnp.maximum(lo, c), lo)
-    new_hi = jnp.where(below, hi, jnp.minimum(hi, c))
-    # Piece root: a lower bound on a*, exact on the solution's piece.
-    piece_ok = has_mu & (m < k)
-    r = c + epsilon * (jnp.log(jnp.where(piece_ok, k - m, 1.0))
-                       - jnp.log(safe_mu))
-    r = jnp.where(piece_ok, r, -jnp.inf)
-    # On the solution's piece r = c up to rounding; then a* = r exactly.
-    converged = piece_ok & (jnp.abs(r - c) <= epsilon * tol)
-    raised = r > new_lo
-    new_lo = jnp.where(raised, r, new_lo)
-    newton = c + epsilon * (log_k - jnp.log(f)) * f / safe_mu
-    newton_ok = has_mu & (newton > new_lo) & (newton < new_hi)
-    mid = 0.5 * (new_lo + new_hi)
-    nxt = jnp.where(newton_ok, newton, mid)
-    # Coming from above, the piece root is usually a* already: try it. From
-    # below, Newton on ln F overshoots r (F is convex on a piece); take r
-    # itself when it moved little, i.e. few entries can have crossed.
-    try_r = raised & (~below | (r - c <= _PIECE_STEP * epsilon))
-    nxt = jnp.where(try_r, r, nxt)
-    # A collapsed bracket (no float strictly inside) ends the row too.
-    inside = (nxt > new_lo) & (nxt < new_hi)
-    finished = converged | ~(inside | try_r)
-    new_a = jnp.where(converged, r, new_lo)
-    keep = done
-    return (it + 1,
-            jnp.where(keep, lo, new_lo),
-            jnp.where(keep, hi, new_hi),
-            jnp.where(keep, c, nxt),
-            keep | finished,
-            jnp.where(keep, a, new_a))
-
-  state = (jnp.asarray(0, jnp.int32), lo, hi, lo, ~open_, lo)
-  passes, lo, _, _, done, a = lax.while_loop(cond, body, state)
-  a = jnp.where(done, a, lo)
-  a = jnp.where(open_, a, 0.0)
+  z = jnp.where(real, s / epsilon, _PAD_SCORE)
+  top, _ = lax.top_k(z, k)                                        # [..., k] decreasing
+  kth = top[..., k - 1:]
+  # logsumexp of the scores outside the top k: those below the k-th value,
+  # and the copies of the k-th value that top_k left out.
+  below = jax.nn.logsumexp(jnp.where(z < kth, z, _PAD_SCORE), axis=-1, keepdims=True)
+  ties_left = (jnp.sum((z == kth).astype(s.dtype), axis=-1, keepdims=True)
+               - jnp.sum((top == kth).astype(s.dtype), axis=-1, keepdims=True))
+  ties = jnp.where(ties_left > 0, kth + jnp.log(jnp.maximum(ties_left, 1.0)), _PAD_SCORE)
+  rest = jnp.logaddexp(below, ties)
+  # suffix[m] = logsumexp(top[m:]) combined with the rest, m = 0..k-1.
+  suffix = jnp.logaddexp(
+      lax.associative_scan(jnp.logaddexp, top, reverse=True, axis=top.ndim - 1), rest)
+  m = jnp.arange(k, dtype=s.dtype)
+  piece_roots = epsilon * (jnp.log(k - m) - suffix)               # r_m [..., k]
+  a = jnp.max(piece_roots, axis=-1, keepdims=True)
   u = (s + a) / epsilon
   lam = jnp.where(real, jnp.exp(jnp.minimum(u, 0.0)), 0.0)
-  unsaturated = real & (u < 0.0) & open_
-  return lam, unsaturated, passes
+  return lam, real & (u < 0.0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _exact(s: Array, real_f: Array, k: int, epsilon: float) -> Array:
-  lam, _, _ = _exact_forward(s, real_f > 0, k, epsilon)
+  lam, _ = _exact_forward(s, real_f > 0, k, epsilon)
   return lam
 
 
 def _exact_fwd(s, real_f, k, epsilon):
-  lam, unsaturated, _ = _exact_forward(s, real_f > 0, k, epsilon)
+  lam, unsaturated = _exact_forward(s, real_f > 0, k, epsilon)
   return lam, (lam, unsaturated, real_f)
 
 
@@ -265,46 +191,34 @@ def _exact_bwd(k, epsilon, res, g):
 _exact.defvjp(_exact_fwd, _exact_bwd)
 
 
-def soft_topk(scores: Array, k: int, *, mask: Optional[Array] = None,
-              method: str = DEFAULTS.method, epsilon: float = DEFAULTS.epsilon,
-              epsilon_init: float = DEFAULTS.epsilon_init,
-              epsilon_decay: float = DEFAULTS.epsilon_decay,
-              num_iters: int = DEFAULTS.num_iters) -> Array:
+def soft_topk(scores: Array, k: int, config: Optional[SoftTopKConfig] = None, *,
+              mask: Optional[Array] = None, **overrides) -> Array:
   """Soft top-k weights λ of `scores` along the last axis.
 
   Args:
     scores: [..., n] router scores, any float dtype.
     k: Python int >= 1, the budget Σλ (k > n is allowed: all real tokens
       get λ = 1).
+    config: the `SoftTopKConfig` (default: the paper's text settings):
+      method "iterative" (the paper's T-step solver) or "exact" (converged,
+      implicit-function gradient; a custom VJP, so reverse mode only),
+      epsilon, and for the iterative solver epsilon_init, epsilon_decay and
+      num_iters; impl 'xla', 'pallas' or 'auto' (module docstring).
     mask: optional [..., n] bool, True for real tokens. Padding gets λ = 0
       and zero gradient.
-    method: "iterative" (the paper's T-step solver) or "exact" (converged,
-      implicit-function gradient; a custom VJP, so reverse mode only).
-    epsilon: target ε (> 0).
-    epsilon_init: ε-scaling start ε0 (iterative only).
-    epsilon_decay: ε-scaling decay β in (0, 1] (iterative only).
-    num_iters: number of coordinate-descent steps T >= 1 (iterative only).
+    **overrides: fields of `config` to replace (`method='exact'`, ...).
 
   Returns:
     λ [..., n] in float32 (float64 for float64 scores), 0 <= λ <= 1.
   """
   k = check_k(k)
-  if method not in METHODS:
-    raise ValueError(f'unknown soft top-k method {method!r}; '
-                     f'expected one of {METHODS}')
-  if not epsilon > 0:
-    raise ValueError(f'epsilon must be > 0, got {epsilon}')
-  if method == 'iterative':
-    if not epsilon_init > 0:
-      raise ValueError(f'epsilon_init must be > 0, got {epsilon_init}')
-    if not 0 < epsilon_decay <= 1:
-      raise ValueError(f'epsilon_decay must be in (0, 1], got {epsilon_decay}')
-    try:
-      valid = not isinstance(num_iters, bool) and operator.index(num_iters) >= 1
-    except TypeError:
-      valid = False
-    if not valid:
-      raise ValueError(f'num_iters must be an int >= 1, got {num_iters!r}')
+  config = DEFAULTS if config is None else config
+  if overrides:
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(SoftTopKConfig)})
+    if unknown:
+      raise TypeError(f'soft_topk got unknown setting(s) {unknown}; SoftTopKConfig has '
+                      f'{[f.name for f in dataclasses.fields(SoftTopKConfig)]}')
+    config = dataclasses.replace(config, **overrides)
   scores = jnp.asarray(scores)
   if scores.ndim < 1:
     raise ValueError(f'scores must have at least 1 dimension [..., n], '
@@ -314,18 +228,46 @@ def soft_topk(scores: Array, k: int, *, mask: Optional[Array] = None,
     if mask.shape != scores.shape:
       raise ValueError(f'mask shape {mask.shape} must equal scores shape '
                        f'{scores.shape}')
-  return _soft_topk(scores, mask, k=k, method=method, epsilon=float(epsilon),
-                    epsilon_init=float(epsilon_init),
-                    epsilon_decay=float(epsilon_decay),
-                    num_iters=int(num_iters))
+  return _soft_topk(scores, mask, k=k, config=config)
 
 
-@functools.partial(jax.jit, static_argnames=(
-    'k', 'method', 'epsilon', 'epsilon_init', 'epsilon_decay', 'num_iters'))
-def _soft_topk(scores: Array, mask: Optional[Array], *, k: int, method: str,
-               epsilon: float, epsilon_init: float, epsilon_decay: float,
-               num_iters: int) -> Array:
+def _iterative_solver(config: SoftTopKConfig, shape: tuple[int, ...], dtype,
+                      k: int, sched: tuple[float, ...]):
+  """`_iterative` (XLA) or its Pallas kernel, as `config.impl` says.
+
+  'xla': XLA. 'pallas': the kernel (`coda_jax.kernels.soft_topk`; in Pallas
+  interpret mode off GPU). 'auto': the kernel on GPU if it lowers, compiles
+  and matches XLA there (probed once per block shape and setting; a failure
+  is logged and falls back to XLA), XLA elsewhere.
+  """
+  if config.impl == 'xla' or (config.impl == 'auto' and config.b_init != 'colt5'):
+    return functools.partial(_iterative, b_init=config.b_init)
+  # Imported here: the kernel module imports this one (its reference).
+  try:
+    from coda_jax.kernels import soft_topk as kernel_lib  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    if config.impl == 'pallas':
+      raise
+    logging.warning('soft top-k: no Pallas (%s); the XLA path is used.', e)
+    return _iterative
+  if config.impl == 'pallas' or kernel_lib.use_in_auto(shape, dtype, k, sched):
+    return kernel_lib.soft_topk_iterative
+  return _iterative
+
+
+@functools.partial(jax.jit, static_argnames=('k', 'config'))
+def _soft_topk(scores: Array, mask: Optional[Array], *, k: int,
+               config: SoftTopKConfig) -> Array:
   """soft_topk after validation; jitted so that eager calls are cheap."""
+  if config.impl == 'pallas' and config.method != 'iterative':
+    raise ValueError(
+        f"SoftTopKConfig(impl='pallas') has a kernel for method='iterative' "
+        f"only, got method={config.method!r}: use impl='xla' or impl='auto' "
+        f"(the XLA path) for it.")
+  if config.impl == 'pallas' and config.b_init != 'colt5':
+    raise ValueError(
+        f"SoftTopKConfig(impl='pallas') starts from b_init='colt5' only, got "
+        f"b_init={config.b_init!r}: use impl='xla' or impl='auto' for it.")
   dtype = _compute_dtype(scores.dtype)
   s = scores.astype(dtype)
   if mask is None:
@@ -345,13 +287,14 @@ def _soft_topk(scores: Array, mask: Optional[Array], *, k: int, method: str,
   # Solve such rows as if fully real so the solver stays finite; the answer
   # is replaced below.
   real_safe = real | jnp.all(~real, axis=-1, keepdims=True)
-  if method == 'iterative':
-    sched = epsilon_schedule(num_iters, epsilon=epsilon,
-                             epsilon_init=epsilon_init,
-                             epsilon_decay=epsilon_decay)
-    lam = _iterative(s, real_safe, k, sched)
+  if config.method == 'iterative':
+    sched = epsilon_schedule(config.num_iters, epsilon=config.epsilon,
+                             epsilon_init=config.epsilon_init,
+                             epsilon_decay=config.epsilon_decay)
+    solver = _iterative_solver(config, s.shape, s.dtype, k, sched)
+    lam = solver(s, real_safe, k, sched)
   else:
-    lam = _exact(s, real_safe.astype(dtype), k, epsilon)
+    lam = _exact(s, real_safe.astype(dtype), k, config.epsilon)
   return jnp.where(all_selected, real_f, lam)
 
 

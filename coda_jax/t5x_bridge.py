@@ -15,7 +15,7 @@ t5x needs to fine-tune CoDA, and where each piece is used by the gin files in
   ``t5x.optimizers.MultiOptimizer`` with one
   ``flax.traverse_util.ModelParamTraversal`` selecting the trainable leaves
   (adapters, routers, layer norms, LoRA factors:
-  `coda_jax.trainable.is_trainable_path`). MultiOptimizer returns the
+  `coda_jax.params.is_trainable`). MultiOptimizer returns the
   parameters no traversal selects unchanged (the same arrays) and keeps no
   optimizer state for them (``None``), so the pretrained weights stay bit-identical;
 * initialisation from a public T5 v1.1 checkpoint:
@@ -30,14 +30,14 @@ traversals need only flax).
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import gin
 
-from coda_jax import adapters
-from coda_jax import layers
-from coda_jax import trainable
+from coda_jax import params as params_lib
+from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ADAPTER_AXIS,
+                             LORA_AXIS)
+from coda_jax.partitioning import CODA_LOGICAL_AXIS_RULES
 
 T5X_INSTALL_HINT = (
     't5x is not installed (it is not on PyPI). Install it from source, e.g.\n'
@@ -48,25 +48,23 @@ T5X_INSTALL_HINT = (
     'jestimator from https://github.com/google-research/jestimator).')
 
 # Logical axes coda_jax adds to t5x's parameter axes.
-CODA_AXES = (adapters.ADAPTER_AXIS, layers.LORA_AXIS)
-
-# Partitioner rules: adapter bottlenecks and LoRA ranks are small, replicate them.
-CODA_LOGICAL_AXIS_RULES: Tuple[Tuple[str, Optional[str]], ...] = (
-    (adapters.ADAPTER_AXIS, None),
-    (layers.LORA_AXIS, None),
-)
+CODA_AXES = (ADAPTER_AXIS, LORA_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_CHOICES_AXIS)
 
 # Adafactor factorisation of the new axes: the small bottleneck side of a
 # (embed, adapter) kernel is a column, as `mlp` is in t5x's rules. (Rank-2
 # parameters fall back to t5x's heuristic in any case; the rule must exist.)
 CODA_LOGICAL_FACTOR_RULES = {
-    adapters.ADAPTER_AXIS: 'column',
-    layers.LORA_AXIS: 'column',
+    ADAPTER_AXIS: 'column',
+    LORA_AXIS: 'column',
+    ACM_GATE_AXIS: 'column',
+    ACM_GATE_IN_AXIS: 'column',
+    ACM_CHOICES_AXIS: 'column',
 }
 
 # A path component that names a leaf a T5 checkpoint does not have: a router,
-# an adapter module (adapter, adapter_attention, adapter_mlp) or a LoRA factor.
-NEW_COMPONENT = r'(?:router[^/]*|adapter[^/]*|lora_a|lora_b)'
+# an adapter module (adapter, adapter_attention, adapter_mlp) or a LoRA factor
+# (`coda_jax.params.is_new_component`, as a regular expression).
+NEW_COMPONENT = params_lib.new_component_regex()
 # Matches every '/'-joined key (of params, `target/...`, or of optimizer slots,
 # `state/param_states/...`) that has such a component (re.fullmatch, as t5x's
 # `state_utils.apply_assignment_map` uses it).
@@ -85,18 +83,14 @@ def import_t5x(submodule: Optional[str] = None):
     raise ImportError(T5X_INSTALL_HINT) from e
 
 
-def _names(path: str) -> Tuple[str, ...]:
-  return tuple(p for p in path.split('/') if p)
-
-
 def is_new_leaf(path: str) -> bool:
   """Whether a '/'-joined key names a leaf that a T5 v1.1 checkpoint lacks."""
-  return re.fullmatch(NEW_LEAF_PATTERN, path.strip('/')) is not None
+  return params_lib.is_new_leaf(params_lib.split(path))
 
 
 def is_trainable(path: str) -> bool:
   """Whether the '/'-joined parameter path (t5x: '/encoder/...') is trained."""
-  return trainable.is_trainable_path(_names(path))
+  return params_lib.is_trainable(params_lib.split(path))
 
 
 @gin.configurable
@@ -187,9 +181,7 @@ def make_multi_optimizer(optimizer_def: Any = None,
 
 def split_paths(params: Any) -> Tuple[Sequence[str], Sequence[str]]:
   """('/'-joined trainable paths, frozen paths) of a parameter tree."""
-  from flax import traverse_util  # pylint: disable=g-import-not-at-top
-  import flax  # pylint: disable=g-import-not-at-top
-  flat = traverse_util.flatten_dict(flax.core.unfreeze(params), sep='/')
+  flat = params_lib.flatten(params)
   train = sorted(k for k in flat if is_trainable(k))
   frozen = sorted(k for k in flat if not is_trainable(k))
   return train, frozen

@@ -18,7 +18,7 @@ Registered names (`register_tasks`, run at import with T5's vocabulary):
   coda_c4_span_corruption c4/en            T5's span corruption (noise density 0.15,
                           mean span 3, sentinels from the vocabulary's extra ids), the
                           objective of CoDA pre-training (paper App. A: n=512, k=192)
-  coda_quickstart_reverse generated offline: reverse a list of words (tiny CPU runs)
+  coda_quickstart_*       generated on the fly, no download (`coda_jax.offline_tasks`)
 
 Labels of classification tasks are T5's label names; a prediction that is no
 label scores as wrong. Metrics are percentages, as T5 reports them, and
@@ -34,12 +34,13 @@ bootstrap of that mean, which agrees to about 0.1).
 from __future__ import annotations
 
 import collections
-import math
 import re
 import string
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
+
+from coda_jax import offline_tasks
 
 DEFAULT_SPM_PATH = 'gs://t5-data/vocabs/cc_all.32000.100extra/sentencepiece.model'
 DEFAULT_EXTRA_IDS = 100
@@ -67,7 +68,7 @@ LABELS = {
 
 TASK_NAMES = ('coda_glue_mnli', 'coda_glue_rte', 'coda_super_glue_boolq',
               'coda_super_glue_record', 'coda_squad_v1_1', 'coda_xsum',
-              'coda_c4_span_corruption', 'coda_quickstart_reverse')
+              'coda_c4_span_corruption') + tuple(offline_tasks.OFFLINE_TASKS)
 
 
 def default_vocabulary():
@@ -510,39 +511,6 @@ def c4_text(dataset):
 
 
 # ----------------------------------------------------------------------------
-# Offline task for tiny runs.
-# ----------------------------------------------------------------------------
-
-QUICKSTART_WORDS = ('red', 'blue', 'green', 'cat', 'dog', 'sun', 'moon', 'tree', 'fish',
-                    'bird', 'rain', 'snow', 'star', 'road', 'ship', 'lamp')
-
-
-def quickstart_examples(split: str, num_examples: Optional[int] = None) -> List[Dict[str, str]]:
-  """Deterministic "reverse: w1 .. wm" -> "wm .. w1" pairs (seeded per split)."""
-  seeds = {'train': 0, 'validation': 1}
-  if split not in seeds:
-    raise ValueError(f'quickstart task has splits {sorted(seeds)}, not {split!r}')
-  count = num_examples or (256 if split == 'train' else 32)
-  rng = np.random.RandomState(seeds[split])
-  out = []
-  for _ in range(count):
-    words = [QUICKSTART_WORDS[i] for i in rng.randint(0, len(QUICKSTART_WORDS),
-                                                      rng.randint(2, 6))]
-    out.append({'inputs': 'reverse: ' + ' '.join(words),
-                'targets': ' '.join(reversed(words))})
-  return out
-
-
-def _quickstart_dataset(split, shuffle_files=False, seed=None):
-  del shuffle_files, seed
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  examples = quickstart_examples(split)
-  return tf.data.Dataset.from_tensor_slices({
-      'inputs': [e['inputs'] for e in examples],
-      'targets': [e['targets'] for e in examples]})
-
-
-# ----------------------------------------------------------------------------
 # Registration.
 # ----------------------------------------------------------------------------
 
@@ -600,13 +568,7 @@ def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
                          seqio.CacheDatasetPlaceholder(), concat_and_split,
                          span_corruption, seqio.preprocessors.append_eos_after_trim],
           metric_fns=[]),
-      'coda_quickstart_reverse': dict(
-          source=seqio.FunctionDataSource(_quickstart_dataset,
-                                          splits=('train', 'validation')),
-          output_features=features,
-          preprocessors=[seqio.preprocessors.tokenize,
-                         seqio.preprocessors.append_eos_after_trim],
-          postprocess_fn=text_postprocessor, metric_fns=[accuracy]),
+      **offline_tasks.task_specs(vocabulary),
   }
 
 

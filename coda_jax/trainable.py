@@ -1,17 +1,10 @@
-"""Which parameters CoDA fine-tuning trains, and an optimizer that freezes the rest.
+"""Trainable masks and an optimizer that freezes the rest of the tree.
 
 Paper §3.2: "we train CoDA on downstream tasks by only updating the adapter,
-router and layer normalization parameters". A leaf is trainable when a
-component of its path (in the t5x parameter tree) is
-  * an adapter module: starts with 'adapter' (`adapter`, `adapter_attention`,
-    `adapter_mlp`),
-  * a router: starts with 'router',
-  * a layer norm: ends with '_norm' (`pre_attention_layer_norm`,
-    `pre_mlp_layer_norm`, `pre_self_attention_layer_norm`,
-    `pre_cross_attention_layer_norm`, `encoder_norm`, `decoder_norm`),
-  * a LoRA factor: `lora_a` or `lora_b`.
-Everything else (embeddings, attention and MLP kernels, relative position
-biases, logits) is frozen.
+router and layer normalization parameters". Which leaves those are is
+`coda_jax.params.is_trainable` (adapters, routers, LoRA factors and every
+layer norm); everything else (embeddings, attention and MLP kernels, relative
+position biases, logits) is frozen.
 """
 from __future__ import annotations
 
@@ -23,49 +16,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from coda_jax.adapters import DEFAULT_ADAPTER_DIM
-from coda_jax.config import T5Config
+from coda_jax import params as params_lib
+from coda_jax.config import DEFAULT_ADAPTER_DIM, T5Config
 
 PyTree = Any
 Mask = Union[PyTree, Callable[[PyTree], PyTree]]
-
-TRAINABLE_PREFIXES = ('adapter', 'router')
-TRAINABLE_SUFFIXES = ('_norm',)
-TRAINABLE_NAMES = ('lora_a', 'lora_b')
 
 TRAINABLE_LABEL = 'trainable'
 FROZEN_LABEL = 'frozen'
 
 
-def _key_name(key) -> str:
-  for attr in ('key', 'name', 'idx'):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def path_names(path) -> tuple:
-  """A `jax.tree_util` key path as a tuple of strings."""
-  return tuple(_key_name(k) for k in path)
-
-
-def is_trainable_path(names: Sequence[str]) -> bool:
-  """True if a leaf at `names` (path components, outermost first) is trained."""
-  for name in names:
-    if (name.startswith(TRAINABLE_PREFIXES) or name.endswith(TRAINABLE_SUFFIXES)
-        or name in TRAINABLE_NAMES):
-      return True
-  return False
-
-
-def trainable_mask(params: PyTree) -> PyTree:
+def trainable_mask(params: PyTree, which: str = 'coda') -> PyTree:
   """A pytree of Python bools, the structure of `params`: True where trained.
 
   `params` may be the raw parameter tree or a variables dict `{'params': ...}`
   (a FrozenDict works too); leaves may be arrays or `jax.ShapeDtypeStruct`s.
+  `which` is the trainable set (`coda_jax.params.TRAINABLE_SETS`).
   """
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: is_trainable_path(path_names(path)), params)
+      lambda path, _: params_lib.is_trainable(params_lib.path_names(path), which), params)
 
 
 def _leaf_size(x) -> int:

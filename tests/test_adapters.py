@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from coda_jax import adapters
+from coda_jax import layers
 
 
 def _init(module, x, seed=0):
@@ -118,8 +119,8 @@ def test_adapter_types():
 
 
 def test_lora_scaling():
-  assert adapters.lora_scaling(8, 16.0) == 2.0
-  assert adapters.lora_scaling(4, 1) == 0.25
+  assert layers.lora_scaling(8, 16.0) == 2.0
+  assert layers.lora_scaling(4, 1) == 0.25
   for rank in (0, -1, 1.5):
     with pytest.raises(ValueError, match='LoRA rank'):
-      adapters.lora_scaling(rank, 1.0)
+      layers.lora_scaling(rank, 1.0)

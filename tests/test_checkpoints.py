@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from coda_jax import checkpoints
+from coda_jax import params as params_lib
 from coda_jax.config import T5Config
 
 torch = pytest.importorskip('torch')
@@ -41,7 +42,7 @@ def _hf_state_dict(model):
 
 
 def _assert_params_equal(a, b):
-  fa, fb = checkpoints.flatten(a), checkpoints.flatten(b)
+  fa, fb = params_lib.flatten(a), params_lib.flatten(b)
   assert sorted(fa) == sorted(fb)
   for k in fa:
     np.testing.assert_array_equal(np.asarray(fa[k]), np.asarray(fb[k]), err_msg=k)
@@ -93,7 +94,7 @@ def test_hf_safetensors_loads_exactly(hf_model, hf_dir):
   config, params = checkpoints.load_t5_v1_1(hf_dir)
   assert config == T5Config(**TINY)
   sd = _hf_state_dict(hf_model)
-  flat = checkpoints.flatten(params)
+  flat = params_lib.flatten(params)
   np.testing.assert_array_equal(flat['token_embedder/embedding'], sd['shared.weight'])
   np.testing.assert_array_equal(flat['decoder/logits_dense/kernel'], sd['lm_head.weight'].T)
   np.testing.assert_array_equal(
@@ -126,7 +127,7 @@ def test_hf_mapping_round_trip_and_cast(hf_model, hf_dir):
   for k in back:
     np.testing.assert_array_equal(back[k], expected[k], err_msg=k)
   _, p16 = checkpoints.load_t5_v1_1(hf_dir, dtype='bfloat16')
-  leaf = checkpoints.flatten(p16)['encoder/layers_0/mlp/wo/kernel']
+  leaf = params_lib.flatten(p16)['encoder/layers_0/mlp/wo/kernel']
   assert leaf.dtype.name == 'bfloat16'
   np.testing.assert_array_equal(
       leaf, sd['encoder.block.0.layer.1.DenseReluDense.wo.weight'].T.astype(leaf.dtype))
@@ -175,7 +176,7 @@ def test_torch_reader_views_dtypes_and_refusal(tmp_path):
 
 def _random_params(config, seed=0):
   rng = np.random.RandomState(seed)
-  return checkpoints.unflatten({
+  return params_lib.unflatten({
       name: rng.standard_normal(shape).astype(np.float32)
       for name, shape in checkpoints.param_shapes(config).items()})
 
@@ -210,7 +211,7 @@ def test_param_shapes_match_network_init():
     variables = jax.eval_shape(
         lambda: network.Transformer(config).init(
             jax.random.PRNGKey(0), tokens, tokens, tokens, enable_dropout=False))
-    got = {k: v.shape for k, v in checkpoints.flatten(variables['params']).items()}
+    got = {k: v.shape for k, v in params_lib.flatten(variables['params']).items()}
     assert got == checkpoints.param_shapes(config), overrides
     assert checkpoints.infer_config(got) == T5Config(**{**TINY, **overrides,
                                                        'dropout_rate': 0.0})
@@ -287,8 +288,8 @@ def test_t5x_legacy_old_top_level_path_specs(tmp_path):
   contents['optimizer']['target'] = _map_specs(contents['optimizer']['target'], to_old)
   _write_msgpack(ckpt_dir, contents)
   _, loaded = checkpoints.load_t5_v1_1(ckpt_dir, dtype=np.float16)
-  ref = checkpoints.flatten(params)
-  for k, v in checkpoints.flatten(loaded).items():
+  ref = params_lib.flatten(params)
+  for k, v in params_lib.flatten(loaded).items():
     assert v.dtype == np.float16
     np.testing.assert_array_equal(v, ref[k].astype(np.float16), err_msg=k)
 
@@ -337,8 +338,8 @@ def test_t5x_orbax_layout_restores_target_only(tmp_path):
       't5x-orbax', os.path.join(ckpt_dir, 'state'))
   config2, loaded = checkpoints.load_t5_v1_1(str(tmp_path), dtype='bfloat16')
   assert config2 == config
-  ref = checkpoints.flatten(params)
-  for k, v in checkpoints.flatten(loaded).items():
+  ref = params_lib.flatten(params)
+  for k, v in params_lib.flatten(loaded).items():
     assert v.dtype.name == 'bfloat16', k
     np.testing.assert_array_equal(v, ref[k].astype(v.dtype), err_msg=k)
   assert checkpoints.inspect_checkpoint(ckpt_dir)['step'] == 11
@@ -349,7 +350,7 @@ def test_t5x_orbax_written_by_t5x_style_state_with_slots(tmp_path):
   config = T5Config(**TINY)
   params = _random_params(config, 6)
   slots = {k: {'v_row': np.ones(v.shape[:1], np.float32)}
-           for k, v in checkpoints.flatten(params).items()}
+           for k, v in params_lib.flatten(params).items()}
   tree = {'target': params, 'state': {'step': np.int32(9), 'param_states': slots}}
   with ocp.CheckpointManager(str(tmp_path), item_names=('state', 'dataset'),
                              options=ocp.CheckpointManagerOptions(
@@ -398,9 +399,9 @@ def test_save_hf_tied_output_layer(tmp_path):
 
 def _legacy_without(tmp_path, drop):
   config = T5Config(**TINY)
-  flat = checkpoints.flatten(_random_params(config))
+  flat = params_lib.flatten(_random_params(config))
   del flat[drop]
-  return checkpoints.save_t5x_legacy(checkpoints.unflatten(flat), str(tmp_path))
+  return checkpoints.save_t5x_legacy(params_lib.unflatten(flat), str(tmp_path))
 
 
 def test_error_missing_leaf_names_path(tmp_path):
@@ -599,7 +600,7 @@ def test_tools_convert_checkpoint_script(hf_dir, tmp_path):
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert json.loads(proc.stdout)['output'].endswith('checkpoint_0')
   config, params = checkpoints.load_t5_v1_1(str(tmp_path))
-  assert checkpoints.flatten(params)['token_embedder/embedding'].dtype.name == 'bfloat16'
+  assert params_lib.flatten(params)['token_embedder/embedding'].dtype.name == 'bfloat16'
 
 
 def test_t5x_read_through_kvstore_urls(tmp_path):
@@ -632,14 +633,14 @@ def test_hf_bfloat16_safetensors(hf_model, tmp_path):
   bf16.save_pretrained(str(tmp_path))
   config, params = checkpoints.load_t5_v1_1(str(tmp_path))
   want = checkpoints.hf_to_t5x({k: v.float().numpy() for k, v in bf16.state_dict().items()})
-  flat = checkpoints.flatten(params)
-  for k, v in checkpoints.flatten(want).items():
+  flat = params_lib.flatten(params)
+  for k, v in params_lib.flatten(want).items():
     assert flat[k].dtype.name == 'bfloat16', k
     np.testing.assert_array_equal(flat[k].astype(np.float32), v, err_msg=k)
   flat['token_embedder/embedding'][0, 0] = 1  # writable
   _, p32 = checkpoints.load_t5_v1_1(str(tmp_path), config=config, dtype=np.float32)
-  np.testing.assert_array_equal(checkpoints.flatten(p32)['decoder/logits_dense/kernel'],
-                                checkpoints.flatten(want)['decoder/logits_dense/kernel'])
+  np.testing.assert_array_equal(params_lib.flatten(p32)['decoder/logits_dense/kernel'],
+                                params_lib.flatten(want)['decoder/logits_dense/kernel'])
 
 
 def test_library_never_imports_torch_or_transformers(hf_dir, tmp_path):

@@ -192,6 +192,23 @@ def test_padding_is_never_routed_while_real_tokens_are_left():
   assert mass.shape == (3,) and np.all((mass > 0) & (mass <= 1 + 1e-6))
 
 
+def test_mass_ratio_counts_the_budget_a_short_row_can_have():
+  """A row with 3 real tokens and k = 6 routes them all with gate 1: ratio 1, not 0.5."""
+  cfg = tiny()
+  coda = CodaConfig(reduction_factor=2.0)
+  n = 12
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, n, cfg.emb_dim))
+  input_mask = jnp.arange(n)[None] < jnp.array([[12], [3]])
+  mask = layers.make_attention_mask(input_mask, input_mask)
+  model = OneLayer(cfg, coda)
+  params = model.init(jax.random.PRNGKey(1), x, mask, input_mask)['params']
+  _, state = model.apply({'params': params}, x, mask, input_mask, mutable=['intermediates'])
+  routed = state['intermediates']['layer']['routing'][0]
+  np.testing.assert_array_equal(np.asarray(routed['gate'][1, :3]), 1.0)
+  assert float(routed['mass_ratio'][1]) == pytest.approx(1.0)
+  assert 0.5 < float(routed['mass_ratio'][0]) <= 1.0 + 1e-6
+
+
 def _loss_fn(model):
   def loss(params, enc, dec_in, tgt):
     out = model.apply({'params': params}, enc, dec_in, tgt, enable_dropout=False)

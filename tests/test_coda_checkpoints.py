@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from coda_jax import checkpoints
+from coda_jax import params as params_lib
 from coda_jax import trainable
 from coda_jax.config import CodaConfig, t5_1_1
 from coda_jax.network import Transformer
@@ -36,7 +37,7 @@ def test_init_coda_from_t5_takes_every_pretrained_leaf(tmp_path):
   config, loaded = checkpoints.load_t5_v1_1(ckpt)
   model = Transformer(config, coda=CodaConfig(reduction_factor=3.0))
   params = checkpoints.init_coda_from_t5(loaded, model, jax.random.PRNGKey(1))
-  flat, flat_base = checkpoints.flatten(params), checkpoints.flatten(base)
+  flat, flat_base = params_lib.flatten(params), params_lib.flatten(base)
   for name, value in flat_base.items():
     np.testing.assert_array_equal(flat[name], value)
   new = set(flat) - set(flat_base)
@@ -53,17 +54,17 @@ def test_init_coda_from_t5_takes_every_pretrained_leaf(tmp_path):
 def test_init_coda_from_t5_errors_name_the_leaf():
   model = Transformer(CFG, coda=CodaConfig())
   base = t5_params()
-  broken = checkpoints.flatten(base)
+  broken = params_lib.flatten(base)
   del broken['encoder/layers_1/mlp/wi_0/kernel']
   with pytest.raises(checkpoints.CheckpointError,
                      match='checkpoint is missing encoder/layers_1/mlp/wi_0/kernel'):
-    checkpoints.init_coda_from_t5(checkpoints.unflatten(broken), model, jax.random.PRNGKey(0))
-  wrong = checkpoints.flatten(base)
+    checkpoints.init_coda_from_t5(params_lib.unflatten(broken), model, jax.random.PRNGKey(0))
+  wrong = params_lib.flatten(base)
   wrong['encoder/encoder_norm/scale'] = np.ones(31, np.float32)
   with pytest.raises(checkpoints.CheckpointError,
                      match=r'encoder/encoder_norm/scale: checkpoint shape \(31,\) != model '
                            r'shape \(32,\)'):
-    checkpoints.init_coda_from_t5(checkpoints.unflatten(wrong), model, jax.random.PRNGKey(0))
+    checkpoints.init_coda_from_t5(params_lib.unflatten(wrong), model, jax.random.PRNGKey(0))
 
 
 def test_adapter_file_reproduces_the_tuned_model(tmp_path):
@@ -81,10 +82,10 @@ def test_adapter_file_reproduces_the_tuned_model(tmp_path):
   assert sorted(os.listdir(out)) == ['adapter_config.json', 'adapters.safetensors']
   coda_back, only, meta = checkpoints.load_adapters(out)
   assert coda_back == coda and meta['backbone']['checkpoint'] == 't5_1_1_tiny'
-  assert all(trainable.is_trainable_path(n.split('/')) for n in checkpoints.flatten(only))
+  assert all(params_lib.is_trainable(n.split("/")) for n in params_lib.flatten(only))
   # Over the plain T5 backbone, the file gives the tuned model bit for bit.
   coda2, restored = checkpoints.apply_adapters(base, out, model=model)
-  flat_t, flat_r = checkpoints.flatten(tuned), checkpoints.flatten(restored)
+  flat_t, flat_r = params_lib.flatten(tuned), params_lib.flatten(restored)
   assert set(flat_t) == set(flat_r)
   for name in flat_t:
     np.testing.assert_array_equal(np.asarray(flat_r[name]), np.asarray(flat_t[name]))
@@ -113,12 +114,12 @@ def test_adapter_file_of_coda_base_is_under_two_percent(tmp_path):
   shapes = jax.eval_shape(functools.partial(model.init, enable_dropout=False),
                           jax.random.PRNGKey(0), ones, ones, ones)['params']
   mask = trainable.trainable_mask(shapes)
-  flat_s, flat_m = checkpoints.flatten(shapes), checkpoints.flatten(mask)
+  flat_s, flat_m = params_lib.flatten(shapes), params_lib.flatten(mask)
   backbone_bytes = sum(4 * int(np.prod(s.shape)) for n, s in flat_s.items() if not flat_m[n])
   # The trainable leaves (real arrays) and a stand-in for each frozen one.
   params = {n: (np.full(s.shape, 0.01, np.float32) if flat_m[n] else np.zeros((1,), np.float32))
             for n, s in flat_s.items()}
-  out = checkpoints.save_adapters(checkpoints.unflatten(params), coda, str(tmp_path / 'a'))
+  out = checkpoints.save_adapters(params_lib.unflatten(params), coda, str(tmp_path / 'a'))
   size = os.path.getsize(os.path.join(out, 'adapters.safetensors'))
   assert size / backbone_bytes <= 0.02
   assert size > 4 * 2_000_000  # ~2.4M trainable parameters really written

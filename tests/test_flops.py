@@ -163,3 +163,20 @@ def test_errors_name_the_wrong_thing():
     flops.encoder_layer_macs(cfg, 8, variant='parallel_adapter', adapter_dim=0)
   with pytest.raises(ValueError, match='n must be'):
     flops.encoder_layer_macs(cfg, 0)
+
+
+def test_acm_layer_macs_by_hand():
+  cfg = T5Config(emb_dim=8, num_heads=2, head_dim=4, mlp_dim=16, mlp_activations=('gelu', 'linear'))
+  n = 5
+  dense = flops.encoder_layer_macs(cfg, n)
+  acm = flops.acm_encoder_layer_macs(cfg, n, 0.5, num_learners=4, gate_dim=3)
+  # FFN: 2 input projections + output = 3 * n * d * m, halved; gate d*g + g*g + g*(N+1).
+  assert dense['mlp'] == 3 * n * 8 * 16
+  assert acm['mlp'] == 3 * n * 8 * 16 // 2
+  assert acm['gate'] == n * (8 * 3 + 3 * 3 + 3 * 5)
+  attention = sum(dense[c] for c in ('q_proj', 'k_proj', 'v_proj', 'logits', 'attn_v',
+                                     'out_proj'))
+  assert acm['total'] == attention + acm['mlp'] + acm['gate']
+  assert flops.acm_encoder_speedup_bound(cfg, n, 0.5, 4, 3) == dense['total'] / acm['total']
+  with pytest.raises(ValueError, match='learners_used must be in'):
+    flops.acm_encoder_layer_macs(cfg, n, 1.5)

@@ -12,6 +12,7 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 from coda_jax import decoding  # noqa: E402
+from coda_jax import params as params_lib  # noqa: E402
 from coda_jax.checkpoints import load_t5_v1_1  # noqa: E402
 from coda_jax.network import Transformer  # noqa: E402
 
@@ -112,3 +113,58 @@ def test_greedy_decoding_matches_generate(hf_and_ours):
   hf_tokens = np.pad(hf_tokens, ((0, 0), (0, 8 - hf_tokens.shape[1])))
   np.testing.assert_array_equal(ours, hf_tokens)
   assert (ours == 1).any() and len({tuple(r) for r in ours}) > 1
+
+
+def _logits(hf, config, params):
+  """(HF logits, ours) on `padded_batch`, at real target positions."""
+  enc, dec_in, tgt = padded_batch()
+  with torch.no_grad():
+    hf_logits = hf(input_ids=torch.tensor(enc), attention_mask=torch.tensor(enc > 0),
+                   decoder_input_ids=torch.tensor(dec_in)).logits.numpy()
+  ours = Transformer(config).apply({'params': params}, jnp.asarray(enc), jnp.asarray(dec_in),
+                                   jnp.asarray(tgt), enable_dropout=False)
+  return hf_logits[tgt > 0], np.asarray(ours)[tgt > 0]
+
+
+@pytest.mark.parametrize('tie_word_embeddings', [False, None])
+def test_tied_embedding_t5_from_transformers_5_matches_logits(tmp_path, tie_word_embeddings):
+  """transformers 5 ties lm_head to shared for every T5 and saves no lm_head.weight.
+
+  `tie_word_embeddings=False` (the natural way to ask for an untied T5 v1.1)
+  gives tied logits WITHOUT the d_model**-0.5 scale; the default gives them
+  with it (original T5). Both load and give HF's logits.
+  """
+  torch.manual_seed(1)
+  kwargs = {} if tie_word_embeddings is None else {'tie_word_embeddings': tie_word_embeddings}
+  cfg = transformers.T5Config(
+      vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+      feed_forward_proj='gated-gelu', decoder_start_token_id=0, pad_token_id=0,
+      eos_token_id=1, dropout_rate=0.0, **kwargs)
+  hf = transformers.T5ForConditionalGeneration(cfg).eval()
+  hf.save_pretrained(str(tmp_path))
+  from safetensors import safe_open
+  with safe_open(str(tmp_path / 'model.safetensors'), 'np') as f:
+    assert 'lm_head.weight' not in f.keys()  # tied: written once, as shared.weight
+  scaled = tie_word_embeddings is None
+  assert hf.config.scale_decoder_outputs == scaled
+  config, params = load_t5_v1_1(str(tmp_path))
+  assert config.logits_via_embedding == scaled
+  flat = params_lib.flatten(params)
+  if not scaled:  # untied on load: the output kernel is the embedding
+    np.testing.assert_array_equal(flat['decoder/logits_dense/kernel'],
+                                  flat['token_embedder/embedding'].T)
+  want, got = _logits(hf, config, params)
+  assert np.abs(want).max() > 1.0
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_untied_lm_head_with_scaled_outputs_matches_logits(tmp_path):
+  """An original-T5 style file: lm_head.weight present AND outputs scaled."""
+  hf = make_hf_model(str(tmp_path / 'src'))
+  hf.config.scale_decoder_outputs = True
+  hf.save_pretrained(str(tmp_path / 'scaled'))
+  config, params = load_t5_v1_1(str(tmp_path / 'scaled'))
+  assert not config.logits_via_embedding
+  want, got = _logits(hf, config, params)
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+

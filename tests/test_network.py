@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from coda_jax import decoding
+from coda_jax import layers
 from coda_jax.config import T5Config, t5_1_1
 from coda_jax.network import Transformer
 
@@ -296,3 +297,23 @@ def test_non_integer_tokens_are_cast_and_bad_decode_use_is_refused():
   with pytest.raises(ValueError, match="unknown decoding method 'nucleus'"):
     decoding.predict_batch(model, variables['params'], enc, max_decode_length=4,
                            method='nucleus')
+
+
+@pytest.mark.parametrize('bidirectional', [True, False])
+@pytest.mark.parametrize('num_buckets,max_distance', [(32, 128), (8, 16), (32, 17)])
+def test_relative_position_bias_per_distance_equals_per_pair_buckets(
+    bidirectional, num_buckets, max_distance):
+  """The bias looked up per clipped distance = t5x's per-(query, key) buckets,
+  for routed (per-row) positions far beyond max_distance too."""
+  rel = layers.RelativePositionBiases(num_buckets, max_distance, num_heads=3)
+  q = jnp.asarray(np.random.RandomState(0).choice(600, (2, 5), replace=False))
+  kv = jnp.arange(600)
+  variables = rel.init(jax.random.PRNGKey(0), q, kv, bidirectional)
+  got = rel.apply(variables, q, kv, bidirectional)
+  buckets = layers.relative_position_bucket(kv[None, None, :] - q[:, :, None],
+                                            bidirectional, num_buckets, max_distance)
+  table = variables['params']['rel_embedding']                  # [heads, buckets]
+  want = jnp.transpose(table[:, buckets], (1, 0, 2, 3))        # [b, heads, q, kv]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  with pytest.raises(ValueError, match='relative_attention_max_distance'):
+    T5Config(relative_attention_num_buckets=32, relative_attention_max_distance=16)

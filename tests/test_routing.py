@@ -6,6 +6,7 @@ import pytest
 
 from coda_jax import routing
 from coda_jax import soft_topk as st
+from coda_jax.config import SoftTopKConfig
 
 B, N, D = 4, 12, 8
 LENGTHS = (12, 7, 3, 0)  # rows 2 and 3 have fewer than K real tokens
@@ -52,7 +53,7 @@ def _check_decision(d, mask, k):
                                                ('sigmoid', 'iterative')])
 def test_router_selects_top_weights(normalizer, method):
   x, mask = _inputs()
-  router = routing.Router(normalizer=normalizer, method=method,
+  router = routing.Router(normalizer=normalizer, soft_topk=SoftTopKConfig(method=method),
                           w_init=jax.nn.initializers.normal(1.0))
   variables, d = _route(router, x, mask)
   _check_decision(d, mask, K)
@@ -106,7 +107,7 @@ def test_ties_break_by_position():
 
 def test_no_mask_and_k_equal_length():
   x, _ = _inputs()
-  router = routing.Router(method='exact')
+  router = routing.Router(soft_topk=SoftTopKConfig(method='exact'))
   _, d = _route(router, x, None, k=N)
   np.testing.assert_array_equal(np.asarray(d.indices),
                                 np.tile(np.arange(N), (B, 1)))
@@ -118,7 +119,8 @@ def test_no_mask_and_k_equal_length():
                                                ('sigmoid', 'iterative')])
 def test_gradient_reaches_router_weights(normalizer, method):
   x, mask = _inputs(1)
-  router = routing.Router(normalizer=normalizer, method=method, epsilon=0.3)
+  router = routing.Router(normalizer=normalizer,
+                          soft_topk=SoftTopKConfig(method=method, epsilon=0.3))
   variables = router.init(jax.random.PRNGKey(0), x, K, mask)
   target = jnp.asarray(np.random.default_rng(2).normal(size=(B, K)),
                        jnp.float32)
@@ -149,7 +151,7 @@ def test_params_axes_and_init():
 
 def test_router_bfloat16_and_jit():
   x, mask = _inputs()
-  router = routing.Router(method='exact')
+  router = routing.Router(soft_topk=SoftTopKConfig(method='exact'))
   variables = router.init(jax.random.PRNGKey(0), x, K, mask)
   d = jax.jit(router.apply, static_argnums=2)(variables,
                                               x.astype(jnp.bfloat16), K, mask)
@@ -165,7 +167,7 @@ def test_router_errors():
                      r".*'soft_topk', 'sigmoid', 'truncation'"):
     routing.Router(normalizer='softmax')
   with pytest.raises(ValueError, match="unknown soft top-k method 'sorted'"):
-    routing.Router(method='sorted')
+    routing.Router(soft_topk=SoftTopKConfig(method='sorted'))
   router = routing.Router()
   with pytest.raises(ValueError, match=f'k must be <= the sequence length {N}'
                                        f', got {N + 1}'):

@@ -85,7 +85,7 @@ def run_scenarios(group: str) -> dict:
         lr, functools.partial(optimizer_lib.adafactor, min_dim_size_to_factor=32),
         trainable_params)
     trainer = trainer_lib.Trainer(model, optimizer, mesh, learning_rate_fn=lr,
-                                  trainable_params=trainable_params, example_lengths=(16, 8))
+                                  trainable_params=trainable_params)
     if params0 is None:
       params0 = jax.device_get(trainer.init_params(jax.random.PRNGKey(0)))
     state = trainer.init_state(trainer.place_params(params0), jax.random.PRNGKey(1))
@@ -286,7 +286,7 @@ def test_create_mesh_fills_minus_one_and_names_bad_shapes():
 
 def test_factored_statistics_follow_the_dimension_they_keep_even_for_square_kernels():
   import optax  # pylint: disable=g-import-not-at-top
-  from coda_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax import partitioning as trainer_lib  # pylint: disable=g-import-not-at-top
   shapes = {'query': {'kernel': jax.ShapeDtypeStruct((32, 32), jnp.float32)},   # square
             'wo': {'kernel': jax.ShapeDtypeStruct((64, 32), jnp.float32)},
             'scale': jax.ShapeDtypeStruct((32,), jnp.float32)}

@@ -13,16 +13,20 @@ import pytest
 
 from coda_jax import soft_topk as st
 
+import reference_soft_topk  # the 0.1 solvers, kept as references
+
 EPS = st.DEFAULTS.epsilon
 EPS0 = st.DEFAULTS.epsilon_init
 BETA = st.DEFAULTS.epsilon_decay
 T = st.DEFAULTS.num_iters
 
 
-def _np_coordinate_descent(s, k, mask, eps, eps0, beta, num_iters):
-  """App. C eq. (11) with ε-scaling, in float64, one row at a time.
+def _np_coordinate_descent(s, k, mask, eps, eps0, beta, num_iters, b_init='zeros'):
+  """The paper's App. C, eq. (11), with ε-scaling, in float64, row by row.
 
-  a_0 = 0, b_0 = -s; step t = 1..T at ε_t = max(ε0 β^(t-1), ε):
+  The dual variables start at zero (the paper: "a and b can be initialized to
+  zeros"), or b_0 = -s with b_init='colt5' (colt5-attention's coor_descent);
+  step t = 1..T at ε_t = max(ε0 β^(t-1), ε):
     a = ε_t ln k - ε_t ln Σ exp((s + b) / ε_t);  b = min(-s - a, 0)
   returns exp((s + a + b) / ε_{T+1}) on the real tokens, 0 on padding.
   """
@@ -32,7 +36,7 @@ def _np_coordinate_descent(s, k, mask, eps, eps0, beta, num_iters):
   for row in np.ndindex(s.shape[:-1]):
     x = s[row][mask[row]]
     a = 0.0
-    b = -x
+    b = np.zeros_like(x) if b_init == 'zeros' else -x
     for t in range(1, num_iters + 1):
       e = max(eps0 * beta ** (t - 1), eps)
       z = (x + b) / e
@@ -61,7 +65,7 @@ def test_iterative_matches_numpy_transcription(use_mask, scale, n, k):
   s = (rng.normal(size=(3, n)) * scale).astype(np.float32)
   mask = (_random_mask(rng, 3, n, k + 1) if use_mask
           else np.ones((3, n), bool))
-  want = _np_coordinate_descent(s, k, mask, EPS, EPS0, BETA, T)
+  want = _np_coordinate_descent(s, k, mask, EPS, EPS0, BETA, T, b_init='colt5')
   got = st.soft_topk(jnp.asarray(s), k, mask=jnp.asarray(mask) if use_mask
                      else None, method='iterative')
   assert got.dtype == jnp.float32
@@ -73,10 +77,35 @@ def test_iterative_matches_transcription_with_other_settings():
   rng = np.random.default_rng(3)
   s = rng.normal(size=(2, 50)).astype(np.float32)
   mask = np.ones(s.shape, bool)
-  want = _np_coordinate_descent(s, 5, mask, 1.0, 4.0, 0.85, 7)
+  want = _np_coordinate_descent(s, 5, mask, 1.0, 4.0, 0.85, 7, b_init='colt5')
   got = st.soft_topk(s, 5, method='iterative', epsilon=1.0, epsilon_init=4.0,
                      epsilon_decay=0.85, num_iters=7)
   np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize('use_mask', [False, True])
+def test_zero_start_matches_the_paper(use_mask):
+  """b_init='zeros': the paper's a₀ = b₀ = 0, against its equations."""
+  rng = np.random.default_rng(17)
+  s = (rng.normal(size=(4, 96)) * 2.0).astype(np.float32)
+  mask = _random_mask(rng, 4, 96, 40) if use_mask else np.ones(s.shape, bool)
+  want = _np_coordinate_descent(s, 32, mask, EPS, EPS0, BETA, T, b_init='zeros')
+  got = st.soft_topk(jnp.asarray(s), 32, mask=jnp.asarray(mask), b_init='zeros')
+  np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5)
+
+
+def test_the_two_starts_select_the_same_tokens_with_other_gates():
+  """Scores with standard deviation 5: gates differ by up to ~1, the top k agree."""
+  s = jax.random.normal(jax.random.PRNGKey(5), (16, 384)) * 5.0
+  colt5 = np.asarray(st.soft_topk(s, 128))
+  zeros = np.asarray(st.soft_topk(s, 128, b_init='zeros'))
+  assert np.abs(colt5 - zeros).max() > 0.5
+  for a, b in zip(colt5, zeros):
+    assert set(np.argsort(-a, kind='stable')[:128]) == set(np.argsort(-b, kind='stable')[:128])
+  with pytest.raises(ValueError, match="unknown soft top-k b_init 'ones'"):
+    st.soft_topk(s, 4, b_init='ones')
+  with pytest.raises(ValueError, match="starts from b_init='colt5' only"):
+    st.soft_topk(s, 4, b_init='zeros', impl='pallas')
 
 
 def test_epsilon_schedule_convention():
@@ -356,3 +385,93 @@ def test_benchmark_quick_run():
     assert row['exact_mass_ratio'] == pytest.approx(1.0, abs=1e-4)
   layer = report['soft_topk_vs_encoder_layer']
   assert set(layer) >= {'status'}
+
+
+# ------------------------------------- no device loop: the new paths = the old
+
+
+def _reference(method, s, k, mask, eps=EPS):
+  """λ by coda_jax 0.1's solvers (a fori_loop / a while_loop root search)."""
+  real = jnp.asarray(mask)
+  dtype = s.dtype
+  s0 = jnp.where(real, s, 0.0)
+  real_safe = real | jnp.all(~real, axis=-1, keepdims=True)
+  if method == 'iterative':
+    lam = reference_soft_topk.iterative_fori_loop(
+        s0, real_safe, k, st.epsilon_schedule(T, epsilon=eps, epsilon_init=EPS0,
+                                              epsilon_decay=BETA))
+  else:
+    lam = reference_soft_topk.exact_root_search(s0, real_safe, k, eps)
+  all_selected = jnp.sum(real, axis=-1, keepdims=True) <= k
+  return jnp.where(all_selected, real.astype(dtype), lam)
+
+
+def _implicit_vjp(lam, g, eps):
+  """The paper's implicit-function gradient on the unsaturated set U, from λ:
+  ∂λ_U/∂s_U = (diag(λ_U) - λ_U λ_Uᵀ / Σ_U λ) / ε; zero elsewhere."""
+  lam, g = np.asarray(lam, np.float64), np.asarray(g, np.float64)
+  u = (lam > 0) & (lam < 1)
+  lu = np.where(u, lam, 0.0)
+  mass = lu.sum(-1, keepdims=True)
+  mean = np.where(mass > 0, (lu * g).sum(-1, keepdims=True) / np.where(mass > 0, mass, 1), 0)
+  return lu * (np.where(u, g, 0.0) - mean) / eps
+
+
+@pytest.mark.parametrize('n,k', [(64, 16), (200, 67), (33, 30), (9, 1)])
+@pytest.mark.parametrize('x64', [True, False])
+def test_unrolled_iterative_equals_the_fori_loop(n, k, x64):
+  """Values and gradients to 1e-6 (float64). In float32 the unrolled steps let
+  XLA fold ε_t into constants, which moves λ by a few float32 ulps of the
+  exponent (s + a + b)/ε: 1e-5 there, and 1e-4 of the largest gradient."""
+  rng = np.random.default_rng(n * k)
+  tol, grad_tol = (1e-6, 1e-6) if x64 else (1e-5, 1e-4)
+  with jax.enable_x64(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    s = jnp.asarray(rng.normal(size=(6, n)) * 2.0, dtype)
+    mask = jnp.asarray(_random_mask(rng, 6, n, 1))
+    g = jnp.asarray(rng.normal(size=(6, n)), dtype)
+    got = st.soft_topk(s, k, mask=mask)
+    want = _reference('iterative', s, k, mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=0)
+    grad_got = jax.grad(lambda x: jnp.sum(g * st.soft_topk(x, k, mask=mask)))(s)
+    grad_want = jax.grad(lambda x: jnp.sum(g * _reference('iterative', x, k, mask)))(s)
+    np.testing.assert_allclose(
+        np.asarray(grad_got), np.asarray(grad_want),
+        atol=grad_tol * max(1.0, float(jnp.abs(grad_want).max())), rtol=0)
+
+
+@pytest.mark.parametrize('scale', [0.1, 1.0, 5.0, 30.0])
+@pytest.mark.parametrize('eps', [0.03, 1.0])
+def test_closed_form_exact_equals_the_root_search(scale, eps):
+  """Float64: both solve to machine precision, so they agree to 1e-9."""
+  rng = np.random.default_rng(int(scale * 10 + eps * 100))
+  with jax.enable_x64(True):
+    for n, k in [(384, 128), (77, 76), (50, 1), (128, 26)]:
+      s = rng.normal(size=(5, n)) * scale
+      s[0, : n // 2] = np.round(s[0, : n // 2])  # ties, including at the k-th value
+      s = jnp.asarray(s, jnp.float64)
+      mask = jnp.asarray(_random_mask(rng, 5, n, 1))
+      got = st.soft_topk(s, k, mask=mask, method='exact', epsilon=eps)
+      want = _reference('exact', s, k, mask, eps)
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-9, rtol=0)
+      g = jnp.asarray(rng.normal(size=(5, n)), jnp.float64)
+      grad = jax.grad(lambda x: jnp.sum(g * st.soft_topk(x, k, mask=mask, method='exact',
+                                                         epsilon=eps)))(s)
+      np.testing.assert_allclose(np.asarray(grad), _implicit_vjp(want, g, eps),
+                                 atol=1e-9 * max(1.0, float(jnp.abs(grad).max())), rtol=0)
+
+
+def test_closed_form_exact_float32_equals_the_root_search():
+  rng = np.random.default_rng(11)
+  s = jnp.asarray(rng.normal(size=(16, 384)) * 0.5, jnp.float32)
+  mask = jnp.asarray(_random_mask(rng, 16, 384, 100))
+  got = st.soft_topk(s, 128, mask=mask, method='exact')
+  want = _reference('exact', s, 128, mask)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize('method', st.METHODS)
+def test_no_device_loop(method):
+  s = jnp.zeros((4, 96), jnp.float32)
+  f = jax.jit(jax.value_and_grad(lambda x: jnp.sum(st.soft_topk(x, 32, method=method) * x)))
+  assert 'stablehlo.while' not in f.lower(s).as_text()

@@ -23,6 +23,7 @@ import pytest
 from coda_jax import checkpoints
 from coda_jax import config as config_lib
 from coda_jax import network
+from coda_jax import params as params_lib
 from coda_jax import partitioning
 from coda_jax import t5x_bridge
 from coda_jax import trainable
@@ -128,18 +129,27 @@ def test_rule_lists_cover_every_parameter_axis():
         variables['params_axes'],
         is_leaf=lambda x: isinstance(x, flax.linen.partitioning.AxisMetadata)):
       axes.update(leaf.names)
-  assert {'adapter', 'lora'} <= axes
+  # An ACM model's gates add their own axes.
+  acm_model = network.Transformer(config_lib.T5Config(**TINY),
+                                  acm=config_lib.AcmConfig(num_learners=2))
+  for leaf in jax.tree.leaves(
+      params_lib.abstract_variables(acm_model)['params_axes'],
+      is_leaf=lambda x: isinstance(x, flax.linen.partitioning.AxisMetadata)):
+    axes.update(leaf.names)
+  assert {'adapter', 'lora', 'acm_gate', 'acm_gate_in', 'acm_choices'} <= axes
   new_axes = axes - T5X_AXES
   assert new_axes == set(t5x_bridge.CODA_AXES)
   rules = dict(t5x_bridge.coda_logical_axis_rules())
-  assert rules == {'adapter': None, 'lora': None}
+  assert rules == {'adapter': None, 'lora': None, 'acm_gate': None, 'acm_gate_in': None,
+                   'acm_choices': None}
   # The same as coda_jax's own partitioner rules for those axes.
   ours = dict(partitioning.standard_logical_axis_rules())
   assert {a: ours[a] for a in new_axes} == rules
   # Adafactor factor rules: t5x's base (names or FactorDims) plus ours.
   base = {'vocab': 'column', 'embed': 'row', 'mlp': 'column'}
   factor = t5x_bridge.coda_logical_factor_rules(base)
-  assert dict(factor) == {**base, 'adapter': 'column', 'lora': 'column'}
+  assert dict(factor) == {**base, 'adapter': 'column', 'lora': 'column', 'acm_gate': 'column',
+                          'acm_gate_in': 'column', 'acm_choices': 'column'}
   assert t5x_bridge.coda_logical_factor_rules({**base, 'adapter': 'none'})['adapter'] == 'none'
 
 

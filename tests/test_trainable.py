@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from coda_jax import params as params_lib
 from coda_jax import trainable
 from coda_jax.config import T5Config, t5_1_1
 
@@ -41,7 +42,7 @@ def _synthetic_params():
 def _paths(tree, mask):
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   flags = jax.tree.leaves(mask)
-  return {'/'.join(trainable.path_names(p)): f for (p, _), f in zip(flat, flags)}
+  return {'/'.join(params_lib.path_names(p)): f for (p, _), f in zip(flat, flags)}
 
 
 EXPECTED_TRAINABLE = {
@@ -97,7 +98,7 @@ def test_count_params():
 def _split(params, mask):
   """The trainable leaves alone, as a flat dict keyed by path."""
   flags = _paths(params, mask)
-  leaves = {'/'.join(trainable.path_names(p)): x
+  leaves = {'/'.join(params_lib.path_names(p)): x
             for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
   return {k: v for k, v in leaves.items() if flags[k]}
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from coda_jax.flops import coda_k
+from coda_jax.config import CodaConfig, coda_k
 from coda_jax.training import k_annealing
 from coda_jax.training import schedules
 
@@ -33,8 +33,9 @@ def test_twenty_percent_ladder_and_lookup():
   assert [s.k(t) for t in (0, 49, 50, 99, 100, 199, 200, 999, 10**6)] == [
       512, 512, 410, 410, 308, 205, 103, 103, 103]
   assert [s.rung(t) for t in (0, 50, 150, 200, 5000)] == [0, 1, 3, 4, 4]
-  # Every rung is the same model with a reduction factor giving exactly its k.
-  assert [coda_k(512, s.reduction_factor(i)) for i in range(s.num_rungs)] == list(s.ks)
+  # Every rung is the same model routing exactly its k.
+  coda = CodaConfig(reduction_factor=5.0)
+  assert [s.coda(i, coda).num_selected(512) for i in range(s.num_rungs)] == list(s.ks)
 
 
 def test_fewer_rungs_when_there_is_little_to_anneal():
@@ -67,13 +68,15 @@ def test_ladder_invariants(n, r, fraction):
   assert s.starts[0] == 0 and s.starts[-1] == math.ceil(fraction * total)
 
 
-def test_reduction_factor_for_every_k():
+def test_fixed_k_for_every_k():
   for n in (1, 2, 7, 48, 512):
     for k in range(1, n + 1):
-      assert coda_k(n, k_annealing.reduction_factor_for_k(n, k)) == k
-  assert k_annealing.reduction_factor_for_k(512, 512) == 1.0
-  with pytest.raises(ValueError, match=r'k must be in \[1, n=8\], got 9'):
-    k_annealing.reduction_factor_for_k(8, 9)
+      assert CodaConfig(reduction_factor=3.0, num_routed_tokens=k).num_selected(n) == k
+  # More than n tokens: every token.
+  assert CodaConfig(num_routed_tokens=9).num_selected(8) == 8
+  with pytest.raises(ValueError, match=r'num_routed_tokens must be None or an int >= 1, '
+                     r'got 0'):
+    CodaConfig(num_routed_tokens=0)
 
 
 def test_bad_ladder_settings():

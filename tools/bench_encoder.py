@@ -10,8 +10,10 @@ variant (k-to-all, k-to-k), the median seconds of `Transformer.encode` on
 
 Every variant is compiled first (compile seconds reported apart) and then
 timed round-robin, one call of each per repeat in a rotating order, so
-machine load hits them alike. Random weights (`model.init`); all CoDA variants
-share one parameter tree and the baseline uses the same leaves minus routers.
+machine load hits them alike (`coda_jax.bench.timing`). Random weights made
+in the activation dtype on the device (`coda_jax.bench.models.coda_params`);
+all CoDA variants share one parameter tree and the baseline uses the same
+leaves minus routers.
 
 --profile also traces one call of each variant with the JAX profiler and
 attributes the executed XLA ops to the model code that emitted them (the
@@ -29,12 +31,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import glob
 import gzip
 import json
 import os
-import platform
 import re
 import sys
 import tempfile
@@ -43,10 +43,12 @@ from typing import Any, Dict, List, Mapping, Optional
 import jax
 import jax.numpy as jnp
 
-from coda_jax import benchmark as bm
+from coda_jax import config as config_lib
 from coda_jax import flops
-from coda_jax import network
-from coda_jax.config import CodaConfig, parallel_adapter_baseline
+from coda_jax.bench import hlo
+from coda_jax.bench import models
+from coda_jax.bench import timing
+from coda_jax.config import CodaConfig
 
 
 # ------------------------------------------------------------------------------
@@ -113,9 +115,9 @@ def group_of(label: str) -> str:
   return 'other (norms, residuals, embedding, ...)'
 
 
-def profile_call(timed: bm.Timed, workdir: str, top: int = 20) -> Dict[str, Any]:
+def profile_call(timed: timing.Timed, workdir: str, top: int = 20) -> Dict[str, Any]:
   """Per-op time of one call of a compiled function, attributed to the code."""
-  instructions, computations = bm.parse_hlo(timed.hlo_text())
+  instructions, computations = hlo.parse_hlo(timed.hlo_text())
   jax.block_until_ready(timed.call())
   with jax.profiler.trace(workdir, create_perfetto_trace=True):
     jax.block_until_ready(timed.call())
@@ -157,27 +159,19 @@ def bench(model: str = 'small', batch_size: int = 4, length: int = 1024,
           repeats: int = 5, dtype: Optional[str] = None, seed: int = 0,
           profile: bool = False, profile_top: int = 20,
           progress: bool = True) -> Dict[str, Any]:
-  dtype = dtype or bm.default_dtype()
-  config = bm.make_config(model, jnp.dtype(dtype))
+  dtype = dtype or timing.default_dtype()
+  config = models.make_config(model, jnp.dtype(dtype))
   template = CodaConfig()
-  params, params_info = bm.coda_params(config, template, seed=seed)
-  tokens = bm.random_tokens(batch_size, length, config.vocab_size, seed)
-  variants = [(bm.BASELINE, parallel_adapter_baseline(template), None, 1.0)]
-  for r in reduction_factors:
-    for att in attentions:
-      variants.append((bm.variant_name(r, att),
-                       dataclasses.replace(template, reduction_factor=float(r),
-                                           attention=att), att, float(r)))
-  bar = bm.Progress(len(variants) * (2 + repeats) if profile else
-                    len(variants) * (1 + repeats), enabled=progress)
-  timed, var_params = {}, {}
-  for name, coda, att, _ in variants:
-    m = network.Transformer(config, coda=coda)
-    var_params[name] = params if att else bm.restrict_params(params, m)
-    timed[name] = bm.compile_call(bm.make_encode_fn(m), var_params[name], tokens)
-    bar.step(f'compile {name}')
-  compile_s = {name: t.compile_s for name, t in timed.items()}
-  times = bm.time_round_robin({name: t.call for name, t in timed.items()}, repeats, bar)
+  params, params_info = models.coda_params(config, template, seed=seed)
+  tokens = models.random_tokens(batch_size, length, config.vocab_size, seed)
+  variants = models.make_variants(config, template, reduction_factors, attentions)
+  bar = timing.progress_bar(len(variants) * ((2 if profile else 1) + repeats),
+                            enabled=None if progress else False)
+  with timing.CompileCounter() as compiles:
+    timed = models.compile_encoders(variants, models.variant_params(variants, params),
+                                    tokens, bar)
+  times = timing.time_round_robin({name: t.call for name, t in timed.items()}, repeats,
+                                  bar)
   profiles = {}
   if profile:
     for name, t in timed.items():
@@ -186,32 +180,28 @@ def bench(model: str = 'small', batch_size: int = 4, length: int = 1024,
           profiles[name] = profile_call(t, tmp, profile_top)
         except Exception as e:  # pylint: disable=broad-except
           profiles[name] = {'error': f'{type(e).__name__}: {e}'}
-      bar.step(f'profile {name}')
+      bar.update(1, at=f'profile {name}')
   bar.close()
   rows = []
-  for name, coda, att, r in variants:
-    bound = (1.0 if att is None else
-             flops.encoder_speedup_bound(config, length, r, att, coda.adapter_dim))
-    sp = bm.speedup(times[bm.BASELINE], times[name])
-    row = {'name': name, 'reduction_factor': r, 'attention': att,
-           'k': coda.num_selected(length) if att else length,
-           'compile_s': compile_s[name], 'times_s': times[name],
-           'median_ms': bm.median_ms(times[name]), 'min_ms': 1e3 * min(times[name]),
-           'speedup': sp,
-           'speedup_of_min': bm.speedup_of_min(times[bm.BASELINE], times[name]),
-           'flop_bound': bound, 'fraction_of_bound': sp / bound}
+  for v in variants:
+    bound = (1.0 if v.attention is None else flops.encoder_speedup_bound(
+        config, length, v.reduction_factor, v.attention, v.coda.adapter_dim))
+    row = {'name': v.name, 'reduction_factor': v.reduction_factor,
+           'attention': v.attention, 'k': v.k(length),
+           'compile_s': timed[v.name].compile_s,
+           **timing.summary(times[v.name], times[models.BASELINE]),
+           'flop_bound': bound}
+    row['fraction_of_bound'] = row['speedup'] / bound
     if profile:
-      row['profile'] = profiles[name]
+      row['profile'] = profiles[v.name]
     rows.append(row)
   return {
-      'meta': {'tool': 'tools/bench_encoder.py', 'jax_version': jax.__version__,
-               'python': platform.python_version(), 'cpu_count': os.cpu_count(),
-               **bm._device_info(),  # pylint: disable=protected-access
+      'meta': {'tool': 'tools/bench_encoder.py', **timing.environment(),
                'dtype': dtype, 'model': model, 'batch_size': batch_size,
                'length': length, 'all_tokens_real': True, 'repeats': repeats,
-               'config': bm._config_dict(config),  # pylint: disable=protected-access
-               'coda': bm._config_dict(template),  # pylint: disable=protected-access
-               'params': params_info,
+               'config': config_lib.to_dict(config),
+               'coda': config_lib.to_dict(template),
+               'params': params_info, 'compilation': compiles.as_dict(),
                'timing': 'compile excluded; round-robin repeats; speedup = '
                          'median(parallel_adapter) / median(variant) of times_s'},
       'rows': rows,
@@ -249,7 +239,7 @@ def format_table(result: Mapping[str, Any]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--model', '--preset', dest='model', default='small',
-                      choices=bm.MODEL_PRESETS)
+                      choices=models.MODEL_PRESETS)
   parser.add_argument('--batch_size', type=int, default=4)
   parser.add_argument('--length', type=int, default=1024,
                       help='input tokens n (all real)')

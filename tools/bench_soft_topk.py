@@ -9,10 +9,11 @@ Prints one JSON object (and writes it to --out):
   exact / iterative, and Σλ/k of both solvers;
 * soft_topk_vs_encoder_layer: one soft top-k at B=8, n=512, k=128 against
   the forward of a T5 v1.1-small encoder with one layer
-  (`Transformer.encode`, real parameters from `model.init`).
+  (`Transformer.encode`, random parameters from `params.init_params`).
 
-All variants of a group are compiled first, then timed round-robin (one call
-of each per repeat, `block_until_ready`), so machine load hits them alike.
+All variants of a group are compiled first, then timed round-robin
+(`coda_jax.bench.timing.time_round_robin`: one call of each per repeat in a
+rotating order, `block_until_ready`), so machine load hits them alike.
 
   python tools/bench_soft_topk.py [--quick] [--repeats N] [--out FILE]
 """
@@ -21,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import soft_topk as st
+from coda_jax.bench import timing
 
 FULL_BATCHES = (8, 128)
 FULL_LENGTHS = (512, 2048, 4096)
@@ -43,18 +43,11 @@ QUICK_LAYER_LENGTH = 32
 FULL_REPEATS, QUICK_REPEATS = 20, 3
 
 
-def _time_round_robin(fns: dict[str, Callable[[], object]], repeats: int
-                      ) -> dict[str, float]:
+def _median_ms(fns: dict[str, Callable[[], object]], repeats: int
+               ) -> dict[str, float]:
   """Median milliseconds per variant; compile excluded, interleaved."""
-  for fn in fns.values():
-    jax.block_until_ready(fn())
-  times = {name: [] for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - start)
-  return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+  times = timing.time_round_robin(fns, repeats)
+  return {name: timing.median_ms(ts) for name, ts in times.items()}
 
 
 def _solver_fns(scores: jax.Array, w: jax.Array, k: int
@@ -83,7 +76,7 @@ def bench_solvers(batches: Sequence[int], lengths: Sequence[int], repeats: int,
       scores = jax.random.normal(key_s, (batch, n), jnp.float32)
       w = jax.random.normal(key_w, (batch, n), jnp.float32)
       fns = _solver_fns(scores, w, k)
-      ms = _time_round_robin(fns, repeats)
+      ms = _median_ms(fns, repeats)
       row = {'batch': batch, 'n': n, 'k': k}
       row.update({f'{name}_ms': round(v, 4) for name, v in ms.items()})
       row['exact_over_iterative_fwd'] = round(
@@ -111,6 +104,7 @@ def bench_layer(length: int, repeats: int, seed: int = 0,
   try:
     from coda_jax import config as config_lib
     from coda_jax import network
+    from coda_jax import params as params_lib
     transformer_cls = network.Transformer
   except (ImportError, AttributeError) as e:
     return {'status': f'skipped: coda_jax.network.Transformer unavailable '
@@ -122,9 +116,7 @@ def bench_layer(length: int, repeats: int, seed: int = 0,
   k = length // K_FRACTION
   key_tok, key_init, key_s = jax.random.split(jax.random.PRNGKey(seed), 3)
   tokens = jax.random.randint(key_tok, (batch, length), 1, cfg.vocab_size)
-  params = jax.jit(lambda key, t: model.init(
-      key, t, enable_dropout=False, method=transformer_cls.encode))(
-          key_init, tokens)
+  params = {'params': params_lib.init_params(model, key_init)}
   encode = jax.jit(lambda p, t: model.apply(p, t, enable_dropout=False,
                                             method=transformer_cls.encode))
   scores = jax.random.normal(key_s, (batch, length), jnp.float32)
@@ -132,7 +124,7 @@ def bench_layer(length: int, repeats: int, seed: int = 0,
   for method in st.METHODS:
     fwd = jax.jit(lambda s, m=method: st.soft_topk(s, k, method=m))
     fns[f'{method}_fwd'] = lambda f=fwd: f(scores)
-  ms = _time_round_robin(fns, repeats)
+  ms = _median_ms(fns, repeats)
   out = {'status': 'ok', 'batch': batch, 'n': length, 'k': k,
          'model': ('t5_1_1 small, num_encoder_layers=1 (embedding + 1 layer '
                    '+ final norm), dtype ' + jnp.dtype(cfg.dtype).name

@@ -15,33 +15,25 @@ import os
 import sys
 import tempfile
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import checkpoints
-
+from coda_jax import params as params_lib
 from coda_jax import trainable
 from coda_jax.config import CodaConfig, t5_1_1
 from coda_jax.network import Transformer
 
 
-def shapes(model):
-  ones = jnp.ones((1, 8), jnp.int32)
-  return jax.eval_shape(lambda r: model.init(r, ones, ones, ones, enable_dropout=False),
-                        jax.random.PRNGKey(0))['params']
-
-
 def adapter_file_bytes(coda_shapes, coda: CodaConfig) -> dict:
   """Writes the adapter-only file of a model of these shapes; its size in bytes."""
-  flat = checkpoints.flatten(coda_shapes)
-  mask = checkpoints.flatten(trainable.trainable_mask(coda_shapes))
+  flat = params_lib.flatten(coda_shapes)
+  mask = params_lib.flatten(trainable.trainable_mask(coda_shapes))
   # Trainable leaves as real arrays; frozen ones are never written.
   params = {n: (np.full(s.shape, 0.01, np.float32) if mask[n] else np.zeros((1,), np.float32))
             for n, s in flat.items()}
   backbone = sum(4 * int(np.prod(s.shape)) for n, s in flat.items() if not mask[n])
   with tempfile.TemporaryDirectory() as tmp:
-    out = checkpoints.save_adapters(checkpoints.unflatten(params), coda,
+    out = checkpoints.save_adapters(params_lib.unflatten(params), coda,
                                     os.path.join(tmp, 'adapters'))
     size = {f: os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)}
   return {'files': size, 'frozen_backbone_bytes': backbone,
@@ -59,8 +51,8 @@ def main(argv=None) -> int:
   for size in [s for s in args.sizes.split(',') if s]:
     config = t5_1_1(size)
     coda_config = CodaConfig(adapter_dim=args.adapter_dim)
-    coda = shapes(Transformer(config, coda=coda_config))
-    out[size] = {'t5': trainable.count_params(shapes(Transformer(config))),
+    coda = params_lib.abstract_params(Transformer(config, coda=coda_config))
+    out[size] = {'t5': trainable.count_params(params_lib.abstract_params(Transformer(config))),
                  'coda': trainable.count_params(coda),
                  'coda_trainable': trainable.count_params(coda, trainable.trainable_mask)}
     if args.adapter_file:

@@ -19,6 +19,8 @@ import sys
 import numpy as np
 
 from coda_jax import checkpoints
+from coda_jax import network
+from coda_jax import params as params_lib
 from coda_jax.config import t5_1_1
 
 WRITERS = {
@@ -46,9 +48,10 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   config = t5_1_1(args.size)
   rng = np.random.default_rng(0)
-  params = checkpoints.unflatten({n: rng.standard_normal(s, dtype=np.float32)
-                                  for n, s in checkpoints.param_shapes(config).items()})
-  nbytes = sum(v.nbytes for v in checkpoints.flatten(params).values())
+  shapes = params_lib.param_shapes(network.Transformer(config))
+  params = params_lib.unflatten({n: rng.standard_normal(s, dtype=np.float32)
+                                 for n, s in shapes.items()})
+  nbytes = sum(v.nbytes for v in params_lib.flatten(params).values())
   written = {}
   for fmt in [f for f in args.formats.split(',') if f]:
     written[fmt] = WRITERS[fmt](params, config, os.path.join(args.workdir, fmt))

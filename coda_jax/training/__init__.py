@@ -7,5 +7,6 @@ k annealing and metric writers.
   trainer      sharded state and one jitted train step per k value
   data         seqio input pipeline and task-metric evaluation (data extra)
   metrics      metrics.jsonl, TensorBoard, progress bar
+  gin_utils    gin flags and files in t5x's style, and their error messages
   train_lib    `train(...)`, the gin-configured run (`python -m coda_jax.train`)
 """

@@ -5,19 +5,23 @@ module (and the trainer) works without them.
 
 Training batches come from `seqio.get_dataset` with the encoder-decoder
 feature converter, unpacked by default (`pack=False`: CoDA's top-k must not
-mix examples), repeated, shuffled with a fixed seed, each process reading its
-shard (`seqio.ShardInfo`). The position in the stream is the number of batches
-consumed; a resumed run skips that many batches and sees the same stream.
+mix examples), repeated and shuffled with a fixed seed. There is one global
+order of examples, whatever the number of processes: every process runs the
+same pipeline, cuts the same global batches and keeps its rows of each, so a
+run's batches (and losses) do not depend on how many processes feed it. The
+position in the stream is the number of examples consumed (global); a resumed
+run skips that many and sees the same stream, on any number of processes.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import gin
 import numpy as np
+
+from coda_jax.training import gin_utils
 
 EOS_ID = 1
 
@@ -72,10 +76,22 @@ def get_task(name: str):
     return seqio.get_mixture_or_task(name)
   except ValueError as e:
     names = registered_names()
-    close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.6)
-    hint = f'; did you mean {close[0]!r}?' if close else ''
+    hint = gin_utils.did_you_mean(str(name), names, quote=True)
     raise UnknownTaskError(
         f'unknown task or mixture {name!r}{hint}; registered: {names}') from e
+
+
+def prepare_task(name: str, vocabulary=None, register_tasks: bool = True,
+                 modules: Sequence[Optional[str]] = ()):
+  """Imports `modules` (they register tasks), registers ours with `vocabulary`
+  (`coda_jax.tasks.register_tasks`, unless `register_tasks` is False) and
+  returns the task or mixture `name` (`get_task`)."""
+  for module in modules:
+    import_module(module)
+  if register_tasks:
+    from coda_jax import tasks  # pylint: disable=g-import-not-at-top
+    tasks.register_tasks(vocabulary)
+  return get_task(name)
 
 
 def check_lengths(lengths: Mapping[str, int]) -> Dict[str, int]:
@@ -89,24 +105,45 @@ def output_vocabulary(task):
 
 
 def train_batches(cfg: DatasetConfig, shard_index: int = 0, num_shards: int = 1,
-                  start_batch: int = 0) -> Iterator[Dict[str, np.ndarray]]:
-  """This process's batches (`batch_size / num_shards` rows), forever, from
-  `start_batch` on."""
+                  start_batch: int = 0, *, rows: Optional[Tuple[int, int]] = None,
+                  start_example: Optional[int] = None) -> Iterator[Dict[str, np.ndarray]]:
+  """Rows of the global training batches (`cfg.batch_size` examples each), forever.
+
+  Every caller reads the same global order and keeps, of each global batch,
+  either `rows` = (lo, hi), rows lo..hi-1 (the trainer: the rows its
+  process's devices hold), or data shard `shard_index` of `num_shards`: every
+  `num_shards`-th row from `shard_index` on. The stream starts after
+  `start_example` examples (default: `start_batch` global batches).
+
+  Needs a fixed `cfg.seed` when shuffling for the order to be the same in
+  every process and after a restart (the trainer checks that).
+  """
   import seqio  # pylint: disable=g-import-not-at-top
-  if cfg.batch_size % num_shards:
-    raise ValueError(f'batch size {cfg.batch_size} does not divide over {num_shards} '
-                     'data shards')
+  if rows is None:
+    if num_shards < 1 or not 0 <= shard_index < num_shards:
+      raise ValueError(f'data shard {shard_index} of {num_shards} does not exist')
+    if cfg.batch_size % num_shards:
+      raise ValueError(f'batch size {cfg.batch_size} does not divide over {num_shards} '
+                       'data shards')
+    keep = slice(shard_index, None, num_shards)
+  else:
+    lo, hi = rows
+    if not 0 <= lo < hi <= cfg.batch_size:
+      raise ValueError(f'rows {lo}..{hi - 1} are not rows of a batch of {cfg.batch_size}')
+    keep = slice(lo, hi)
+  skip = int(start_batch) * cfg.batch_size if start_example is None else int(start_example)
+  if skip < 0:
+    raise ValueError(f'cannot start the data stream at example {skip}')
   ds = seqio.get_dataset(
       cfg.mixture_or_task_name, task_feature_lengths=check_lengths(cfg.task_feature_lengths),
       feature_converter=seqio.EncDecFeatureConverter(pack=cfg.pack),
       dataset_split=cfg.split, use_cached=cfg.use_cached, shuffle=cfg.shuffle,
-      num_epochs=None,
-      shard_info=(seqio.ShardInfo(index=shard_index, num_shards=num_shards)
-                  if num_shards > 1 else None),
-      verbose=False, seed=cfg.seed, batch_size=cfg.batch_size // num_shards)
-  if start_batch:
-    ds = ds.skip(int(start_batch))
-  return ds.as_numpy_iterator()
+      num_epochs=None, shard_info=None, verbose=False, seed=cfg.seed, batch_size=None)
+  if skip:
+    ds = ds.skip(skip)
+  ds = ds.batch(cfg.batch_size, drop_remainder=True)
+  return ({name: value[keep] for name, value in batch.items()}
+          for batch in ds.as_numpy_iterator())
 
 
 # ----------------------------------------------------------------------------
@@ -139,18 +176,36 @@ def _metric_value(value: Any) -> Any:
   return value
 
 
+@dataclasses.dataclass
+class Decoded:
+  """One task's examples and what the model made of them (`TaskEvaluator.decode`).
+
+  Attributes:
+    task: the seqio task.
+    examples: its examples (numpy dicts: ``inputs`` ids, ``inputs_pretokenized``
+      and, when known, ``targets`` / ``targets_pretokenized``).
+    predictions: the decoded text of each example (before `postprocess_fn`).
+    scores: each decode's score (None when `predict` gives no scores).
+  """
+  task: Any
+  examples: List[Dict[str, Any]]
+  predictions: List[str]
+  scores: Optional[List[float]]
+
+
 class TaskEvaluator:
   """Decodes a task's validation examples and scores them with its metrics.
 
   Like `seqio.Evaluator`: targets are the task's `postprocess_fn` applied to
   `targets_pretokenized` (is_target=True), predictions the postprocessed
   decodes; every `predict_metric_fns` entry is run. Tasks of a mixture are
-  evaluated one by one and reported as `<task>/<metric>`.
+  evaluated one by one and reported as `<task>/<metric>`. `examples`
+  (given for one task, e.g. read from a file) replaces the split.
   """
 
   def __init__(self, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
                split: str = 'validation', num_examples: Optional[int] = None,
-               batch_size: int = 32):
+               batch_size: int = 32, examples: Optional[Sequence[Dict[str, Any]]] = None):
     import seqio  # pylint: disable=g-import-not-at-top
     self.lengths = check_lengths(task_feature_lengths)
     self.batch_size = int(batch_size)
@@ -158,6 +213,13 @@ class TaskEvaluator:
     tasks = (task_or_mixture.tasks if isinstance(task_or_mixture, seqio.Mixture)
              else [task_or_mixture])
     self.tasks = []
+    if examples is not None:
+      if len(tasks) != 1:
+        raise ValueError(f'examples from a file need one task; {mixture_or_task_name!r} '
+                         f'is a mixture of {len(tasks)}')
+      examples = list(examples)[:num_examples]
+      self.tasks = [(tasks[0], examples)] if examples else []
+      tasks = []
     for task in tasks:
       if split not in task.splits or not task.predict_metric_fns:
         continue
@@ -169,6 +231,10 @@ class TaskEvaluator:
       if examples:
         self.tasks.append((task, examples))
     self.prefix = len(self.tasks) > 1
+
+  @property
+  def num_examples(self) -> int:
+    return sum(len(examples) for _, examples in self.tasks)
 
   def _targets(self, task, examples):
     vocab = output_vocabulary(task)
@@ -182,14 +248,15 @@ class TaskEvaluator:
                  if task.postprocess_fn else text)
     return out
 
-  def evaluate(self, predict: Callable[[np.ndarray], np.ndarray],
-               pad_batch_to: int = 1) -> Dict[str, Any]:
-    """`predict([batch, n] tokens) -> [batch, m] tokens` on every example; metrics.
+  def decode(self, predict: Callable[[np.ndarray], Any], pad_batch_to: int = 1,
+             on_batch: Optional[Callable[[int], None]] = None) -> List[Decoded]:
+    """`predict([batch, n] tokens)` on every example, batch by batch.
 
+    `predict` returns `[batch, m]` tokens, or `(tokens, scores [batch])`.
     Batches are padded with all-padding rows to a multiple of `pad_batch_to`
-    (the mesh's data axis).
+    (the mesh's data axis); `on_batch(rows)` follows each batch.
     """
-    results: Dict[str, Any] = {}
+    out = []
     n = self.lengths['inputs']
     for task, examples in self.tasks:
       vocab = output_vocabulary(task)
@@ -198,20 +265,39 @@ class TaskEvaluator:
         ids = np.asarray(ex['inputs'])[:n]
         inputs[i, :len(ids)] = ids
       size = self.batch_size + (-self.batch_size) % pad_batch_to
-      decoded = []
+      decoded, scores = [], []
       for start in range(0, len(examples), size):
         chunk = inputs[start:start + size]
         rows = chunk.shape[0]
         if rows < size:
           chunk = np.concatenate([chunk, np.zeros((size - rows, n), np.int32)])
-        out = np.asarray(predict(chunk))[:rows]
-        decoded.extend(vocab.decode(trim_at_eos(row)) for row in out)
+        result = predict(chunk)
+        tokens, batch_scores = result if isinstance(result, tuple) else (result, None)
+        decoded.extend(vocab.decode(trim_at_eos(row)) for row in np.asarray(tokens)[:rows])
+        if batch_scores is not None:
+          scores.extend(float(x) for x in np.asarray(batch_scores)[:rows])
+        if on_batch is not None:
+          on_batch(rows)
+      out.append(Decoded(task, examples, decoded, scores if scores else None))
+    return out
+
+  def metrics(self, decoded: Sequence[Decoded]) -> Dict[str, Any]:
+    """The tasks' metrics of `decode`'s output, and each task's `num_examples`."""
+    results: Dict[str, Any] = {}
+    for d in decoded:
+      task = d.task
       predictions = [task.postprocess_fn(text, example=ex, is_target=False)
                      if task.postprocess_fn else text
-                     for text, ex in zip(decoded, examples)]
-      targets = self._targets(task, examples)
+                     for text, ex in zip(d.predictions, d.examples)]
+      targets = self._targets(task, d.examples)
+      prefix = f'{task.name}/' if self.prefix else ''
       for metric_fn in task.predict_metric_fns:
         for name, value in metric_fn(targets, predictions).items():
-          results[f'{task.name}/{name}' if self.prefix else name] = _metric_value(value)
-      results[f'{task.name}/num_examples' if self.prefix else 'num_examples'] = len(examples)
+          results[prefix + name] = _metric_value(value)
+      results[prefix + 'num_examples'] = len(d.examples)
     return results
+
+  def evaluate(self, predict: Callable[[np.ndarray], Any],
+               pad_batch_to: int = 1) -> Dict[str, Any]:
+    """`decode` every example, then `metrics`."""
+    return self.metrics(self.decode(predict, pad_batch_to))

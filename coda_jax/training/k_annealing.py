@@ -9,8 +9,8 @@ is cut into ``rungs - 1`` equal segments; segment j routes
     k_j = round(n - (n - k_target) * j / (rungs - 1))     (k_0 = n: dense)
 
 tokens, and every step after the phase routes k_target = ceil(n / r). Each
-rung is the same CoDA model with `reduction_factor` set so that
-ceil(n / r_j) = k_j; all rungs share one parameter tree.
+rung is the same CoDA model with k set directly (`CodaConfig.num_routed_tokens
+= k_j`); all rungs share one parameter tree.
 """
 from __future__ import annotations
 
@@ -19,33 +19,15 @@ import dataclasses
 import math
 from typing import List, Optional, Tuple
 
-from coda_jax.flops import coda_k
+from coda_jax.config import CodaConfig, coda_k
 
 DEFAULT_FRACTION = 0.1
 MAX_RUNGS = 5
 
 
-def reduction_factor_for_k(n: int, k: int) -> float:
-  """A reduction factor r with ceil(n / r) == k exactly (1 <= k <= n)."""
-  n, k = int(n), int(k)
-  if not 1 <= k <= n:
-    raise ValueError(f'k must be in [1, n={n}], got {k}')
-  if k == n:
-    return 1.0
-  # ceil(n / r) == k  <=>  n / k <= r < n / (k - 1); aim inside the interval.
-  lo = n / k
-  hi = n / (k - 1) if k > 1 else float('inf')
-  r = lo if math.isinf(hi) else (lo + hi) / 2
-  if coda_k(n, r) != k:  # floating point at the edges: walk to a valid value
-    r = lo
-    while coda_k(n, r) != k:
-      r = math.nextafter(r, math.inf)
-  return r
-
-
 @dataclasses.dataclass(frozen=True)
 class KSchedule:
-  """Which k (and reduction factor) each step uses.
+  """Which k each step uses.
 
   Attributes:
     length: n, the static padded encoder length.
@@ -63,8 +45,9 @@ class KSchedule:
   def k(self, step: int) -> int:
     return self.ks[self.rung(step)]
 
-  def reduction_factor(self, rung: int) -> float:
-    return reduction_factor_for_k(self.length, self.ks[rung])
+  def coda(self, rung: int, coda: CodaConfig) -> CodaConfig:
+    """`coda` routing exactly the k of rung `rung`."""
+    return dataclasses.replace(coda, num_routed_tokens=self.ks[rung])
 
   @property
   def num_rungs(self) -> int:

@@ -1,5 +1,5 @@
-"""Metric writers: ``metrics.jsonl`` and TensorBoard event files, and a
-terminal progress bar.
+"""Metric writers: ``metrics.jsonl`` and TensorBoard event files, a terminal
+progress bar, and `RunLog`, the trainer's report of both.
 
 The TensorBoard files are written here, without TensorFlow or TensorBoard:
 an ``events.out.tfevents.*`` file is a TFRecord file (length, masked CRC-32C,
@@ -17,7 +17,7 @@ import os
 import socket
 import struct
 import time
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -186,10 +186,14 @@ class MetricsWriter:
     self._writers = {}
 
 
-def read_metrics(directory: str, split: Optional[str] = None):
-  """The records of ``<directory>/metrics.jsonl`` (optionally one split)."""
+def read_metrics(directory: str, split: Optional[str] = None, missing_ok: bool = False):
+  """The records of ``<directory>/metrics.jsonl`` (optionally one split);
+  `missing_ok`: [] when there is no such file."""
   out = []
-  with open(os.path.join(directory, METRICS_FILE)) as f:
+  path = os.path.join(directory, METRICS_FILE)
+  if missing_ok and not os.path.isfile(path):
+    return out
+  with open(path) as f:
     for line in f:
       record = json.loads(line)
       if split is None or record.get('split') == split:
@@ -198,9 +202,15 @@ def read_metrics(directory: str, split: Optional[str] = None):
 
 
 class ProgressBar:
-  """tqdm bar over the run's steps: steps/s, loss, ETA (off when not a TTY)."""
+  """A tqdm bar on stderr: the trainer's steps (steps/s, loss, ETA), the benchmarks' work.
 
-  def __init__(self, total: int, initial: int = 0, enabled: Optional[bool] = None):
+  `enabled`: None (default) shows it only when stderr is a terminal (tqdm's
+  own rule), False never, True always. `postfix` values of `update` are shown
+  after the bar (floats to 4 significant digits).
+  """
+
+  def __init__(self, total: int, initial: int = 0, enabled: Optional[bool] = None,
+               desc: str = 'train'):
     self._bar = None
     if enabled is False:
       return
@@ -211,7 +221,7 @@ class ProgressBar:
     # disable=None: tqdm turns itself off when stderr is not a terminal.
     self._bar = tqdm(total=total, initial=initial, unit='step', dynamic_ncols=True,
                      disable=None if enabled is None else not enabled,
-                     desc='train')
+                     desc=desc)
 
   def update(self, steps: int = 1, **postfix) -> None:
     if self._bar is None:
@@ -222,9 +232,78 @@ class ProgressBar:
     self._bar.update(steps)
 
   def write(self, message: str) -> None:
+    """Prints `message` on stdout (above the bar when one shows)."""
     if self._bar is not None:
       self._bar.write(message)
+    else:
+      print(message, flush=True)
 
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()
+
+
+def _format(values: Mapping[str, Any]) -> str:
+  return ', '.join(f'{k} {v:.4g}' if isinstance(v, float) else f'{k} {v}'
+                   for k, v in sorted(values.items()))
+
+
+class RunLog:
+  """A run's metrics, as the training loop reports them.
+
+  Each step's values go to the progress bar and the callbacks; their means
+  over the last `log_period` steps (and at the last step), with steps/s, to
+  the writer's train split and, with `echo`, as a line on stdout (terminal
+  or not); evaluations to its eval split and a line. Both are kept as the
+  run's history. Units: ``loss`` in nats per target token, ``accuracy`` in %
+  (train: teacher-forced target tokens; eval: the task's metric, exact match
+  for generated tasks).
+  """
+
+  def __init__(self, writer: MetricsWriter, bar: ProgressBar, log_period: int,
+               total_steps: int,
+               callbacks: Sequence[Callable[[int, Dict[str, float]], None]] = (),
+               echo: bool = True):
+    self.writer = writer
+    self.bar = bar
+    self.log_period = log_period
+    self.total_steps = total_steps
+    self.callbacks = callbacks
+    self.echo = echo
+    self.train_history: List[Dict[str, Any]] = []
+    self.eval_history: List[Dict[str, Any]] = []
+    self._window: List[Dict[str, float]] = []
+    self._window_start = time.time()
+
+  def step(self, step: int, values: Dict[str, float]) -> None:
+    """Reports step `step`'s values."""
+    self._window.append(values)
+    self.bar.update(1, loss=values['loss'])
+    for fn in self.callbacks:
+      fn(step, values)
+    if step % self.log_period == 0 or step == self.total_steps:
+      window = self._window
+      elapsed = time.time() - self._window_start
+      summary = {name: float(np.mean([w[name] for w in window if name in w]))
+                 for name in window[-1]}
+      summary['steps_per_sec'] = len(window) / max(elapsed, 1e-9)
+      self.writer.write(step, summary, split='train')
+      self.train_history.append({'step': step, **summary})
+      if self.echo:
+        shown = {k: summary[k] for k in ('loss', 'accuracy', 'k', 'steps_per_sec')
+                 if k in summary}
+        self.bar.write(f'step {step}/{self.total_steps}: {_format(shown)}')
+      window.clear()
+      self._window_start = time.time()
+
+  def evaluation(self, step: int, results: Dict[str, Any]) -> None:
+    """Reports the evaluation after step `step`."""
+    self.writer.write(step, results, split='eval')
+    self.eval_history.append({'step': step, **results})
+    if self.echo:
+      self.bar.write(f'step {step} eval: {_format(results)}')
+
+  def close(self) -> None:
+    """Closes the bar and the writer."""
+    self.bar.close()
+    self.writer.close()

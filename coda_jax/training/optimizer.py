@@ -26,15 +26,18 @@ leaves get no optimizer state and stay bit-identical (paper §3.2).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Union
 
 import gin
+import jax
 import optax
 
 from coda_jax import trainable
+from coda_jax.params import TRAINABLE_SETS
 
 LearningRate = Union[float, Callable]
-TRAINABLE_CHOICES = ('coda', 'all')
+TRAINABLE_CHOICES = TRAINABLE_SETS + ('all',)
 
 
 @gin.configurable(module='coda_jax.training.optimizer')
@@ -67,7 +70,8 @@ def create_optimizer(learning_rate_fn: LearningRate,
     optimizer_fn: builds the update rule from `learning_rate=`; default
       `adafactor` (t5x's).
     trainable_params: 'coda' (adapters, routers, layer norms, LoRA; the
-      pretrained backbone frozen, paper §3.2) or 'all'.
+      pretrained backbone frozen, paper §3.2), an ACM phase's set
+      ('acm_distill', 'acm_gate', 'acm_finetune'; `coda_jax.params`) or 'all'.
   """
   if trainable_params not in TRAINABLE_CHOICES:
     raise ValueError(f'trainable_params must be one of {TRAINABLE_CHOICES}, '
@@ -75,12 +79,12 @@ def create_optimizer(learning_rate_fn: LearningRate,
   inner = optimizer_fn(learning_rate=learning_rate_fn)
   if trainable_params == 'all':
     return inner
-  return trainable.masked_optimizer(inner, trainable.trainable_mask)
+  return trainable.masked_optimizer(
+      inner, functools.partial(trainable.trainable_mask, which=trainable_params))
 
 
 def trainable_mask_for(params, trainable_params: str = 'coda'):
   """The bool mask of the leaves `create_optimizer(..., trainable_params)` trains."""
   if trainable_params == 'all':
-    import jax  # pylint: disable=g-import-not-at-top
     return jax.tree.map(lambda _: True, params)
-  return trainable.trainable_mask(params)
+  return trainable.trainable_mask(params, trainable_params)

@@ -13,8 +13,17 @@ computation. `train` then:
   * runs the k-annealing ladder (one jitted step per k value);
   * evaluates with the task's metrics every ``eval_period`` steps;
   * saves a checkpoint every ``checkpoint_period`` steps and at the end, after
-    checking that the loss and the trained parameters are finite;
-  * stops at a NaN/inf loss, naming the step and the last good checkpoint.
+    checking that the loss and the trained parameters are finite, with (for a
+    CoDA model) its adapter-only file, ``MODEL_DIR/adapters/<step>``;
+  * stops at a NaN/inf loss, naming the step and the last good checkpoint;
+  * on several processes, stops at a preemption notice (SIGTERM to any
+    process, as TPU VMs, SLURM and Kubernetes send), at the step JAX's
+    preemption service has all processes agree on, after checkpointing it.
+
+`train` reads as these steps: `check_options` and `setup`, then
+`restore_or_initialize`, `make_evaluator` and `train_loop`, whose iterations
+are `train_step`, `read_step_metrics` (reported through a `RunLog`),
+`save_checkpoint` and `evaluate`.
 """
 from __future__ import annotations
 
@@ -22,14 +31,18 @@ import dataclasses
 import logging
 import math
 import os
-import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import gin
 import jax
 import numpy as np
 
+from coda_jax import acm as acm_lib
 from coda_jax import checkpoints
+from coda_jax.checkpoints import coda as coda_checkpoints
+from coda_jax import config as config_lib
+from coda_jax import params as params_lib
+from coda_jax import network
 from coda_jax import partitioning
 from coda_jax.training import data as data_lib
 from coda_jax.training import k_annealing
@@ -39,6 +52,7 @@ from coda_jax.training import schedules
 from coda_jax.training import trainer as trainer_lib
 
 CHECKPOINT_SUBDIR = 'checkpoints'
+ADAPTERS_SUBDIR = 'adapters'
 
 
 class UserFacingError(Exception):
@@ -61,6 +75,10 @@ class NonFiniteLossError(UserFacingError, FloatingPointError):
   """The loss (or a trained parameter) became NaN or infinite."""
 
 
+class PreemptedError(UserFacingError):
+  """A multi-process run stopped at a preemption notice, after a checkpoint."""
+
+
 @dataclasses.dataclass
 class TrainResult:
   state: Any
@@ -75,17 +93,17 @@ class TrainResult:
   dry_run_batch_shapes: Optional[Dict[str, List[int]]] = None
 
 
-# ----------------------------------------------------------------------------
-# Multi-host.
-# ----------------------------------------------------------------------------
+# Multi-process: JAX's own runtime (`jax.distributed`), one process per host.
 
 _CLUSTER_ENV = ('JAX_COORDINATOR_ADDRESS', 'COORDINATOR_ADDRESS')
+PROCESS_COUNT_ENV = 'JAX_NUM_PROCESSES'
+PROCESS_INDEX_ENV = 'JAX_PROCESS_ID'
 
 
 def _multiprocess_launch_detected(env: Mapping[str, str]) -> bool:
   if any(env.get(k) for k in _CLUSTER_ENV):
     return True
-  for key in ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE', 'JAX_NUM_PROCESSES'):
+  for key in ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE', PROCESS_COUNT_ENV):
     try:
       if int(env.get(key, '1')) > 1:
         return True
@@ -94,27 +112,91 @@ def _multiprocess_launch_detected(env: Mapping[str, str]) -> bool:
   return ',' in env.get('TPU_WORKER_HOSTNAMES', '')
 
 
-def maybe_initialize_distributed(mode: str = 'auto',
-                                 env: Optional[Mapping[str, str]] = None) -> bool:
-  """Calls `jax.distributed.initialize()` for multi-process launches.
+def _int_option(flag: str, value: Union[int, str, None], env_key: str,
+                env: Mapping[str, str], minimum: int) -> Optional[int]:
+  """`value` (a flag) or else `env[env_key]`, as an int >= `minimum`; None when neither."""
+  source = flag
+  if value is None:
+    value, source = env.get(env_key) or None, env_key
+  if value is None:
+    return None
+  try:
+    number = int(value)
+  except (TypeError, ValueError):
+    number = None
+  if number is None or number < minimum or isinstance(value, bool):
+    raise ConfigError(f'{source} must be an integer >= {minimum}, got {value!r}')
+  return number
 
-  `mode`: 'on' always, 'off' never, 'auto' when the environment shows several
-  processes (JAX_COORDINATOR_ADDRESS, SLURM / Open MPI with more than one task,
-  a multi-host TPU slice). Must run before any JAX computation. Returns
-  whether it initialised.
+
+def distributed_options(env: Mapping[str, str], coordinator_address: Optional[str] = None,
+                        process_count: Union[int, str, None] = None,
+                        process_index: Union[int, str, None] = None
+                        ) -> Tuple[Optional[str], Optional[int], Optional[int]]:
+  """(coordinator address, process count, process index): the flags, else the
+  environment (JAX_COORDINATOR_ADDRESS or COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+  JAX_PROCESS_ID); None where neither says (JAX's cluster detection may)."""
+  source = '--coordinator_address'
+  if not coordinator_address:
+    source, coordinator_address = next(
+        ((k, env[k]) for k in _CLUSTER_ENV if env.get(k)), (None, None))
+  if coordinator_address is not None:
+    host, _, port = coordinator_address.rpartition(':')
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ConfigError(f'{source} must be HOST:PORT (the address of process 0 and a '
+                        f'free port), got {coordinator_address!r}')
+  count = _int_option('--process_count', process_count, PROCESS_COUNT_ENV, env, 1)
+  index = _int_option('--process_index', process_index, PROCESS_INDEX_ENV, env, 0)
+  if count is not None and index is not None and index >= count:
+    raise ConfigError(f'process index {index} is not below the process count {count}')
+  return coordinator_address, count, index
+
+
+def maybe_initialize_distributed(mode: str = 'auto',
+                                 env: Optional[Mapping[str, str]] = None, *,
+                                 coordinator_address: Optional[str] = None,
+                                 process_count: Union[int, str, None] = None,
+                                 process_index: Union[int, str, None] = None) -> bool:
+  """Calls `jax.distributed.initialize` for multi-process launches.
+
+  The coordinator (process 0's HOST:PORT), the number of processes and this
+  process's index come from the arguments (the command line's
+  --coordinator_address, --process_count, --process_index), else the
+  environment (`distributed_options`); what is still unknown is left to JAX's
+  cluster detection (TPU VM slices, SLURM, Open MPI). `mode`: 'on' always,
+  'off' never, 'auto' when the arguments or the environment show several
+  processes (a coordinator, a process count above 1, SLURM / Open MPI with
+  more than one task, a multi-host TPU slice). Must run before any JAX
+  computation. Returns whether it initialised.
   """
   if mode not in ('auto', 'on', 'off'):
     raise ConfigError(f'multiprocess must be auto, on or off, got {mode!r}')
   env = os.environ if env is None else env
-  if mode == 'off' or (mode == 'auto' and not _multiprocess_launch_detected(env)):
+  if mode == 'off':
     return False
-  jax.distributed.initialize()
+  coordinator, count, index = distributed_options(env, coordinator_address, process_count,
+                                                  process_index)
+  launched = (coordinator is not None or (count or 1) > 1
+              or _multiprocess_launch_detected(env))
+  if mode == 'auto' and not launched:
+    return False
+  try:
+    jax.distributed.initialize(coordinator, count, index)
+  except ValueError as e:  # what neither we nor JAX's cluster detection found
+    known = ', '.join(f'{name} {value if value is not None else "unknown"}' for name, value in
+                      (('coordinator', coordinator), ('process count', count),
+                       ('process index', index)))
+    raise ConfigError(
+        f'cannot start the multi-process run: {e} ({known}); give --coordinator_address, '
+        f'--process_count and --process_index (or set JAX_COORDINATOR_ADDRESS, '
+        f'{PROCESS_COUNT_ENV} and {PROCESS_INDEX_ENV}), or launch under SLURM, Open MPI '
+        'or on a TPU VM slice, where JAX finds them') from e
+  logging.info('process %d of %d (coordinator %s)', jax.process_index(),
+               jax.process_count(), coordinator or 'found by JAX')
   return True
 
 
-# ----------------------------------------------------------------------------
 # Setup (no computation).
-# ----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -162,10 +244,8 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
   train_cfg = _check_dataset_cfg(train_dataset_cfg, 'train dataset')
   lengths = data_lib.check_lengths(train_cfg.task_feature_lengths)
   if train_cfg.pack and model.routes_tokens:
-    raise ConfigError(
-        'CoDA routing needs unpacked inputs (pack=False): a top-k over a packed row '
-        'would let examples take each other\'s capacity; set pack = False in the '
-        'train DatasetConfig')
+    raise ConfigError(f'{network.PACKED_INPUTS_MESSAGE}; set pack = False in the '
+                      'train DatasetConfig')
   if trainable_params not in optimizer_lib.TRAINABLE_CHOICES:
     raise ConfigError(f'trainable_params must be one of {optimizer_lib.TRAINABLE_CHOICES}, '
                       f'got {trainable_params!r}')
@@ -176,14 +256,10 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
       raise ConfigError(f'INITIAL_CHECKPOINT_PATH: {e}') from e
 
   # Tasks (imports seqio; registers ours with the run's vocabulary).
-  for cfg in (train_cfg, infer_eval_dataset_cfg):
-    if cfg is not None:
-      data_lib.import_module(cfg.module)
-  if register_tasks:
-    from coda_jax import tasks  # pylint: disable=g-import-not-at-top
-    tasks.register_tasks(vocabulary)
   try:
-    task = data_lib.get_task(train_cfg.mixture_or_task_name)
+    task = data_lib.prepare_task(
+        train_cfg.mixture_or_task_name, vocabulary, register_tasks,
+        [cfg.module for cfg in (train_cfg, infer_eval_dataset_cfg) if cfg is not None])
   except data_lib.UnknownTaskError as e:
     raise ConfigError(str(e)) from e
   eval_cfg = None
@@ -217,6 +293,10 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
   if train_cfg.batch_size % data_size:
     raise ConfigError(f'BATCH_SIZE {train_cfg.batch_size} is not divisible by the mesh '
                       f'data axis ({data_size}) of MESH_SHAPE {tuple(mesh_shape)}')
+  if train_cfg.shuffle and train_cfg.seed is None and jax.process_count() > 1:
+    raise ConfigError(f'the train dataset has no shuffling seed (DATA_SEED = None): the '
+                      f'{jax.process_count()} processes would read different orders; '
+                      'set DATA_SEED')
 
   # Schedules and optimizer.
   if learning_rate_fn is None:
@@ -230,40 +310,276 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
   trainer = trainer_lib.Trainer(
       model, optimizer, mesh, k_schedule=schedule, rules=logical_axis_rules,
       learning_rate_fn=learning_rate_fn, z_loss=z_loss,
-      trainable_params=trainable_params,
-      example_lengths=(min(lengths['inputs'], 8), min(lengths['targets'], 8)))
+      trainable_params=trainable_params)
   return RunSetup(model=model, train_cfg=train_cfg, eval_cfg=eval_cfg, lengths=lengths,
                   mesh=mesh, trainer=trainer, k_schedule=schedule,
                   learning_rate_fn=learning_rate_fn, task=task)
 
 
-# ----------------------------------------------------------------------------
-# The run.
-# ----------------------------------------------------------------------------
+# The run, step by step.
+
+
+def check_options(model_dir: Optional[str], k_anneal_max_rungs: int,
+                  checkpoint_period: int) -> None:
+  """The options of `train` that `setup` does not see."""
+  if not model_dir:
+    raise ConfigError('MODEL_DIR must be set')
+  if '://' in model_dir:
+    raise ConfigError(f'MODEL_DIR must be a directory path, got the URL {model_dir!r}; on '
+                      'several hosts use one that every host mounts at the same path (NFS, '
+                      'Filestore, a bucket mounted with gcsfuse)')
+  if k_anneal_max_rungs < 2:
+    raise ConfigError(f'k_anneal_max_rungs must be >= 2, got {k_anneal_max_rungs}')
+  if checkpoint_period < 1:
+    raise ConfigError(f'checkpoint_period must be >= 1, got {checkpoint_period}')
+
+
+def check_shared_model_dir(model_dir: str) -> None:
+  """On several processes: that every process sees the files process 0 writes
+  in `model_dir` (orbax writes each checkpoint from all processes into one
+  directory, and a resumed run must find it)."""
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  token = int(multihost_utils.broadcast_one_to_all(
+      np.int32(int.from_bytes(os.urandom(4), 'little') & 0x7FFFFFFF)))
+  marker = os.path.join(model_dir, f'.written_by_process_0.{token}')
+  if jax.process_index() == 0:
+    os.makedirs(model_dir, exist_ok=True)
+    with open(marker, 'w'):
+      pass
+  multihost_utils.sync_global_devices('coda_jax: MODEL_DIR marker written')
+  seen = np.asarray(multihost_utils.process_allgather(np.int32(os.path.exists(marker))))
+  if jax.process_index() == 0:
+    os.remove(marker)
+  blind = [i for i, s in enumerate(seen.ravel()) if not s]
+  if blind:
+    raise ConfigError(f'MODEL_DIR {model_dir} is not shared: processes {blind} do not see '
+                      'the files process 0 writes there; use a directory every host mounts '
+                      'at the same path (NFS, Filestore, a bucket mounted with gcsfuse)')
+
+
+def train_batches(run: RunSetup, start_example: int = 0):
+  """This process's rows of the run's global training batches, from example
+  `start_example` of the global stream on."""
+  rows = run.trainer.data_rows(run.train_cfg.batch_size)
+  return data_lib.train_batches(run.train_cfg, rows=rows, start_example=start_example)
+
+
+def dry_run_result(run: RunSetup, model_dir: str) -> TrainResult:
+  """Reads one batch: the result of a dry run (no parameters, no training)."""
+  batch = next(train_batches(run))
+  return TrainResult(None, 0, run.trainer, model_dir, '', [], [], 0, setup=run,
+                     dry_run_batch_shapes={k: list(np.shape(v)) for k, v in batch.items()})
+
+
+@dataclasses.dataclass
+class Progress:
+  """Where a run is.
+
+  Attributes:
+    state: the train state (`trainer.Trainer`'s dict).
+    step: the number of updates applied.
+    examples: the position in the training data stream: the number of
+      examples read by all processes together.
+    last_good: the step of the newest checkpoint written or resumed from
+      (None: none yet), named when the run stops at a non-finite value.
+  """
+  state: Any
+  step: int
+  examples: int
+  last_good: Optional[int]
 
 
 def _initial_params(run: RunSetup, initial_checkpoint_path: Optional[str], rng):
+  """The parameters a fresh run starts from (`restore_or_initialize`).
+
+  From a T5 v1.1 checkpoint: its leaves, CoDA's new ones initialised, an
+  ACM's learners from the pretrained FFNs (`acm.acmize`). From a trained run
+  (a MODEL_DIR of this trainer, e.g. the previous phase of an ACM
+  conversion): every leaf it has, only the missing new ones initialised.
+  """
   trainer = run.trainer
   if initial_checkpoint_path is None:
     return trainer.init_params(rng)
-  _, t5_params = checkpoints.load_t5_v1_1(initial_checkpoint_path)
-  if run.model.coda is not None:
-    params = checkpoints.init_coda_from_t5(t5_params, run.model, rng)
+  if checkpoints.detect_format(initial_checkpoint_path)[0] == checkpoints.CODA_TRAIN_STATE:
+    given = checkpoints.load_train_state(initial_checkpoint_path).params
   else:
-    params = t5_params
+    _, given = checkpoints.load_t5_v1_1(initial_checkpoint_path)
+  has_acm = any(params_lib.is_new_leaf(params_lib.split(name)) and acm_lib.ACM_MLP in name
+                for name in params_lib.flatten(given))
+  if getattr(run.model, 'acm', None) is not None and not has_acm:
+    params = acm_lib.acmize(given, run.model, rng)
+  elif run.model.coda is not None or getattr(run.model, 'acm', None) is not None:
+    params = checkpoints.init_coda_from_t5(given, run.model, rng)
+  else:
+    params = given
   return trainer.place_params(params)
 
 
-def _finite(x: float) -> bool:
-  return math.isfinite(float(x))
+def restore_or_initialize(run: RunSetup, ckpt, ckpt_dir: str,
+                          initial_checkpoint_path: Optional[str],
+                          random_seed: int) -> Progress:
+  """The run's starting point.
+
+  The newest train-state checkpoint in `ckpt_dir` (params, optimizer state,
+  step, rng and data position) when there is one, onto this run's mesh and
+  processes (any number of them: the data position counts global examples);
+  otherwise step 0 with a new optimizer state around the parameters of
+  `initial_checkpoint_path` (CoDA's new leaves initialised from `random_seed`)
+  or random ones.
+  """
+  start = ckpt.latest_step()
+  if start is not None:
+    state, position = ckpt.restore(start, target=run.trainer.abstract_state())
+    examples = int(position.get('examples', start * run.train_cfg.batch_size))
+    logging.info('resuming from %s/%d (example %d of the data stream)', ckpt_dir, start,
+                 examples)
+    return Progress(state, start, examples, last_good=start)
+  init_rng, train_rng = jax.random.split(jax.random.PRNGKey(random_seed))
+  params = _initial_params(run, initial_checkpoint_path, init_rng)
+  return Progress(run.trainer.init_state(params, train_rng), 0, 0, last_good=None)
 
 
-def _describe_loss(x: float) -> str:
-  return 'nan' if math.isnan(x) else ('inf' if x > 0 else '-inf')
+def make_evaluator(run: RunSetup, eval_period: Optional[int],
+                   eval_num_examples: Optional[int],
+                   eval_batch_size: int) -> Optional[data_lib.TaskEvaluator]:
+  """The evaluator of the eval dataset (None: no evaluation configured)."""
+  if run.eval_cfg is None or not eval_period:
+    return None
+  return data_lib.TaskEvaluator(
+      run.eval_cfg.mixture_or_task_name, run.eval_cfg.task_feature_lengths,
+      split=run.eval_cfg.split, num_examples=eval_num_examples,
+      batch_size=eval_batch_size)
 
 
 def _host(metrics) -> Dict[str, float]:
   return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+
+
+def _last_good_checkpoint(ckpt_dir: str, progress: Progress) -> str:
+  step = progress.last_good
+  return os.path.join(ckpt_dir, str(step)) if step is not None else 'none'
+
+
+def train_step(run: RunSetup, progress: Progress, batches) -> Any:
+  """Reads the next batch and applies one update; returns its metrics (on device)."""
+  local = next(batches)
+  progress.examples += run.train_cfg.batch_size
+  batch = run.trainer.shard_batch(local, run.train_cfg.batch_size)
+  progress.state, metrics = run.trainer.train_step(progress.state, batch, progress.step)
+  progress.step += 1
+  return metrics
+
+
+def read_step_metrics(run: RunSetup, ckpt_dir: str, progress: Progress, step: int,
+                      metrics) -> Dict[str, float]:
+  """Step `step`'s metrics on the host (waits for the step), with its k; a
+  non-finite loss stops the run, naming the last good checkpoint."""
+  values = _host(metrics)
+  if not math.isfinite(values['loss']):
+    raise NonFiniteLossError(
+        f'loss is {values["loss"]} at step {step}; last good '
+        f'checkpoint: {_last_good_checkpoint(ckpt_dir, progress)}')
+  values['accuracy'] *= 100.0  # % of target tokens, the unit of every accuracy
+  k = run.trainer.k(step - 1)
+  if k is not None:
+    values['k'] = k
+  return values
+
+
+def save_checkpoint(run: RunSetup, ckpt, ckpt_dir: str, progress: Progress) -> None:
+  """Checks that the trained parameters are finite, then saves the state and
+  the data position as checkpoint `progress.step` and waits for it (every
+  process writes its shards; orbax makes the step visible once all have)."""
+  step = progress.step
+  if not run.trainer.params_finite(progress.state['params']):
+    raise NonFiniteLossError(
+        f'trained parameters are not finite after step {step}; last good checkpoint: '
+        f'{_last_good_checkpoint(ckpt_dir, progress)}')
+  ckpt.save(step, progress.state, {'examples': progress.examples})
+  ckpt.wait_until_finished()
+  progress.last_good = step
+  save_adapter_file(run, ckpt, ckpt_dir, progress)
+
+
+def save_adapter_file(run: RunSetup, ckpt, ckpt_dir: str, progress: Progress) -> None:
+  """The adapter-only file of checkpoint `progress.step` of a CoDA model:
+  ``MODEL_DIR/adapters/<step>/`` (`checkpoints.coda.save_adapters_of_state`),
+  and no longer those of the checkpoints orbax dropped."""
+  if run.model.coda is None:
+    return
+  model_dir = os.path.dirname(ckpt_dir)
+  directory = os.path.join(model_dir, ADAPTERS_SUBDIR)
+  coda_checkpoints.save_adapters_of_state(
+      progress.state['params'], run.model.coda, os.path.join(directory, str(progress.step)),
+      run.trainer.replicated, backbone={'model_dir': model_dir, 'step': progress.step},
+      t5_config=run.model.config, keep=[str(s) for s in ckpt.all_steps()])
+
+
+def preemption_requested(step: int) -> bool:
+  """Whether step `step` is where a multi-process job stops for a preemption
+  notice (JAX's preemption sync point: all processes agree on the step; a
+  SIGTERM reaches the service instead of killing the process). Call it at
+  every step. Always False in a single-process run."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  try:
+    return multihost_utils.reached_preemption_sync_point(step)
+  except RuntimeError:  # jax_enable_preemption_service is off
+    return False
+
+
+def evaluate(run: RunSetup, evaluator: data_lib.TaskEvaluator, params) -> Dict[str, Any]:
+  """Decodes the eval examples greedily with `params`; the task's metrics."""
+  trainer = run.trainer
+  predict = trainer.predict_fn(run.lengths['targets'])
+
+  def predict_numpy(tokens: np.ndarray) -> np.ndarray:
+    arr = jax.make_array_from_callback(tokens.shape, trainer.batch_sharding,
+                                       lambda idx: tokens[idx])
+    return np.asarray(predict(params, arr))
+
+  return evaluator.evaluate(predict_numpy, pad_batch_to=run.mesh.shape['data'])
+
+
+def train_loop(run: RunSetup, progress: Progress, batches, *, ckpt, ckpt_dir: str,
+               evaluator: Optional[data_lib.TaskEvaluator], log: metrics_lib.RunLog,
+               total_steps: int, eval_period: Optional[int],
+               checkpoint_period: int) -> None:
+  """Trains from `progress` up to `total_steps`, checkpointing every
+  `checkpoint_period` steps and evaluating every `eval_period` steps (both at
+  the end too); at a preemption notice, checkpoints and raises `PreemptedError`.
+
+  A step's metrics are read while the next step runs (the host does not wait
+  for the device), and at once before a checkpoint or an evaluation.
+  """
+  def collect(step: int, metrics) -> None:
+    log.step(step, read_step_metrics(run, ckpt_dir, progress, step, metrics))
+
+  pending: Optional[Tuple[int, Any]] = None
+  while progress.step < total_steps:
+    metrics = train_step(run, progress, batches)
+    step = progress.step
+    if pending is not None:
+      collect(*pending)
+    pending = (step, metrics)
+    preempted = preemption_requested(step)
+    do_eval = (evaluator is not None and not preempted
+               and (step % eval_period == 0 or step == total_steps))
+    do_save = step % checkpoint_period == 0 or step == total_steps or preempted
+    if do_eval or do_save:
+      collect(*pending)
+      pending = None
+      if do_save:
+        save_checkpoint(run, ckpt, ckpt_dir, progress)
+      if do_eval:
+        log.evaluation(step, evaluate(run, evaluator, progress.state['params']))
+    if preempted and step < total_steps:
+      raise PreemptedError(f'preempted: stopped at step {step} after saving checkpoint '
+                           f'{os.path.join(ckpt_dir, str(step))}; run the same command '
+                           'again to resume')
+  if pending is not None:
+    collect(*pending)
 
 
 _TRAIN_CALLS = 0
@@ -336,154 +652,46 @@ def train(*,
   """
   global _TRAIN_CALLS
   _TRAIN_CALLS += 1
-  if not model_dir:
-    raise ConfigError('MODEL_DIR must be set')
-  if k_anneal_max_rungs < 2:
-    raise ConfigError(f'k_anneal_max_rungs must be >= 2, got {k_anneal_max_rungs}')
-  if checkpoint_period < 1:
-    raise ConfigError(f'checkpoint_period must be >= 1, got {checkpoint_period}')
+  check_options(model_dir, k_anneal_max_rungs, checkpoint_period)
   run = setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps, mesh_shape,
               logical_axis_rules, learning_rate_fn, optimizer_fn, trainable_params,
               k_anneal_fraction, k_anneal_max_rungs, z_loss, vocabulary, register_tasks,
               initial_checkpoint_path)
-  trainer = run.trainer
   if dry_run:
-    shard_index, num_shards = trainer.data_shard(run.train_cfg.batch_size)
-    batch = next(data_lib.train_batches(run.train_cfg, shard_index, num_shards))
-    return TrainResult(None, 0, trainer, model_dir, '', [], [], 0, setup=run,
-                       dry_run_batch_shapes={k: list(np.shape(v)) for k, v in batch.items()})
+    return dry_run_result(run, model_dir)
+  check_shared_model_dir(model_dir)
   lead = jax.process_index() == 0
+  if lead:
+    acm = getattr(model, 'acm', None)
+    checkpoints.save_run_config(
+        model_dir, model.config, model.coda, trainable_params,
+        acm_config=None if acm is None else config_lib.to_dict(acm))
   writer = metrics_lib.MetricsWriter(model_dir, tensorboard=tensorboard, enabled=lead)
   ckpt_dir = os.path.join(model_dir, CHECKPOINT_SUBDIR)
   ckpt = checkpoints.TrainStateCheckpointer(ckpt_dir, max_to_keep=keep_checkpoints)
-  global_batch = run.train_cfg.batch_size
-
-  # State: resume, or start.
-  start = ckpt.latest_step()
-  if start is not None:
-    state, position = ckpt.restore(start, target=trainer.abstract_state())
-    batches_read = int(position.get('batches', start))
-    logging.info('resuming from %s/%d', ckpt_dir, start)
-  else:
-    rng = jax.random.PRNGKey(random_seed)
-    init_rng, train_rng = jax.random.split(rng)
-    state = trainer.init_state(_initial_params(run, initial_checkpoint_path, init_rng),
-                               train_rng)
-    batches_read, start = 0, 0
-  last_good = start if ckpt.latest_step() is not None else None
-
-  evaluator = None
-  if run.eval_cfg is not None and eval_period:
-    evaluator = data_lib.TaskEvaluator(
-        run.eval_cfg.mixture_or_task_name, run.eval_cfg.task_feature_lengths,
-        split=run.eval_cfg.split, num_examples=eval_num_examples,
-        batch_size=eval_batch_size)
-
-  train_history: List[Dict[str, Any]] = []
-  eval_history: List[Dict[str, Any]] = []
-
-  def checkpoint_path(step):
-    return os.path.join(ckpt_dir, str(step)) if step is not None else 'none'
-
-  def fail(step: int, loss: float):
-    raise NonFiniteLossError(f'loss is {_describe_loss(loss)} at step {step}; last good '
-                             f'checkpoint: {checkpoint_path(last_good)}')
-
-  def save(step: int, state):
-    nonlocal last_good
-    if not trainer.params_finite(state['params']):
-      raise NonFiniteLossError(
-          f'trained parameters are not finite after step {step}; last good checkpoint: '
-          f'{checkpoint_path(last_good)}')
-    ckpt.save(step, state, {'batches': batches_read,
-                            'examples': batches_read * global_batch})
-    ckpt.wait_until_finished()
-    last_good = step
-
-  def evaluate(step: int, state):
-    predict = trainer.predict_fn(run.lengths['targets'])
-    data_axis = run.mesh.shape['data']
-
-    def predict_numpy(tokens: np.ndarray) -> np.ndarray:
-      arr = jax.make_array_from_callback(tokens.shape, trainer.batch_sharding,
-                                         lambda idx: tokens[idx])
-      return np.asarray(predict(state['params'], arr))
-
-    results = evaluator.evaluate(predict_numpy, pad_batch_to=data_axis)
-    writer.write(step, results, split='eval')
-    eval_history.append({'step': step, **results})
-    return results
-
+  progress = restore_or_initialize(run, ckpt, ckpt_dir, initial_checkpoint_path,
+                                   random_seed)
+  start = progress.step
+  evaluator = make_evaluator(run, eval_period, eval_num_examples, eval_batch_size)
   if start >= total_steps:
-    logging.info('checkpoint step %d >= TRAIN_STEPS %d: nothing to train', start,
-                 total_steps)
     ckpt.close()
     writer.close()
-    return TrainResult(state, start, trainer, model_dir, ckpt_dir, train_history,
-                       eval_history, start, setup=run)
+    evals = [{k: v for k, v in r.items() if k not in ('split', 'time')}
+             for r in metrics_lib.read_metrics(model_dir, split='eval', missing_ok=True)]
+    return TrainResult(progress.state, start, run.trainer, model_dir, ckpt_dir, [],
+                       evals[-1:], start, setup=run)
 
-  shard_index, num_shards = trainer.data_shard(global_batch)
-  batches = data_lib.train_batches(run.train_cfg, shard_index, num_shards,
-                                   start_batch=batches_read)
-  bar = metrics_lib.ProgressBar(total_steps, initial=start,
-                                enabled=progress_bar if lead else False)
-  window: List[Dict[str, float]] = []
-  window_start = time.time()
-  pending: Optional[Tuple[int, Any]] = None
-
-  def collect(step: int, metrics) -> Dict[str, float]:
-    """Reads step `step`'s metrics (waits for it), checks the loss, logs."""
-    nonlocal window_start
-    values = _host(metrics)
-    if not _finite(values['loss']):
-      fail(step, values['loss'])
-    k = trainer.k(step - 1)
-    if k is not None:
-      values['k'] = k
-    window.append(values)
-    bar.update(1, loss=values['loss'])
-    for fn in callbacks:
-      fn(step, values)
-    if step % log_period == 0 or step == total_steps:
-      elapsed = time.time() - window_start
-      summary = {name: float(np.mean([w[name] for w in window if name in w]))
-                 for name in window[-1]}
-      summary['steps_per_sec'] = len(window) / max(elapsed, 1e-9)
-      writer.write(step, summary, split='train')
-      train_history.append({'step': step, **summary})
-      window.clear()
-      window_start = time.time()
-    return values
-
-  step = start
+  batches = train_batches(run, start_example=progress.examples)
+  log = metrics_lib.RunLog(
+      writer, metrics_lib.ProgressBar(total_steps, initial=start,
+                                      enabled=progress_bar if lead else False),
+      log_period, total_steps, callbacks, echo=lead)
   try:
-    while step < total_steps:
-      local = next(batches)
-      batches_read += 1
-      batch = trainer.shard_batch(local, global_batch)
-      state, metrics = trainer.train_step(state, batch, step)
-      step += 1
-      if pending is not None:
-        collect(*pending)
-      pending = (step, metrics)
-      do_eval = evaluator is not None and (step % eval_period == 0 or step == total_steps)
-      do_save = step % checkpoint_period == 0 or step == total_steps
-      if do_eval or do_save:
-        collect(*pending)
-        pending = None
-        if do_save:
-          save(step, state)
-        if do_eval:
-          results = evaluate(step, state)
-          bar.write(f'step {step} eval: ' + ', '.join(
-              f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}'
-              for k, v in sorted(results.items())))
-    if pending is not None:
-      collect(*pending)
-      pending = None
+    train_loop(run, progress, batches, ckpt=ckpt, ckpt_dir=ckpt_dir, evaluator=evaluator,
+               log=log, total_steps=total_steps, eval_period=eval_period,
+               checkpoint_period=checkpoint_period)
   finally:
-    bar.close()
-    writer.close()
+    log.close()
     ckpt.close()
-  return TrainResult(state, step, trainer, model_dir, ckpt_dir, train_history,
-                     eval_history, start, setup=run)
+  return TrainResult(progress.state, progress.step, run.trainer, model_dir, ckpt_dir,
+                     log.train_history, log.eval_history, start, setup=run)

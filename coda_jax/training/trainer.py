@@ -7,28 +7,28 @@ The train state is a plain dict (what `TrainStateCheckpointer` saves):
    'step':      int32 scalar, the number of updates applied,
    'rng':       uint32[2] raw PRNG key; step s uses fold_in(rng, s) for dropout}
 
-Parameters are placed by their logical axis names (`partitioning`), optimizer
-slots follow the parameter they belong to (a factored Adafactor row/column
-statistic drops the factored dimension's mesh axis), `step` and `rng` are
+Parameters are placed by their logical axis names, optimizer slots follow the
+parameter they belong to (a factored Adafactor row/column statistic drops the
+factored dimension's mesh axis; both in `partitioning`), `step` and `rng` are
 replicated, and batches are split over the mesh's `data` axis.
 
 k annealing (`k_annealing.KSchedule`): rung j is the same `Transformer` with
-`coda.reduction_factor` set so that it routes k_j tokens; each rung gets its
-own jitted step, traced and compiled once (`trace_counts` counts the traces).
+its `CodaConfig` set to route exactly k_j tokens; each rung gets its own
+jitted step, traced and compiled once (`trace_counts` counts the traces).
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-import flax
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 import numpy as np
 import optax
 
+from coda_jax import acm as acm_lib
+from coda_jax import params as params_lib
 from coda_jax import partitioning
 from coda_jax.training import k_annealing
 from coda_jax.training import optimizer as optimizer_lib
@@ -59,77 +59,15 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
           jnp.sum(correct * weights))
 
 
-def _names(path) -> Tuple[str, ...]:
-  return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-
-
-def _adafactor_dropped_dim(path, pshape: Sequence[int]) -> Optional[int]:
-  """The dimension optax's Adafactor reduces for a `v_row` / `v_col` statistic.
-
-  optax factors the two largest dimensions (d1, d0) = argsort(shape)[-2:];
-  `v_row` drops d0 and `v_col` drops d1. Needed for square kernels, where the
-  shape alone does not say which dimension a statistic kept.
-  """
-  attrs = {k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)}
-  if len(pshape) < 2 or not attrs & {'v_row', 'v_col'}:
-    return None
-  d1, d0 = (int(d) for d in np.argsort(pshape)[-2:])
-  return d0 if 'v_row' in attrs else d1
-
-
-def optimizer_state_specs(opt_shapes: PyTree, param_shapes: PyTree, param_specs: PyTree,
-                          mesh: Mesh) -> PyTree:
-  """`PartitionSpec`s of the optimizer state, from the parameters' specs.
-
-  An optimizer leaf whose key path ends with a parameter's path takes that
-  parameter's spec when it has the parameter's shape, and the spec minus the
-  dropped dimension when it is a factored statistic (one dimension fewer);
-  everything else (counts, unfactored placeholders) is replicated.
-  """
-  flat_shapes = flax.traverse_util.flatten_dict(flax.core.unfreeze(param_shapes))
-  flat_specs = flax.traverse_util.flatten_dict(
-      flax.core.unfreeze(param_specs), is_leaf=lambda _, x: isinstance(x, P))
-
-  def spec_of(path, leaf):
-    names = _names(path)
-    shape = tuple(leaf.shape)
-    for start in range(len(names)):
-      key = names[start:]
-      if key not in flat_shapes:
-        continue
-      pshape, pspec = tuple(flat_shapes[key].shape), tuple(flat_specs[key])
-      pspec = pspec + (None,) * (len(pshape) - len(pspec))
-      if shape == pshape:
-        return partitioning.fit_spec(pspec, shape, mesh)
-      if len(shape) == len(pshape) - 1:
-        dropped = [d for d in range(len(pshape)) if pshape[:d] + pshape[d + 1:] == shape]
-        if len(dropped) > 1 and _adafactor_dropped_dim(path, pshape) in dropped:
-          dropped = [_adafactor_dropped_dim(path, pshape)]
-        if dropped:
-          d = dropped[0]
-          return partitioning.fit_spec(pspec[:d] + pspec[d + 1:], shape, mesh)
-      break
-    return P()
-
-  return jax.tree_util.tree_map_with_path(spec_of, opt_shapes)
-
-
-def _named(mesh: Mesh, specs: PyTree) -> PyTree:
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                      is_leaf=lambda x: isinstance(x, P))
-
-
 def _is_routed(model) -> bool:
   return bool(getattr(model, 'routes_tokens', False))
 
 
 def rung_models(model, schedule: Optional[k_annealing.KSchedule]):
-  """One model per k rung (the same module with another reduction factor)."""
+  """One model per k rung (the same module routing that rung's k)."""
   if schedule is None or not _is_routed(model):
     return [model]
-  return [model.clone(coda=dataclasses.replace(
-      model.coda, reduction_factor=schedule.reduction_factor(j)))
-          for j in range(schedule.num_rungs)]
+  return [model.clone(coda=schedule.coda(j, model.coda)) for j in range(schedule.num_rungs)]
 
 
 class Trainer:
@@ -144,14 +82,12 @@ class Trainer:
     learning_rate_fn: the schedule, only to report the rate as a metric.
     z_loss: t5x's auxiliary log-partition loss coefficient.
     trainable_params: 'coda' or 'all' (for the gradient-norm metric).
-    example_lengths: (encoder, decoder) lengths to build shapes with.
   """
 
   def __init__(self, model, optimizer: optax.GradientTransformation, mesh: Mesh, *,
                k_schedule: Optional[k_annealing.KSchedule] = None,
                rules=None, learning_rate_fn: Optional[Callable] = None,
-               z_loss: float = 1e-4, trainable_params: str = 'coda',
-               example_lengths: Tuple[int, int] = (8, 8)):
+               z_loss: float = 1e-4, trainable_params: str = 'coda'):
     self.model = model
     self.optimizer = optimizer
     self.mesh = mesh
@@ -166,20 +102,16 @@ class Trainer:
     self._predict: Dict[Tuple[int, int], Callable] = {}
     self._all_finite: Optional[Callable] = None
 
-    enc_len, dec_len = example_lengths
-    ones = lambda n: jnp.ones((1, n), jnp.int32)
-    init = lambda rng: self.models[-1].init(rng, ones(enc_len), ones(dec_len), ones(dec_len),
-                                            enable_dropout=False)
-    variables = jax.eval_shape(init, jax.random.PRNGKey(0))
-    self.param_shapes = flax.core.unfreeze(variables['params'])
-    self.params_axes = flax.core.unfreeze(variables.get('params_axes', {}))
-    self._init_fn = lambda rng: flax.core.unfreeze(init(rng)['params'])
+    variables = params_lib.abstract_variables(self.models[-1])
+    self.param_shapes = variables['params']
+    self.params_axes = variables.get('params_axes', {})
+    self._init_fn = params_lib.init_fn(self.models[-1])
     param_specs = partitioning.params_partition_specs(
         self.param_shapes, self.params_axes, mesh, self.rules)
-    self.params_shardings = _named(mesh, param_specs)
+    self.params_shardings = partitioning.named_shardings(param_specs, mesh)
     opt_shapes = jax.eval_shape(optimizer.init, self.param_shapes)
-    self.opt_shardings = _named(mesh, optimizer_state_specs(
-        opt_shapes, self.param_shapes, param_specs, mesh))
+    self.opt_shardings = partitioning.named_shardings(partitioning.optimizer_state_specs(
+        opt_shapes, self.param_shapes, param_specs, mesh), mesh)
     self.replicated = partitioning.replicated(mesh)
     self.batch_sharding = partitioning.batch_sharding(mesh)
     self.state_shardings = {'params': self.params_shardings, 'opt_state': self.opt_shardings,
@@ -204,26 +136,24 @@ class Trainer:
 
   def place_params(self, params: PyTree) -> PyTree:
     """Host parameters (numpy, identical on every process) -> sharded arrays."""
-    params = flax.core.unfreeze(params)
-    flat = flax.traverse_util.flatten_dict(params)
-    shapes = flax.traverse_util.flatten_dict(self.param_shapes)
+    flat = params_lib.flatten(params)
+    shapes = params_lib.flatten(self.param_shapes)
     if set(flat) != set(shapes):
-      missing = sorted('/'.join(k) for k in set(shapes) - set(flat))
-      extra = sorted('/'.join(k) for k in set(flat) - set(shapes))
+      missing = sorted(set(shapes) - set(flat))
+      extra = sorted(set(flat) - set(shapes))
       raise ValueError(f'parameters do not match the model: missing {missing[:5]}, '
                        f'unexpected {extra[:5]}')
-    shardings = flax.traverse_util.flatten_dict(self.params_shardings)
+    shardings = params_lib.flatten(self.params_shardings)
     out = {}
-    for key, value in flat.items():
+    for name, value in flat.items():
       arr = np.asarray(value)
-      want = shapes[key]
+      want = shapes[name]
       if arr.shape != tuple(want.shape):
-        raise ValueError(f'{"/".join(key)}: shape {arr.shape} != model shape '
-                         f'{tuple(want.shape)}')
+        raise ValueError(f'{name}: shape {arr.shape} != model shape {tuple(want.shape)}')
       arr = arr.astype(want.dtype)
-      out[key] = jax.make_array_from_callback(arr.shape, shardings[key],
-                                              lambda idx, a=arr: a[idx])
-    return flax.traverse_util.unflatten_dict(out)
+      out[name] = jax.make_array_from_callback(arr.shape, shardings[name],
+                                               lambda idx, a=arr: a[idx])
+    return params_lib.unflatten(out)
 
   def init_state(self, params: PyTree, rng: jax.Array) -> PyTree:
     """A fresh train state (step 0) around sharded `params`."""
@@ -235,25 +165,32 @@ class Trainer:
 
   # -- batches --------------------------------------------------------------------
 
-  def data_shard(self, global_batch_size: int) -> Tuple[int, int]:
-    """(index, count) of the batch slices this process feeds.
+  def data_rows(self, global_batch_size: int) -> Tuple[int, int]:
+    """(lo, hi): the rows of a `[global_batch, ...]` array that this process's
+    devices hold under the batch sharding, the rows it feeds to `shard_batch`.
 
-    The slice of a `[global_batch, ...]` array that this process's devices hold
-    under the batch sharding; equals (process_index, process_count) on the
-    usual meshes whose `model` axis stays within a host.
+    Every process feeds its rows of the same global batch, so the batch, and
+    the loss, do not depend on the number of processes. On the meshes of
+    `partitioning.create_mesh` (devices in `jax.devices()` order, each
+    process's devices together) they are one contiguous block: process p of P
+    feeds rows [p B / P, (p + 1) B / P) when the `model` axis stays within a
+    host, and every row when it spans the hosts.
     """
     idx_map = self.batch_sharding.addressable_devices_indices_map((global_batch_size,))
-    starts = sorted({(s[0].start or 0, s[0].stop or global_batch_size)
-                     for s in idx_map.values()})
-    lo, hi = starts[0][0], starts[-1][1]
-    size = hi - lo
-    if size <= 0 or global_batch_size % size or lo % size:
-      raise ValueError(f'cannot split a batch of {global_batch_size} over this mesh '
-                       f'({dict(self.mesh.shape)})')
-    return lo // size, global_batch_size // size
+    spans = sorted({(s[0].start or 0, global_batch_size if s[0].stop is None else s[0].stop)
+                    for s in idx_map.values()})
+    lo, hi = spans[0][0], spans[0][1]
+    for start, stop in spans[1:]:
+      if start > hi:
+        raise ValueError(
+            f'this process\'s devices hold rows {spans} of a batch of {global_batch_size} '
+            f'on the mesh {dict(self.mesh.shape)}: not one contiguous block; order the '
+            'mesh\'s devices so that each process\'s devices are together')
+      hi = max(hi, stop)
+    return lo, hi
 
   def shard_batch(self, local_batch: Batch, global_batch_size: int) -> Dict[str, jax.Array]:
-    """This process's rows of a batch -> global arrays split over `data`."""
+    """This process's rows of a batch (`data_rows`) -> global arrays split over `data`."""
     out = {}
     for name, value in local_batch.items():
       value = np.asarray(value)
@@ -289,7 +226,15 @@ class Trainer:
     if ratios:
       metrics['routing_mass_ratio'] = jnp.mean(jnp.stack(
           [jnp.mean(r.astype(jnp.float32)) for r in ratios]))
-    return loss_sum / num_tokens, metrics
+    objective = loss_sum / num_tokens
+    if getattr(model, 'acm', None) is not None:
+      # ACM conversion (coda_jax.acm): phases 'distill' and 'gate' train on
+      # their module-wise losses alone (the forward pass is the frozen teacher);
+      # 'finetune' adds the weighted budget, entropy and diversity losses.
+      terms = acm_lib.aux_losses(aux['intermediates'], model.acm)
+      metrics.update({f'acm_{name}': value for name, value in terms.items()})
+      objective = terms['loss'] + (objective if model.acm.phase == 'finetune' else 0.0)
+    return objective, metrics
 
   def _make_step(self, rung: int) -> Callable:
     model = self.models[rung]

@@ -1,0 +1,600 @@
+"""Inference latency of CoDA against the Parallel Adapter model (paper Fig. 7a, Table 12).
+
+For one backbone (a T5 v1.1 preset with random weights, or a checkpoint) and
+one or more task shapes, every model variant (`models.make_variants`)
+
+  * ``parallel_adapter`` -- the baseline: the same adapters, no routing;
+  * ``coda_<attention>_r<r>`` -- CoDA with reduction factor r and attention
+    variant 'k_to_all' or 'k_to_k' (every encoder layer routed);
+
+is compiled and then timed round-robin (`timing.time_round_robin`): each
+repeat runs one call of every timed function, in a rotating order, so machine
+load falls on all of them alike. Per task shape the compiled programs are ONE
+encoder per variant, ONE decoder shared by all variants and one soft top-k per
+distinct k (compile seconds reported apart, XLA compilations counted):
+
+  * encoder: the variant's `Transformer.encode` on `[batch, input_length]`
+    real tokens;
+  * decoder: `decoding.predict_batch` given the encoder output (greedy or
+    beam search over the cached decoder), compiled once on the baseline model
+    with the baseline's parameters. CoDA routes only in the encoder: every
+    variant's decoder has the same parameters and is the same computation, so
+    it is timed once per repeat and every row reports those times;
+  * end_to_end: the variant's compiled encoder followed by the shared
+    compiled decoder, dispatched back to back (no host synchronisation in
+    between) and timed until the decoded sequences are ready;
+  * speed-ups: median(baseline) / median(variant), from the raw per-repeat
+    times stored in the JSON (so they can be recomputed);
+  * soft top-k share (Table 12's column): the median time of one jitted soft
+    top-k on `[batch, input_length]` scores with the variant's k, times the
+    number of routed layers, over the variant's end-to-end median;
+  * FLOP bounds (`coda_jax.flops`): encoder and end-to-end MAC ratios.
+
+Decoding runs a FIXED number of steps (`output_length`): EOS is set to -1,
+which greedy argmax and beam search can never emit, so random weights cannot
+stop a batch early and every variant decodes the same number of tokens.
+
+With ``--cross_kv``, one more measured row compares computing the
+cross-attention keys/values once per sequence (``Transformer(cache_cross_kv=
+True)``, our default) with recomputing them at every step
+(``cache_cross_kv=False``, t5x's behaviour), on the baseline model and the
+``xsum`` shape. It is not in the default run: it times the decoder, which is
+the same for every variant (so it says nothing about CoDA against the
+Parallel Adapter), it costs a fair share of a CPU run, and where XLA hoists
+t5x's per-step projections out of the decoding loop itself (it does on CPU)
+both forms do the same work, so its FLOP bound does not apply.
+
+Entry points: `main(argv)` (``python -m coda_jax.bench.decoding_latency``), and
+`add_arguments(parser)` + `run(args)` for ``coda-jax benchmark`` (and
+`tools/benchmark_decoding.py`). Every flag value is checked before any work:
+argparse types for each value, `check_args` for the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coda_jax import checkpoints
+from coda_jax import config as config_lib
+from coda_jax import decoding
+from coda_jax import flops
+from coda_jax import network
+from coda_jax import soft_topk as soft_topk_lib
+from coda_jax.bench import hlo
+from coda_jax.bench import models
+from coda_jax.bench import report
+from coda_jax.bench import timing
+from coda_jax.config import (ATTENTION_VARIANTS, CodaConfig, SoftTopKConfig, T5Config,
+                             coda_k, parallel_adapter_baseline)
+
+# Task shapes (input tokens, decoded tokens). Input lengths are the paper's
+# (Table 8). Output lengths are ours: BoolQ decodes a one-word class label
+# ("True"/"False" plus EOS: 4 steps covers it); SQuAD answers are short spans
+# (32 steps); XSum summaries are one sentence (64 steps).
+TASK_SHAPES: Dict[str, Tuple[int, int]] = {
+    'boolq': (384, 4),
+    'squad': (512, 32),
+    'xsum': (1664, 64),
+}
+
+TIMED = ('encoder', 'decoder', 'end_to_end')
+# The key of the shared decoder's times.
+DECODER = 'decoder'
+# The paper's batch: 128 sequences per TPUv4 chip (Table 12). On a CPU the
+# default is small enough that the default run takes a few minutes.
+ACCELERATOR_BATCH = 128
+CPU_BATCH = 4
+CROSS_KV_TASK = 'xsum'
+CPU_CROSS_KV_BATCH = 1
+# EOS id that no decoder can emit: decoding always runs output_length steps.
+NEVER_EOS = -1
+
+MEASURED = {
+    'encoder': "the variant's compiled Transformer.encode on [batch, input_length] "
+               'real tokens',
+    'decoder': 'one compiled decoder for every variant: decoding.predict_batch given '
+               "the encoder output, on the baseline model with the baseline's "
+               'parameters (CoDA routes only in the encoder, so every variant\'s '
+               'decoder is this same computation); timed once per repeat, the same '
+               'times in every row',
+    'end_to_end': "the variant's compiled encoder followed by the shared compiled "
+                  'decoder, dispatched back to back (no host synchronisation in '
+                  'between) and timed until the decoded sequences are ready; two '
+                  'programs, not one fused predict_batch',
+    'compile_s': "encoder: the variant's encoder; decoder: the shared decoder "
+                 '(compiled once per task, repeated in every row); end_to_end: '
+                 'their sum',
+}
+
+
+def make_decode_fn(model: network.Transformer, output_length: int, method: str,
+                   num_beams: int, alpha: float):
+  def decode(params, tokens, encoded):
+    return decoding.predict_batch(model, params, tokens, max_decode_length=output_length,
+                                  method=method, num_beams=num_beams, alpha=alpha,
+                                  eos_id=NEVER_EOS, encoded=encoded)
+  return jax.jit(decode)
+
+
+def make_soft_topk_fn(coda: CodaConfig, k: int):
+  return jax.jit(lambda scores: soft_topk_lib.soft_topk(scores, k, coda.soft_topk))
+
+
+def _normal(shape: Sequence[int], dtype: Any, seed: int) -> jax.Array:
+  """Standard normal values made on the host and put on the device (no compilation)."""
+  return jax.device_put(np.random.RandomState(seed).standard_normal(shape).astype(dtype))
+
+
+def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
+                   input_length: int, output_length: int, batch_size: int,
+                   reduction_factors: Sequence[float], attentions: Sequence[str],
+                   coda_template: CodaConfig, method: str, num_beams: int, alpha: float,
+                   repeats: int, seed: int = 0, progress=None) -> Dict[str, Any]:
+  """Times the baseline and every CoDA variant on one task shape (interleaved)."""
+  variants = models.make_variants(config, coda_template, reduction_factors, attentions)
+  base = variants[0]
+  var_params = models.variant_params(variants, params)
+  tokens = models.random_tokens(batch_size, input_length, config.vocab_size, seed)
+  scores = _normal((batch_size, input_length), jnp.float32, seed)
+  ks = sorted({v.k(input_length) for v in variants if v.attention})
+
+  def step(label):
+    if progress is not None:
+      progress.update(1, at=f'compile {label}')
+
+  with timing.CompileCounter() as compiling:
+    encoders = models.compile_encoders(variants, var_params, tokens, progress)
+    encoded = jax.block_until_ready(encoders[base.name].call())
+    decoder = timing.compile_call(
+        make_decode_fn(base.model, output_length, method, num_beams, alpha),
+        var_params[base.name], tokens, encoded)
+    step('decoder (shared)')
+    soft_topk = {}
+    for k in ks:
+      soft_topk[f'soft_topk/k{k}'] = timing.compile_call(
+          make_soft_topk_fn(coda_template, k), scores)
+      step(f'soft top-k k={k}')
+
+  def end_to_end(encoder: timing.Timed) -> Callable[[], Any]:
+    return lambda: decoder.compiled(var_params[base.name], tokens, encoder.call())
+
+  fns = {DECODER: decoder.call}
+  for v in variants:
+    fns[f'{v.name}/encoder'] = encoders[v.name].call
+    fns[f'{v.name}/end_to_end'] = end_to_end(encoders[v.name])
+  fns.update({name: t.call for name, t in soft_topk.items()})
+  with timing.CompileCounter() as timed_loop:
+    times = timing.time_round_robin(fns, repeats, progress)
+
+  def key(v: models.Variant, t: str) -> str:
+    return t if t == DECODER else f'{v.name}/{t}'
+
+  rows = []
+  for v in variants:
+    enc_s = encoders[v.name].compile_s
+    row: Dict[str, Any] = {
+        'name': v.name, 'reduction_factor': v.reduction_factor,
+        'attention': v.attention, 'k': v.k(input_length),
+        'routed_layers': v.routed_layers,
+        'compile_s': {'encoder': enc_s, 'decoder': decoder.compile_s,
+                      'end_to_end': enc_s + decoder.compile_s},
+    }
+    stats = {t: timing.summary(times[key(v, t)], times[key(base, t)]) for t in TIMED}
+    row.update({name: {t: stats[t][name] for t in TIMED} for name in timing.SUMMARY_KEYS})
+    if v.attention is None:
+      row['flop_bound'] = {'encoder': 1.0, 'end_to_end': 1.0}
+      row['soft_topk'] = None
+    else:
+      row['flop_bound'] = {
+          'encoder': flops.encoder_speedup_bound(config, input_length, v.reduction_factor,
+                                                 v.attention, v.coda.adapter_dim),
+          'end_to_end': flops.end_to_end_speedup_bound(
+              config, input_length, output_length, v.reduction_factor, v.attention,
+              v.coda.adapter_dim, num_beams=num_beams if method == 'beam' else 1),
+      }
+      name = f'soft_topk/k{row["k"]}'
+      one = timing.median_ms(times[name])
+      row['soft_topk'] = {
+          'key': name, 'method': v.coda.soft_topk.method,
+          'num_iters': v.coda.soft_topk.num_iters,
+          'one_layer_median_ms': one,
+          'all_layers_ms': one * v.routed_layers,
+          'share_of_end_to_end': one * v.routed_layers / row['median_ms']['end_to_end'],
+      }
+    row['fraction_of_bound'] = {t: row['speedup'][t] / row['flop_bound'][t]
+                                for t in ('encoder', 'end_to_end')}
+    rows.append(row)
+  return {
+      'task': task, 'input_length': input_length, 'output_length': output_length,
+      'batch_size': batch_size, 'baseline': base.name, 'variants': rows,
+      'decoder': {'model': base.name, 'compile_s': decoder.compile_s,
+                  'times_s': times[DECODER]},
+      'soft_topk_times_s': {name: times[name] for name in soft_topk},
+      'soft_topk_compile_s': {name: t.compile_s for name, t in soft_topk.items()},
+      'compiled_programs': ([f'{v.name}/encoder' for v in variants] + [DECODER]
+                            + list(soft_topk)),
+      'xla_compilations': {'compile': compiling.compilations,
+                           'timed_loop': timed_loop.compilations},
+  }
+
+
+def benchmark_cross_kv(config: T5Config, params: Mapping[str, Any], *, task: str,
+                       input_length: int, output_length: int, batch_size: int,
+                       coda_template: CodaConfig, method: str, num_beams: int,
+                       alpha: float, repeats: int, seed: int = 0,
+                       progress=None) -> Dict[str, Any]:
+  """Decoder time of the baseline with cross K/V once per sequence vs per step."""
+  coda = parallel_adapter_baseline(coda_template)
+  tokens = models.random_tokens(batch_size, input_length, config.vocab_size, seed)
+  variants = {'once_per_sequence': network.Transformer(config, coda=coda,
+                                                       cache_cross_kv=True),
+              'every_step': network.Transformer(config, coda=coda, cache_cross_kv=False)}
+  p = models.restrict_params(params, variants['once_per_sequence'])
+  # The decoder's time does not depend on the encoder output's values (a
+  # fixed number of steps): random values of its shape and dtype save
+  # compiling an encoder at this shape.
+  encoded = _normal((batch_size, input_length, config.emb_dim), config.dtype, seed)
+  timed = {}
+  for name, model in variants.items():
+    timed[name] = timing.compile_call(make_decode_fn(model, output_length, method,
+                                                     num_beams, alpha), p, tokens, encoded)
+    if progress is not None:
+      progress.update(1, at=f'compile cross K/V {name}')
+  in_loop = {name: hlo.loop_dots(t.hlo_text()) for name, t in timed.items()}
+  times = timing.time_round_robin({name: t.call for name, t in timed.items()}, repeats,
+                                  progress)
+  return {
+      'task': task, 'model': models.BASELINE, 'input_length': input_length,
+      'output_length': output_length, 'batch_size': batch_size, 'timed': 'decoder',
+      'rows': [{'cross_kv': name, 'cache_cross_kv': name == 'once_per_sequence',
+                'compile_s': timed[name].compile_s, 'times_s': times[name],
+                'median_ms': timing.median_ms(times[name]),
+                'cross_kv_matmuls_in_decoding_loop': in_loop[name]} for name in variants],
+      'note': ('The decoder is given a random encoder output of the right shape and '
+               'dtype (its time does not depend on the values). '
+               'cross_kv_matmuls_in_decoding_loop counts the cross-attention key/value '
+               'projections left inside the compiled decoding loop. once_per_sequence '
+               'computes them before the loop (decoding.init_decode_cache), so 0 by '
+               'construction. 0 for every_step means XLA hoisted the loop-invariant '
+               'projections out of the loop itself (while-loop invariant code motion), '
+               'so t5x\'s per-step form is not really recomputing them and the FLOP '
+               'bound, which assumes it does, does not apply.'),
+      'speedup_once_over_every_step': timing.speedup(times['every_step'],
+                                                     times['once_per_sequence']),
+      'flop_bound': flops.cross_kv_speedup_bound(config, input_length, output_length,
+                                                 coda.adapter_dim),
+  }
+
+
+# The accelerator targets (issue "Routing at accelerator speed"): the fraction
+# of the encoder's FLOP bound CoDA must reach at r > 1, the soft top-k's
+# largest share of the latency (the paper's Table 12), CoDA r = 1 against
+# the Parallel Adapter model, and k-to-all r = 3 on boolq end to end.
+ENCODER_FRACTION_OF_BOUND = 0.85
+SOFT_TOPK_MAX_SHARE = 0.02
+R1_MIN_SPEEDUP = 0.95
+BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP = 1.7
+
+
+def checks(result: Mapping[str, Any]) -> List[Dict[str, Any]]:
+  """The accelerator targets, evaluated on the measured numbers."""
+  out = []
+
+  def check(text, value, ok):
+    out.append({'check': text, 'value': value, 'ok': bool(ok)})
+
+  for task in result['tasks']:
+    for row in task['variants']:
+      if row['attention'] is None:
+        continue
+      where = f'{task["task"]} {row["name"]}'
+      encoder, end_to_end = row['fraction_of_bound']['encoder'], row['speedup']['end_to_end']
+      if row['reduction_factor'] > 1:
+        check(f'{where}: encoder speed-up >= {ENCODER_FRACTION_OF_BOUND:.0%} of the FLOP bound',
+              encoder, encoder >= ENCODER_FRACTION_OF_BOUND)
+      else:
+        check(f'{where}: end-to-end >= {R1_MIN_SPEEDUP}x the baseline (routing overhead)',
+              end_to_end, end_to_end >= R1_MIN_SPEEDUP)
+      share = row['soft_topk']['share_of_end_to_end']
+      check(f'{where}: soft top-k share <= {SOFT_TOPK_MAX_SHARE:.0%} of end-to-end latency',
+            share, share <= SOFT_TOPK_MAX_SHARE)
+      if (task['task'] == 'boolq' and row['attention'] == 'k_to_all'
+          and row['reduction_factor'] == 3):
+        check(f'{where}: end-to-end speed-up >= {BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP}',
+              end_to_end, end_to_end >= BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP)
+  return out
+
+
+# ------------------------------------------------------------------------------
+# Flag values: parsed and checked by argparse, so a bad one stops the command
+# before any work, in a message that names the flag.
+# ------------------------------------------------------------------------------
+
+
+def _items(text: str) -> List[str]:
+  return [x for x in text.replace(' ', '').split(',') if x]
+
+
+def _reduction_factors(text: str) -> List[float]:
+  """'1,3,5' -> [1.0, 3.0, 5.0]: CoDA reduction factors r (finite, >= 1)."""
+  out = []
+  for item in _items(text):
+    try:
+      r = float(item)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f'{item!r} is not a number') from None
+    if not (math.isfinite(r) and r >= 1):
+      raise argparse.ArgumentTypeError(f'{item} is not a reduction factor r >= 1')
+    out.append(r)
+  return out
+
+
+def _one_of_each(choices: Sequence[str], empty_ok: bool):
+  """A comma-separated list of names from `choices`."""
+  def parse(text: str) -> List[str]:
+    out = _items(text)
+    for item in out:
+      if item not in choices:
+        raise argparse.ArgumentTypeError(f'{item!r} is not one of {list(choices)}')
+    if not out and not empty_ok:
+      raise argparse.ArgumentTypeError(f'names none of {list(choices)}')
+    return out
+  return parse
+
+
+def _at_least_one(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'{text!r} is not an integer') from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f'must be >= 1, got {value}')
+  return value
+
+
+def _writable_file(flag: str, path: str) -> None:
+  directory = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(directory):
+    raise ValueError(f'{flag} {path}: directory {directory} does not exist')
+  if not os.access(directory, os.W_OK):
+    raise ValueError(f'{flag} {path}: directory {directory} is not writable')
+
+
+def png_path(args: argparse.Namespace) -> str:
+  """The plot's path ('' for none): --png, else --out with .png."""
+  if args.png is not None:
+    return args.png
+  return (os.path.splitext(args.out)[0] + '.png') if args.out else ''
+
+
+def check_args(args: argparse.Namespace) -> None:
+  """What argparse cannot check alone, before any work: flags that go
+  together, the checkpoint's format, the output directories."""
+  if (args.input_length is None) != (args.output_length is None):
+    raise ValueError('--input_length and --output_length go together')
+  if args.checkpoint:
+    try:
+      checkpoints.detect_format(args.checkpoint)
+    except checkpoints.CheckpointError as e:
+      raise ValueError(f'--checkpoint: {e}') from e
+  for flag, path in (('--out', args.out), ('--png', png_path(args))):
+    if path:
+      _writable_file(flag, path)
+
+
+def _resolve_tasks(args) -> List[Tuple[str, int, int]]:
+  if args.input_length is not None:
+    return [('custom', args.input_length, args.output_length)]
+  return [(name,) + TASK_SHAPES[name] for name in args.tasks]
+
+
+def _progress_total(tasks, rs, attentions, args) -> int:
+  """Compilations and timed calls the progress bar counts."""
+  n_var = 1 + len(rs) * len(attentions)
+  total = 0
+  for _, n_in, _ in tasks:
+    n_ks = len({coda_k(n_in, r) for r in rs}) if attentions else 0
+    total += (n_var + 1 + n_ks) + args.repeats * (2 * n_var + 1 + n_ks)
+  if args.cross_kv:
+    total += 2 * (1 + args.cross_kv_repeats)
+  return total
+
+
+def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
+  """Runs everything `args` asks for; returns the JSON-able result."""
+  if args.compilation_cache_dir:
+    timing.enable_compilation_cache(args.compilation_cache_dir)
+  on_cpu = jax.default_backend() == 'cpu'
+  dtype = args.dtype or timing.default_dtype()
+  batch = args.batch_size or (CPU_BATCH if on_cpu else ACCELERATOR_BATCH)
+  cross_batch = args.cross_kv_batch_size or (CPU_CROSS_KV_BATCH if on_cpu else batch)
+  rs, attentions = args.reduction_factors, args.attention
+  tasks = _resolve_tasks(args)
+  with timing.CompileCounter() as compiles:
+    pretrained = None
+    if args.checkpoint:
+      config, pretrained = checkpoints.load_t5_v1_1(args.checkpoint)
+      config = dataclasses.replace(config, dtype=jnp.dtype(dtype))
+      model_name = f'checkpoint:{args.checkpoint}'
+    else:
+      config = models.make_config(args.model, jnp.dtype(dtype))
+      model_name = args.model
+    coda_template = CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
+                               adapter_dim=args.adapter_dim)
+    params, params_info = models.coda_params(config, coda_template, pretrained, args.seed)
+    del pretrained
+    if args.checkpoint:
+      params_info['checkpoint'] = args.checkpoint
+    beams = args.num_beams if args.decoding == 'beam' else 1
+    progress = timing.progress_bar(_progress_total(tasks, rs, attentions, args),
+                                   enabled=False if args.no_progress else None)
+    result: Dict[str, Any] = {
+        'meta': {
+            'tool': 'coda_jax.bench.decoding_latency',
+            'date': datetime.datetime.now().isoformat(timespec='seconds'),
+            **timing.environment(),
+            'dtype': dtype, 'model': model_name, 'config': config_lib.to_dict(config),
+            'coda': config_lib.to_dict(coda_template), 'params': params_info,
+            'decoding': args.decoding, 'num_beams': beams,
+            'alpha': args.alpha if args.decoding == 'beam' else None,
+            'eos_id': NEVER_EOS,
+            'fixed_decode_steps': 'eos_id=-1 can never be emitted: every batch decodes '
+                                  'exactly output_length steps',
+            'batch_size': batch, 'repeats': args.repeats,
+            'reduction_factors': rs, 'attention': attentions,
+            'timing': 'compile excluded (ahead-of-time compile timed as compile_s, then '
+                      'one untimed warm-up call); round-robin repeats; speedup = '
+                      'median(baseline) / median(variant) of times_s, speedup_of_min = '
+                      'min(baseline) / min(variant)',
+            'measured': MEASURED,
+        },
+        'tasks': [],
+    }
+    for name, n_in, n_out in tasks:
+      result['tasks'].append(benchmark_task(
+          config, params, task=name, input_length=n_in, output_length=n_out,
+          batch_size=batch, reduction_factors=rs, attentions=attentions,
+          coda_template=coda_template, method=args.decoding, num_beams=args.num_beams,
+          alpha=args.alpha, repeats=args.repeats, seed=args.seed, progress=progress))
+    if args.cross_kv:
+      n_in, n_out = TASK_SHAPES[args.cross_kv_task]
+      result['cross_kv'] = benchmark_cross_kv(
+          config, params, task=args.cross_kv_task, input_length=n_in, output_length=n_out,
+          batch_size=cross_batch, coda_template=coda_template, method=args.decoding,
+          num_beams=args.num_beams, alpha=args.alpha, repeats=args.cross_kv_repeats,
+          seed=args.seed, progress=progress)
+    progress.close()
+  result['meta']['compilation'] = {**compiles.as_dict(),
+                                   'cache_dir': args.compilation_cache_dir or None}
+  result['checks'] = checks(result)
+  return result
+
+
+# ------------------------------------------------------------------------------
+# Command line.
+# ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """The flags of `coda-jax benchmark` / tools/benchmark_decoding.py."""
+  g = parser.add_argument_group('model')
+  g.add_argument('--model', '--preset', dest='model', default='small',
+                 choices=models.MODEL_PRESETS,
+                 help='T5 v1.1 size with random weights (tiny: a test-sized model)')
+  g.add_argument('--checkpoint', default=None,
+                 help='T5 v1.1 checkpoint (anything coda_jax.checkpoints.load_t5_v1_1 '
+                 'reads); overrides --model; routers and adapters are fresh')
+  g.add_argument('--dtype', default=None, choices=checkpoints.DTYPE_NAMES,
+                 help='activation and parameter dtype (default: float32 on CPU, '
+                 'bfloat16 otherwise)')
+  g.add_argument('--adapter_dim', type=_at_least_one, default=CodaConfig.adapter_dim)
+  g.add_argument('--soft_topk_method', default=SoftTopKConfig.method,
+                 choices=soft_topk_lib.METHODS)
+  g = parser.add_argument_group('shapes')
+  g.add_argument('--tasks', default='boolq', type=_one_of_each(sorted(TASK_SHAPES), False),
+                 help=f'comma-separated task shapes from {sorted(TASK_SHAPES)} '
+                 f'(input, output tokens: {TASK_SHAPES})')
+  g.add_argument('--input_length', type=_at_least_one, default=None,
+                 help='custom input length (with --output_length; replaces --tasks)')
+  g.add_argument('--output_length', type=_at_least_one, default=None,
+                 help='custom number of decoded tokens')
+  g.add_argument('--batch_size', type=_at_least_one, default=None,
+                 help=f'sequences per batch (default: {CPU_BATCH} on CPU, '
+                 f'{ACCELERATOR_BATCH} on an accelerator, the paper\'s per-chip batch)')
+  g = parser.add_argument_group('variants')
+  g.add_argument('--reduction_factors', default='1,3,5', type=_reduction_factors,
+                 help='comma-separated CoDA reduction factors r >= 1 (empty: none)')
+  g.add_argument('--attention', default='k_to_all,k_to_k',
+                 type=_one_of_each(ATTENTION_VARIANTS, True),
+                 help=f'comma-separated CoDA attention variants from {ATTENTION_VARIANTS} '
+                 '(empty: the baseline alone)')
+  g.add_argument('--decoding', default='greedy', choices=('greedy', 'beam'))
+  g.add_argument('--num_beams', type=_at_least_one, default=4)
+  g.add_argument('--alpha', type=float, default=0.6, help='beam search length penalty')
+  g = parser.add_argument_group('cross-attention K/V row (not in the default run)')
+  g.add_argument('--cross_kv', dest='cross_kv', action='store_true', default=False,
+                 help="also time the baseline's decoder with the encoder's keys/values "
+                 "computed once per sequence (ours) vs at every step (t5x's); the same "
+                 'for every variant, so not part of CoDA vs Parallel Adapter')
+  g.add_argument('--no_cross_kv', dest='cross_kv', action='store_false',
+                 help='(the default) no cross-attention K/V row')
+  g.add_argument('--cross_kv_task', default=CROSS_KV_TASK, choices=sorted(TASK_SHAPES))
+  g.add_argument('--cross_kv_batch_size', type=_at_least_one, default=None,
+                 help=f'(default: {CPU_CROSS_KV_BATCH} on CPU, --batch_size otherwise)')
+  g.add_argument('--cross_kv_repeats', type=_at_least_one, default=2)
+  g = parser.add_argument_group('run and output')
+  g.add_argument('--repeats', type=_at_least_one, default=7,
+                 help='timed calls per function')
+  g.add_argument('--seed', type=int, default=0)
+  g.add_argument('--compilation_cache_dir', default=None,
+                 help='JAX persistent compilation cache directory (every program '
+                 'cached, however small); a second run with the same settings reads '
+                 'its compiled programs from there. Default: no cache')
+  g.add_argument('--out', default='benchmark_decoding.json',
+                 help='JSON output file ("" for none)')
+  g.add_argument('--png', default=None,
+                 help='Figure 7a-style plot (default: --out with .png; "" for none)')
+  g.add_argument('--json', action='store_true',
+                 help='print the JSON on stdout (the table goes to stderr)')
+  g.add_argument('--strict', action='store_true',
+                 help='exit with status 1 when a target line is a MISS')
+  g.add_argument('--no_progress', action='store_true',
+                 help='no progress bar (there is none when stderr is not a terminal)')
+
+
+def run(args: argparse.Namespace) -> int:
+  """Runs the benchmark; returns the exit code.
+
+  The table, then the paths written, on stdout (on stderr with --json, which
+  prints the JSON on stdout instead); the JSON to --out, the plot to --png.
+  With --strict, 1 when a target line is a MISS.
+  """
+  check_args(args)
+  result = run_benchmark(args)
+  png = png_path(args)
+  if png:
+    result['meta']['png'] = report.plot(result, png)
+  text = json.dumps(result, indent=1)
+  if args.out:
+    with open(args.out, 'w') as f:
+      f.write(text + '\n')
+  human = sys.stderr if args.json else sys.stdout
+  print(report.format_table(result), file=human)
+  written = [os.path.abspath(p) for p in (args.out, png) if p]
+  if written:
+    print('\nwrote ' + ' and '.join(written), file=human)
+  if args.json:
+    print(text)
+  misses = [c for c in result['checks'] if not c['ok']]
+  if args.strict and misses:
+    print(f'--strict: {len(misses)} of {len(result["checks"])} target lines missed',
+          file=sys.stderr)
+    return 1
+  return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  parser = argparse.ArgumentParser(
+      prog='benchmark_decoding',
+      description='CoDA vs Parallel Adapter inference latency (paper Fig. 7a, Table 12).')
+  add_arguments(parser)
+  args = parser.parse_args(argv)
+  try:
+    return run(args)
+  except ValueError as e:
+    print(f'benchmark: error: {e}', file=sys.stderr)
+    return 2
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,166 @@
+"""The models a benchmark compares and their parameters.
+
+* presets: 'tiny' (tests, `TINY`) or a T5 v1.1 size (`make_config`);
+* `Variant`s: the Parallel Adapter baseline (`config.parallel_adapter_baseline`:
+  the same adapters, no routing) and CoDA for every reduction factor r and
+  attention variant (`make_variants`);
+* parameters every variant shares (`coda_params`): random, created by one
+  jitted init directly in the activation dtype on the device, or a T5
+  checkpoint's leaves with fresh routers and adapters; the baseline uses the
+  same leaves minus the routers (`restrict_params`, `variant_params`);
+* `make_encode_fn`, `compile_encoders`: `Transformer.encode` of each variant,
+  compiled ahead of time.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from coda_jax import checkpoints
+from coda_jax import network
+from coda_jax import params as params_lib
+from coda_jax.bench import timing
+from coda_jax.config import CodaConfig, T5Config, parallel_adapter_baseline, t5_1_1
+
+# A backbone small enough for tests (seconds on a CPU).
+TINY = dict(vocab_size=256, emb_dim=32, num_heads=2, num_encoder_layers=2,
+            num_decoder_layers=2, head_dim=16, mlp_dim=64)
+MODEL_PRESETS = ('tiny', 'small', 'base', 'large', 'xl', 'xxl')
+BASELINE = 'parallel_adapter'
+
+
+def make_config(model: str, dtype: Any) -> T5Config:
+  """A `T5Config` for a preset: 'tiny' (tests) or a T5 v1.1 size."""
+  if model == 'tiny':
+    return T5Config(dtype=dtype, **TINY)
+  return t5_1_1(model, dtype=dtype)
+
+
+def variant_name(reduction_factor: Optional[float], attention: Optional[str]) -> str:
+  if attention is None:
+    return BASELINE
+  r = reduction_factor
+  r_text = str(int(r)) if float(r).is_integer() else str(r)
+  return f'coda_{attention}_r{r_text}'
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  name: str
+  model: network.Transformer
+  coda: CodaConfig
+  reduction_factor: float
+  attention: Optional[str]  # None: the baseline
+
+  @property
+  def routed_layers(self) -> int:
+    if self.attention is None:
+      return 0
+    n = self.model.config.num_encoder_layers
+    return sum(self.coda.is_routed(i, n) for i in range(n))
+
+  def k(self, input_length: int) -> int:
+    """Tokens a routed layer selects (all of them for the baseline)."""
+    return self.coda.num_selected(input_length) if self.attention else input_length
+
+
+def make_variants(config: T5Config, template: CodaConfig,
+                  reduction_factors: Sequence[float], attentions: Sequence[str]
+                  ) -> List[Variant]:
+  """The baseline (first), then CoDA for every r and attention variant."""
+  base = parallel_adapter_baseline(template)
+  out = [Variant(BASELINE, network.Transformer(config, coda=base), base, 1.0, None)]
+  for r in reduction_factors:
+    for att in attentions:
+      coda = dataclasses.replace(template, reduction_factor=float(r), attention=att)
+      out.append(Variant(variant_name(r, att), network.Transformer(config, coda=coda),
+                         coda, float(r), att))
+  return out
+
+
+def restrict_params(params: Mapping[str, Any], model: network.Transformer
+                    ) -> Dict[str, Any]:
+  """The leaves of `params` that `model` has (e.g. the baseline's, without routers)."""
+  flat = params_lib.flatten(params)
+  out: Dict[str, Any] = {}
+  for name, shape in params_lib.param_shapes(model).items():
+    if name not in flat:
+      raise ValueError(f'parameter {name} of the model is missing')
+    if tuple(np.shape(flat[name])) != shape:
+      raise ValueError(f'parameter {name} has shape {np.shape(flat[name])}, '
+                       f'expected {shape}')
+    out[name] = flat[name]
+  return params_lib.unflatten(out)
+
+
+def variant_params(variants: Sequence[Variant], params: Mapping[str, Any]
+                   ) -> Dict[str, Any]:
+  """Each variant's parameters: `params` (a CoDA tree) restricted to its model."""
+  baseline = restrict_params(params, variants[0].model)
+  return {v.name: baseline if v.attention is None else params for v in variants}
+
+
+def random_params(model: network.Transformer, rng: jax.Array) -> Dict[str, Any]:
+  """Random parameters of `model` in its activation dtype, made on the device.
+
+  One jitted init with the cast inside: float32 copies are never materialised
+  (the layers cast parameters to `config.dtype` at use, so bfloat16
+  parameters serve a bfloat16 model as they are).
+  """
+  dtype = model.config.dtype
+  init = params_lib.init_fn(model)
+  return jax.jit(lambda key: jax.tree.map(lambda x: x.astype(dtype), init(key)))(rng)
+
+
+def coda_params(config: T5Config, coda: CodaConfig,
+                pretrained: Optional[Mapping[str, Any]] = None, seed: int = 0
+                ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+  """Parameters of a CoDA model (every variant shares them) and a summary.
+
+  In `config.dtype`, on the device. Random (`random_params`); with
+  `pretrained` (a T5 'params' tree, e.g. from `checkpoints.load_t5_v1_1`),
+  `checkpoints.init_coda_from_t5`: every pretrained leaf taken from it,
+  routers and adapters fresh.
+  """
+  model = network.Transformer(config, coda=coda)
+  rng = jax.random.PRNGKey(seed)
+  dtype = jnp.dtype(config.dtype)
+  info: Dict[str, Any] = {'seed': seed, 'dtype': dtype.name}
+  if pretrained is None:
+    return random_params(model, rng), {'source': 'random_init', **info}
+  params = checkpoints.init_coda_from_t5(pretrained, model, rng)
+  # Cast on the host, then one transfer per leaf (no per-shape convert programs).
+  params = jax.device_put(jax.tree.map(
+      lambda x: np.asarray(x).astype(dtype, copy=False), params))
+  taken = len(params_lib.flatten(pretrained))
+  return params, {'source': 'checkpoint', **info, 'pretrained_leaves': taken,
+                  'fresh_leaves': len(params_lib.flatten(params)) - taken}
+
+
+def random_tokens(batch: int, length: int, vocab_size: int, seed: int = 0) -> jax.Array:
+  """Real tokens only (ids 2..vocab-1: no padding 0, no EOS 1)."""
+  rng = np.random.RandomState(seed)
+  return jax.device_put(rng.randint(2, vocab_size, size=(batch, length), dtype=np.int32))
+
+
+def make_encode_fn(model: network.Transformer):
+  return jax.jit(lambda params, tokens: model.apply(
+      {'params': params}, tokens, enable_dropout=False, method=model.encode))
+
+
+def compile_encoders(variants: Sequence[Variant], params: Mapping[str, Mapping[str, Any]],
+                     tokens: jax.Array, progress=None) -> Dict[str, timing.Timed]:
+  """Every variant's `Transformer.encode` on `tokens`, compiled ahead of time.
+
+  `params`: each variant's parameters by name (`variant_params`).
+  """
+  out = {}
+  for v in variants:
+    out[v.name] = timing.compile_call(make_encode_fn(v.model), params[v.name], tokens)
+    if progress is not None:
+      progress.update(1, at=f'compile {v.name} encoder')
+  return out

@@ -1,0 +1,110 @@
+"""The decoding-latency result as people read it: a table and a Figure 7a-style plot."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+def _compilation_line(compilation: Mapping[str, Any]) -> str:
+  cached = (f', {compilation["persistent_cache_hits"]} from the cache in '
+            f'{compilation["cache_dir"]}' if compilation['cache_dir'] else '')
+  return (f'{compilation["xla_compilations"]} XLA compilations in all, '
+          f'{compilation["compile_s"]:.1f} s{cached}')
+
+
+def cross_kv_explanation(cross: Mapping[str, Any]) -> str:
+  """One line saying what the cross-attention K/V row measures and how to read it."""
+  every_step = next(r for r in cross['rows'] if not r['cache_cross_kv'])
+  if every_step['cross_kv_matmuls_in_decoding_loop'] == 0:
+    reading = ('XLA hoisted the per-step projections out of the loop itself, so both do '
+               'the same work and the FLOP bound does not apply')
+  else:
+    reading = 'the per-step loop still holds the projections the FLOP bound counts'
+  return (f"(the decoder alone, the same for every variant: the encoder's keys/values "
+          f"once per sequence, ours, vs at every step, t5x's; {reading})")
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+  """The human-readable table of a result."""
+  meta = result['meta']
+  lines = [f'model {meta["model"]}  device {meta["platform"]} ({meta["device_kind"]})  '
+           f'dtype {meta["dtype"]}  decoding {meta["decoding"]}'
+           + (f' x{meta["num_beams"]} beams' if meta['num_beams'] > 1 else '')
+           + f'  repeats {meta["repeats"]}  jax {meta["jax_version"]}']
+  head = (f'{"variant":22s} {"k":>5s} {"enc ms":>9s} {"dec ms":>9s} {"e2e ms":>9s} '
+          f'{"enc x (bound)":>15s} {"e2e x (bound)":>15s} {"enc/bnd":>7s} '
+          f'{"topk %":>6s} {"e2e x min":>9s} {"enc comp s":>10s}')
+  for task in result['tasks']:
+    lines.append('')
+    lines.append(f'{task["task"]}: input {task["input_length"]}, output '
+                 f'{task["output_length"]}, batch {task["batch_size"]} '
+                 f'(speed-ups over {task["baseline"]}; one decoder for all, '
+                 f'compiled in {task["decoder"]["compile_s"]:.1f} s; '
+                 f'{task["xla_compilations"]["compile"]} XLA compilations)')
+    lines.append(head)
+    lines.append('-' * len(head))
+    for row in task['variants']:
+      med, sp, bd = row['median_ms'], row['speedup'], row['flop_bound']
+      topk = row['soft_topk']
+      topk_text = f'{100 * topk["share_of_end_to_end"]:6.2f}' if topk else f'{"-":>6s}'
+      lines.append(
+          f'{row["name"]:22s} {row["k"]:5d} {med["encoder"]:9.1f} {med["decoder"]:9.1f} '
+          f'{med["end_to_end"]:9.1f} {sp["encoder"]:6.2f} ({bd["encoder"]:5.2f}) '
+          f'{sp["end_to_end"]:6.2f} ({bd["end_to_end"]:5.2f}) '
+          f'{row["fraction_of_bound"]["encoder"]:7.2f} {topk_text} '
+          f'{row["speedup_of_min"]["end_to_end"]:9.2f} '
+          f'{row["compile_s"]["encoder"]:10.1f}')
+  cross = result.get('cross_kv')
+  if cross:
+    lines.append('')
+    lines.append(f'cross-attention K/V ({cross["task"]}: input {cross["input_length"]}, '
+                 f'output {cross["output_length"]}, batch {cross["batch_size"]}, '
+                 f'{cross["model"]}, decoder time)')
+    for row in cross['rows']:
+      lines.append(f'  {row["cross_kv"]:18s} {row["median_ms"]:10.1f} ms   cross K/V '
+                   f'matmuls left in the decoding loop: '
+                   f'{row["cross_kv_matmuls_in_decoding_loop"]}')
+    lines.append(f'  once-per-sequence speed-up {cross["speedup_once_over_every_step"]:.2f}x '
+                 f'(FLOP bound {cross["flop_bound"]:.2f}x)')
+    lines.append('  ' + cross_kv_explanation(cross))
+  if meta.get('compilation'):
+    lines += ['', _compilation_line(meta['compilation'])]
+  if result.get('checks'):
+    lines.append('')
+    for c in result['checks']:
+      lines.append(f'  [{"ok" if c["ok"] else "MISS"}] {c["check"]}: {c["value"]:.3f}')
+  return '\n'.join(lines)
+
+
+def plot(result: Mapping[str, Any], path: str) -> str:
+  """Figure 7a: end-to-end speed-up vs r per attention variant, FLOP bounds dashed."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  tasks = result['tasks']
+  fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.8), squeeze=False)
+  colors = {'k_to_all': 'tab:blue', 'k_to_k': 'tab:orange'}
+  for ax, task in zip(axes[0], tasks):
+    for att in result['meta']['attention']:
+      rows = sorted((r for r in task['variants'] if r['attention'] == att),
+                    key=lambda r: r['reduction_factor'])
+      rs = [r['reduction_factor'] for r in rows]
+      color = colors.get(att)
+      ax.plot(rs, [r['speedup']['end_to_end'] for r in rows], 'o-', color=color,
+              label=f'CoDA {att.replace("_", "-")}')
+      ax.plot(rs, [r['flop_bound']['end_to_end'] for r in rows], '--', color=color,
+              alpha=0.7, label=f'FLOP bound {att.replace("_", "-")}')
+    ax.axhline(1.0, color='gray', lw=0.8, ls=':')
+    ax.set_xlabel('reduction factor r')
+    ax.set_ylabel('decoding speed-up over Parallel Adapter')
+    ax.set_title(f'{task["task"]} (n={task["input_length"]}, '
+                 f'out={task["output_length"]}, B={task["batch_size"]})', fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  meta = result['meta']
+  fig.suptitle(f'{meta["model"]} on {meta["platform"]}, {meta["dtype"]}, '
+               f'{meta["decoding"]}', fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path

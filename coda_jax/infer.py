@@ -1,0 +1,370 @@
+"""``coda-jax infer`` / ``coda-jax eval``: a trained model's predictions and metrics.
+
+  coda-jax eval --gin_file=gin_configs/runs/quickstart.gin \\
+    --gin_file=gin_configs/runs/eval.gin --gin.MODEL_DIR=/tmp/coda_quickstart
+  coda-jax infer --gin_file=gin_configs/runs/quickstart.gin \\
+    --gin_file=gin_configs/runs/infer.gin --gin.MODEL_DIR=/tmp/coda_quickstart \\
+    --gin.INPUT_FILE=inputs.txt
+
+As with t5x's ``infer.py`` / ``eval.py``, the run's own gin file gives the
+task, its lengths and vocabulary and the mesh; ``runs/infer.gin`` or
+``runs/eval.gin`` after it binds `infer` with these macros:
+
+  CHECKPOINT_PATH   a trained MODEL_DIR (default %MODEL_DIR), its newest step or
+                    CHECKPOINT_STEP; or, with ADAPTERS_PATH, a T5 v1.1 checkpoint
+                    (T5X legacy/orbax, Hugging Face) that the adapter-only
+                    directory (``MODEL_DIR/adapters/<step>``, `checkpoints.save_adapters`)
+                    was trained on (its fingerprint is checked)
+  INPUT_FILE        None: the task's split (INFER_SPLIT / EVAL_SPLIT); else a text
+                    file (one model input a line) or JSONL ({"inputs": .., "targets": ..})
+  DECODING          'greedy' or 'beam' (NUM_BEAMS, BEAM_ALPHA: t5x's length penalty)
+  INFER_OUTPUT_DIR / EVAL_OUTPUT_DIR   None: CHECKPOINT_PATH's ``MODEL_DIR/infer`` or
+                    ``/eval``
+
+Both write ``<source>-<step>.jsonl``, one line per example: ``input``,
+``target`` (when known), ``prediction`` (the decoded text), ``score`` (greedy:
+the sequence log-probability; beam: the length-penalised score of the best
+beam). ``eval`` also computes the task's metrics (as the trainer's evaluation
+does, on the same examples with the same greedy decoding, so the numbers are
+the same) and writes them to ``<source>-<step>.metrics.json``. A JSON summary
+goes to stdout, a progress bar to stderr (on a terminal). Several processes
+(`launch/local.sh N ...`, a pod) decode one global batch together and
+process 0 writes. Exit status: 0, or 2 for a configuration error (a missing
+or mismatched checkpoint or adapter file, named).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+import gin
+import jax
+import numpy as np
+import optax
+
+from coda_jax import checkpoints
+from coda_jax import config as config_lib
+from coda_jax import decoding as decoding_lib
+from coda_jax import network
+from coda_jax import params as params_lib
+from coda_jax import partitioning
+from coda_jax import quiet
+from coda_jax.training import data as data_lib
+from coda_jax.training import metrics as metrics_lib
+from coda_jax.training import train_lib
+from coda_jax.training import trainer as trainer_lib
+
+MODES = ('infer', 'eval')
+DECODINGS = ('greedy', 'beam')
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  """A model and its parameters (host numpy), and where they came from."""
+  model: network.Transformer
+  params: Any
+  step: int
+  model_dir: Optional[str]
+  source: Dict[str, Any]
+
+
+def _trained_model(path: str, step: Optional[int]) -> LoadedModel:
+  """A trained MODEL_DIR's model at `step` (None: the newest)."""
+  if step is not None:
+    step_dir = checkpoints.trained.find_step_dir(path)
+    model_dir = checkpoints.trained.model_dir_of(step_dir) if step_dir else None
+    steps = checkpoints.trained.train_state_steps(
+        os.path.join(model_dir, checkpoints.trained.CHECKPOINT_SUBDIR)) if model_dir else []
+    if int(step) not in steps:
+      raise checkpoints.CheckpointError(f'{path} has no checkpoint of step {step}; its '
+                                        f'steps are {steps}')
+    path = os.path.join(model_dir, checkpoints.trained.CHECKPOINT_SUBDIR, str(int(step)))
+  run = checkpoints.load_train_state(path)
+  run_config = checkpoints.read_run_config(run.model_dir) or {}
+  acm = run_config.get('acm_config')
+  acm = config_lib.from_dict(config_lib.AcmConfig, acm) if acm else None
+  if run.coda is None and acm is None and any(
+      params_lib.is_new_leaf(params_lib.split(n)) for n in params_lib.flatten(run.params)):
+    raise checkpoints.CheckpointError(
+        f'{run.path} holds CoDA parameters but no {checkpoints.trained.RUN_CONFIG} '
+        'says its CodaConfig; give the base checkpoint and an adapter file instead')
+  model = network.Transformer(run.config, coda=run.coda, acm=acm)
+  return LoadedModel(model, run.params, run.step, run.model_dir,
+                     {'checkpoint': run.path})
+
+
+def _adapted_model(base_path: str, adapters_path: str) -> LoadedModel:
+  """A T5 v1.1 checkpoint plus an adapter-only directory trained on it."""
+  coda, _, meta = checkpoints.load_adapters(adapters_path)
+  recorded = meta.get('t5_config')
+  recorded = None if recorded is None else config_lib.from_dict(config_lib.T5Config, recorded)
+  checkpoints.detect_format(base_path)  # a missing or unknown checkpoint, named as such
+  try:  # the T5Config the adapters were trained with (dtype included), if recorded
+    config, base = checkpoints.load_t5_v1_1(base_path, config=recorded)
+  except checkpoints.CheckpointError as e:
+    raise checkpoints.CheckpointError(
+        f'{base_path} is not the T5 that {adapters_path} was trained on: {e}') from e
+  model = network.Transformer(config, coda=coda)
+  try:
+    _, params = checkpoints.apply_adapters(base, adapters_path, model=model)
+  except checkpoints.CheckpointError as e:
+    raise checkpoints.CheckpointError(f'{e} (backbone: {base_path})') from e
+  step = int((meta.get('backbone') or {}).get('step') or 0)
+  return LoadedModel(model, params, step, None,
+                     {'checkpoint': base_path, 'adapters': adapters_path})
+
+
+def load_model(checkpoint_path: str, step: Optional[int] = None,
+               adapters_path: Optional[str] = None) -> LoadedModel:
+  """The model `infer` decodes with (see the module docstring).
+
+  Raises:
+    checkpoints.CheckpointError: a path that holds no such checkpoint, a step
+      it does not have, an adapter file of another backbone (each named).
+  """
+  if not checkpoint_path:
+    raise train_lib.ConfigError('CHECKPOINT_PATH (or MODEL_DIR) must be set: a trained '
+                                'MODEL_DIR, or a T5 v1.1 checkpoint with ADAPTERS_PATH')
+  if adapters_path:
+    if step is not None:
+      raise train_lib.ConfigError('CHECKPOINT_STEP picks a step of a trained MODEL_DIR; '
+                                  'with ADAPTERS_PATH pick the adapter directory instead')
+    return _adapted_model(checkpoint_path, adapters_path)
+  fmt, _ = checkpoints.detect_format(checkpoint_path)
+  if fmt != checkpoints.CODA_TRAIN_STATE:
+    raise checkpoints.CheckpointError(
+        f'{checkpoint_path} is a {fmt} checkpoint, not a trained MODEL_DIR: give the '
+        'adapter-only directory trained on it as ADAPTERS_PATH')
+  return _trained_model(checkpoint_path, step)
+
+
+def read_input_file(path: str, vocabulary, input_length: int) -> List[Dict[str, Any]]:
+  """Examples of a text file (one input a line) or a JSONL file (objects with
+  "inputs" and optionally "targets"), tokenised as seqio does (EOS appended,
+  inputs cut to `input_length` tokens)."""
+  if not os.path.isfile(path):
+    raise train_lib.ConfigError(f'INPUT_FILE {path} does not exist')
+  jsonl = path.endswith(('.jsonl', '.json'))
+  examples = []
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      line = line.rstrip('\n')
+      if not line.strip():
+        continue
+      record = {'inputs': line}
+      if jsonl:
+        try:
+          record = json.loads(line)
+        except ValueError as e:
+          raise train_lib.ConfigError(f'{path}, line {number}: not JSON: {e}') from e
+        if not isinstance(record, dict) or not isinstance(record.get('inputs'), str):
+          raise train_lib.ConfigError(f'{path}, line {number}: needs a string "inputs"')
+      ids = list(vocabulary.encode(record['inputs']))[:input_length - 1]
+      example = {'inputs': np.asarray(ids + [data_lib.EOS_ID], np.int32),
+                 'inputs_pretokenized': record['inputs']}
+      if record.get('targets') is not None:
+        example['targets_pretokenized'] = str(record['targets'])
+      examples.append(example)
+  if not examples:
+    raise train_lib.ConfigError(f'INPUT_FILE {path} holds no inputs')
+  return examples
+
+
+class Predictor:
+  """Jitted decoding of `model` with sharded `params`: `(tokens) -> (tokens, scores)`
+  on numpy arrays, the batch split over the mesh's `data` axis."""
+
+  def __init__(self, model, params, mesh, rules, max_decode_length: int,
+               method: str = 'greedy', num_beams: int = 4, alpha: float = 0.6):
+    # The trainer's placement (shardings by logical axes, shape checks).
+    self.trainer = trainer_lib.Trainer(model, optax.identity(), mesh, rules=rules)
+    self.params = self.trainer.place_params(params)
+    rules = self.trainer.rules
+
+    def predict(params, tokens):
+      with partitioning.axis_rules(rules):
+        seqs, scores = decoding_lib.predict_batch(
+            model, params, tokens, max_decode_length=int(max_decode_length),
+            method=method, num_beams=num_beams, alpha=alpha)
+      if method == 'beam':  # the best beam
+        seqs, scores = seqs[:, 0], scores[:, 0]
+      return seqs, scores
+
+    self._predict = jax.jit(predict, in_shardings=(self.trainer.params_shardings,
+                                                   self.trainer.batch_sharding),
+                            out_shardings=self.trainer.replicated)
+
+  def __call__(self, tokens: np.ndarray):
+    arr = jax.make_array_from_callback(tokens.shape, self.trainer.batch_sharding,
+                                       lambda idx: tokens[idx])
+    seqs, scores = self._predict(self.params, arr)
+    return np.asarray(seqs), np.asarray(scores)
+
+
+def _records(decoded: Sequence[data_lib.Decoded]) -> List[Dict[str, Any]]:
+  """The JSONL lines: input, target, prediction, score (and task in a mixture)."""
+  out = []
+  for d in decoded:
+    vocab = data_lib.output_vocabulary(d.task)
+    for i, ex in enumerate(d.examples):
+      record = {'input': (data_lib._text(ex['inputs_pretokenized'])  # pylint: disable=protected-access
+                          if 'inputs_pretokenized' in ex
+                          else vocab.decode(data_lib.trim_at_eos(ex['inputs'])))}
+      if len(decoded) > 1:
+        record['task'] = d.task.name
+      if 'targets_pretokenized' in ex:
+        record['target'] = data_lib._text(ex['targets_pretokenized'])  # pylint: disable=protected-access
+      record['prediction'] = d.predictions[i]
+      record['score'] = d.scores[i] if d.scores is not None else None
+      out.append(record)
+  return out
+
+
+def _check_options(mode: str, decoding: str, num_beams: int, batch_size: int) -> None:
+  for name, value, choices in (('mode', mode, MODES), ('DECODING', decoding, DECODINGS)):
+    if value not in choices:
+      raise train_lib.ConfigError(f'{name} must be one of {list(choices)}, got {value!r}')
+  if not isinstance(num_beams, int) or num_beams < 1:
+    raise train_lib.ConfigError(f'NUM_BEAMS must be a positive integer, got {num_beams!r}')
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise train_lib.ConfigError(f'the batch size must be a positive integer, got '
+                                f'{batch_size!r}')
+
+
+_INFER_CALLS = 0
+
+
+def infer_calls() -> int:
+  """How many times `infer`'s body has started (`train_lib.train_calls`'s rule)."""
+  return _INFER_CALLS
+
+
+@gin.configurable(module='coda_jax.infer')
+def infer(*,
+          mode: str = 'infer',
+          checkpoint_path: Optional[str] = None,
+          checkpoint_step: Optional[int] = None,
+          adapters_path: Optional[str] = None,
+          dataset_cfg: Optional[data_lib.DatasetConfig] = None,
+          input_file: Optional[str] = None,
+          output_dir: Optional[str] = None,
+          decoding: str = 'greedy',
+          num_beams: int = 4,
+          alpha: float = 0.6,
+          num_examples: Optional[int] = None,
+          mesh_shape: Sequence[int] = (-1, 1),
+          logical_axis_rules=None,
+          vocabulary=None,
+          register_tasks: bool = True,
+          progress_bar: Optional[bool] = None) -> Dict[str, Any]:
+  """Decodes a task's split or an input file with a trained model (module doc).
+
+  Args:
+    mode: 'infer' (predictions) or 'eval' (predictions and the task's metrics).
+    checkpoint_path / checkpoint_step / adapters_path: the model (`load_model`).
+    dataset_cfg: the task (`mixture_or_task_name`, `task_feature_lengths`,
+      `split`, `batch_size`, `module`).
+    input_file: a text or JSONL file of inputs instead of the task's split.
+    output_dir: where the files go (None: the MODEL_DIR's ``infer``/``eval``).
+    decoding / num_beams / alpha: 'greedy' or 'beam' search.
+    num_examples: at most that many examples.
+    mesh_shape / logical_axis_rules: the `(data, model)` mesh and its rules.
+    vocabulary / register_tasks: as for `train_lib.train`.
+    progress_bar: None (on a terminal), True or False.
+
+  Returns:
+    A JSON-able summary (paths, step, number of examples, metrics in 'eval').
+  """
+  global _INFER_CALLS
+  _INFER_CALLS += 1
+  batch_size = getattr(dataset_cfg, 'batch_size', None)
+  _check_options(mode, decoding, num_beams, batch_size)
+  if dataset_cfg is None:
+    raise train_lib.ConfigError('no dataset configured (bind infer.dataset_cfg)')
+  lengths = data_lib.check_lengths(dataset_cfg.task_feature_lengths)
+  try:
+    task = data_lib.prepare_task(dataset_cfg.mixture_or_task_name, vocabulary,
+                                 register_tasks, [dataset_cfg.module])
+  except data_lib.UnknownTaskError as e:
+    raise train_lib.ConfigError(str(e)) from e
+  loaded = load_model(checkpoint_path, checkpoint_step, adapters_path)
+  if output_dir is None:
+    if loaded.model_dir is None:
+      raise train_lib.ConfigError(f'set {mode.upper()}_OUTPUT_DIR: {checkpoint_path} is '
+                                  'not a trained MODEL_DIR to write into')
+    output_dir = os.path.join(loaded.model_dir, mode)
+  examples = None
+  if input_file is not None:
+    examples = read_input_file(input_file, data_lib.output_vocabulary(task),
+                               lengths['inputs'])
+    if mode == 'eval' and not all('targets_pretokenized' in e for e in examples):
+      raise train_lib.ConfigError(f'eval needs targets: {input_file} must be JSONL with a '
+                                  '"targets" on every line')
+  evaluator = data_lib.TaskEvaluator(dataset_cfg.mixture_or_task_name, lengths,
+                                     split=dataset_cfg.split, num_examples=num_examples,
+                                     batch_size=batch_size, examples=examples)
+  if not evaluator.tasks:
+    raise train_lib.ConfigError(f'{dataset_cfg.mixture_or_task_name!r} has no examples '
+                                f'in split {dataset_cfg.split!r} to decode')
+  try:
+    mesh = partitioning.create_mesh(tuple(mesh_shape))
+  except ValueError as e:
+    raise train_lib.ConfigError(str(e)) from e
+  predictor = Predictor(loaded.model, loaded.params, mesh, logical_axis_rules,
+                        lengths['targets'], decoding, num_beams, alpha)
+  lead = jax.process_index() == 0
+  bar = metrics_lib.ProgressBar(evaluator.num_examples, enabled=progress_bar if lead else False,
+                                desc=mode)
+  try:
+    decoded = evaluator.decode(predictor, pad_batch_to=mesh.shape['data'],
+                               on_batch=bar.update)
+  finally:
+    bar.close()
+  source = (os.path.splitext(os.path.basename(input_file))[0] if input_file
+            else f'{dataset_cfg.mixture_or_task_name}_{dataset_cfg.split}')
+  stem = os.path.join(output_dir, f'{source}-{loaded.step}')
+  summary = {'mode': mode, **loaded.source, 'step': loaded.step, 'decoding': decoding,
+             'num_examples': evaluator.num_examples, 'predictions': stem + '.jsonl'}
+  if mode == 'eval':
+    summary['metrics'] = evaluator.metrics(decoded)
+    summary['metrics_file'] = stem + '.metrics.json'
+  if lead:
+    os.makedirs(output_dir, exist_ok=True)
+    with open(summary['predictions'], 'w') as f:
+      for record in _records(decoded):
+        f.write(json.dumps(record) + '\n')
+    if mode == 'eval':
+      with open(summary['metrics_file'], 'w') as f:
+        json.dump({'step': loaded.step, **summary['metrics']}, f, indent=2, sort_keys=True,
+                  default=str)
+  return summary
+
+
+def main(argv: Optional[Sequence[str]] = None, mode: str = 'infer') -> int:
+  """``coda-jax infer`` / ``coda-jax eval``: gin flags as for training."""
+  from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+  quiet.quiet_start(tensorflow=True)
+  parser = argparse.ArgumentParser(prog=f'coda-jax {mode}', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  train_cli.add_gin_arguments(parser)
+  args, extra = parser.parse_known_args(argv)
+
+  def body(lead: bool) -> int:
+    summary = infer(mode=mode)
+    if lead:
+      print(json.dumps(summary, sort_keys=True, default=str))
+    return 0
+
+  return train_cli.run_gin_command(mode, args, extra, body, calls=infer_calls)
+
+
+def main_eval(argv: Optional[Sequence[str]] = None) -> int:
+  return main(argv, mode='eval')
+
+
+if __name__ == '__main__':
+  sys.exit(main())

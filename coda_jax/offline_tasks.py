@@ -1,0 +1,223 @@
+"""Offline seqio tasks: examples generated on the fly, nothing to download.
+
+A task is one generator function, ``generate(rng) -> {'inputs': str,
+'targets': str}`` drawing one example from a `numpy.random.Generator`, made a
+task by one call of `offline_task` (at import, below)::
+
+  def reverse_words(rng):
+    words = ...
+    return {'inputs': 'reverse: ' + ' '.join(words), 'targets': ...}
+
+  offline_task('coda_quickstart_reverse', reverse_words, 'reverse a list of words')
+
+`coda_jax.tasks.register_tasks` registers every task of `OFFLINE_TASKS` with
+seqio, with the run's vocabulary (a byte vocabulary in the quickstart), next
+to the TFDS tasks. Each task has two splits:
+
+* ``validation``: `OfflineTask.num_validation` examples with distinct inputs,
+  drawn from a fixed seed (the same in every process and every run);
+* ``train``: an endless stream drawn from the pipeline's seed (seqio's
+  ``seed``, the trainer's ``DATA_SEED``), every example whose inputs are a
+  validation input left out, so that the evaluation measures what the model
+  learnt and not what it memorised. A resumed run skips the examples it read
+  (the trainer counts them), so the stream depends only on the seed.
+
+Metrics: exact match of the decoded text, as a percentage (`tasks.accuracy`,
+named ``accuracy`` as T5 names it), unless the task gives its own.
+A generator may return more fields than ``inputs`` and ``targets`` (strings,
+ints or floats); they travel with the example (a postprocessor or metric of
+the task may read them).
+
+Needs the `data` extra (seqio, TensorFlow) only to build datasets; the
+generators are plain numpy.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+Example = Dict[str, Any]
+Generator = Callable[[np.random.Generator], Example]
+
+TRAIN = 'train'
+VALIDATION = 'validation'
+SPLITS = (TRAIN, VALIDATION)
+# The validation examples' seed: fixed, so every process and run sees the same.
+VALIDATION_SEED = 1
+# The train stream's seed when the pipeline gives none.
+DEFAULT_TRAIN_SEED = 0
+# Draws per validation example before a generator is declared too small.
+_MAX_DRAWS_PER_EXAMPLE = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineTask:
+  """An offline task: its generator and how it is scored.
+
+  Attributes:
+    name: the seqio task name.
+    generate: `rng -> example` (``inputs`` and ``targets`` strings at least).
+    description: one line, for listings.
+    num_validation: the size of the validation split (distinct inputs).
+    metric_fns: seqio metric functions `(targets, predictions) -> {name: value}`;
+      empty: exact match (`tasks.accuracy`, in %).
+  """
+  name: str
+  generate: Generator
+  description: str
+  num_validation: int = 256
+  metric_fns: Sequence[Callable[..., Mapping[str, float]]] = ()
+
+  def validation_examples(self) -> List[Example]:
+    """The validation split: `num_validation` examples with distinct inputs."""
+    rng = np.random.default_rng(VALIDATION_SEED)
+    examples: Dict[str, Example] = {}
+    for _ in range(self.num_validation * _MAX_DRAWS_PER_EXAMPLE):
+      example = _checked(self.name, self.generate(rng))
+      examples.setdefault(example['inputs'], example)
+      if len(examples) == self.num_validation:
+        return list(examples.values())
+    raise ValueError(f'offline task {self.name!r}: its generator gave only '
+                     f'{len(examples)} distinct inputs in '
+                     f'{self.num_validation * _MAX_DRAWS_PER_EXAMPLE} draws; lower '
+                     f'num_validation ({self.num_validation})')
+
+  def train_examples(self, seed: Optional[int] = None) -> Iterator[Example]:
+    """The endless train stream of `seed`, without the validation inputs."""
+    held_out = {e['inputs'] for e in self.validation_examples()}
+    rng = np.random.default_rng(DEFAULT_TRAIN_SEED if seed is None else int(seed))
+    rejected = 0
+    while True:
+      example = _checked(self.name, self.generate(rng))
+      if example['inputs'] not in held_out:
+        rejected = 0
+        yield example
+        continue
+      rejected += 1
+      if rejected == self.num_validation * _MAX_DRAWS_PER_EXAMPLE:
+        raise ValueError(f'offline task {self.name!r}: {rejected} draws in a row gave '
+                         'validation inputs, which training leaves out; its generator has '
+                         f'too few distinct inputs for num_validation={self.num_validation}')
+
+  def examples(self, split: str, seed: Optional[int] = None) -> Iterator[Example]:
+    """The examples of `split` ('train': endless)."""
+    if split == TRAIN:
+      return self.train_examples(seed)
+    if split == VALIDATION:
+      return iter(self.validation_examples())
+    raise ValueError(f'offline task {self.name!r} has splits {list(SPLITS)}, not {split!r}')
+
+  def dataset(self, split: str, shuffle_files: bool = False, seed: Optional[int] = None):
+    """`split` as a `tf.data.Dataset` (seqio's `FunctionDataSource` signature)."""
+    del shuffle_files  # the train stream is random already; validation is fixed
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    probe = _checked(self.name, self.generate(np.random.default_rng(0)))
+    signature = {key: tf.TensorSpec((), _tf_dtype(self.name, key, value))
+                 for key, value in probe.items()}
+    return tf.data.Dataset.from_generator(lambda: self.examples(split, seed),
+                                          output_signature=signature)
+
+
+def _checked(name: str, example: Mapping[str, Any]) -> Example:
+  for key in ('inputs', 'targets'):
+    if not isinstance(example.get(key), str):
+      raise TypeError(f'offline task {name!r}: its generator must return {key!r} as a '
+                      f'string, got {example.get(key)!r}')
+  return dict(example)
+
+
+def _tf_dtype(name: str, key: str, value: Any):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  for kind, dtype in ((str, tf.string), (bool, tf.bool), (int, tf.int64),
+                      (float, tf.float32)):
+    if isinstance(value, kind):
+      return dtype
+  raise TypeError(f'offline task {name!r}: field {key!r} is a {type(value).__name__}; '
+                  'generators return strings, ints or floats')
+
+
+OFFLINE_TASKS: Dict[str, OfflineTask] = {}
+
+
+def offline_task(name: str, generate: Generator, description: str, *,
+                 num_validation: int = 256,
+                 metric_fns: Sequence[Callable[..., Mapping[str, float]]] = ()
+                 ) -> OfflineTask:
+  """Adds the task `name` (see `OfflineTask`) to `OFFLINE_TASKS`; returns it.
+
+  `coda_jax.tasks.register_tasks` registers it with seqio.
+  """
+  if name in OFFLINE_TASKS:
+    raise ValueError(f'offline task {name!r} is already defined')
+  if num_validation < 1:
+    raise ValueError(f'offline task {name!r}: num_validation must be >= 1, got '
+                     f'{num_validation}')
+  task = OfflineTask(name, generate, description, num_validation, tuple(metric_fns))
+  OFFLINE_TASKS[name] = task
+  return task
+
+
+def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
+  """Keyword arguments of `seqio.Task` for each offline task."""
+  import seqio  # pylint: disable=g-import-not-at-top
+  from coda_jax import tasks  # pylint: disable=g-import-not-at-top
+  features = {key: seqio.Feature(vocabulary, add_eos=True) for key in ('inputs', 'targets')}
+  return {
+      name: dict(source=seqio.FunctionDataSource(task.dataset, splits=SPLITS),
+                 output_features=features,
+                 preprocessors=[seqio.preprocessors.tokenize,
+                                seqio.preprocessors.append_eos_after_trim],
+                 postprocess_fn=tasks.text_postprocessor,
+                 metric_fns=list(task.metric_fns) or [tasks.accuracy])
+      for name, task in OFFLINE_TASKS.items()}
+
+
+# ----------------------------------------------------------------------------
+# The tasks.
+# ----------------------------------------------------------------------------
+
+QUICKSTART_WORDS = ('red', 'blue', 'green', 'cat', 'dog', 'sun', 'moon', 'tree', 'fish',
+                    'bird', 'rain', 'snow', 'star', 'road', 'ship', 'lamp')
+
+
+def reverse_words(rng: np.random.Generator) -> Example:
+  """"reverse: w1 .. wm" -> "wm .. w1", 2 to 5 words of `QUICKSTART_WORDS`."""
+  words = [QUICKSTART_WORDS[i] for i in rng.integers(0, len(QUICKSTART_WORDS),
+                                                     rng.integers(2, 6))]
+  return {'inputs': 'reverse: ' + ' '.join(words), 'targets': ' '.join(reversed(words))}
+
+
+offline_task('coda_quickstart_reverse', reverse_words,
+             'reverse a list of 2-5 words (the quickstart)')
+
+
+# Where routing matters: a few informative tokens among many distractors.
+ORDER_PREFIX = 'order: '
+ORDER_LENGTH = 56      # characters after the prefix: 64 byte tokens with the EOS
+ORDER_NEEDLES = 4      # capitals among them
+
+
+def ordered_capitals(rng: np.random.Generator) -> Example:
+  """"order: " + `ORDER_LENGTH` letters -> its `ORDER_NEEDLES` capitals in order.
+
+  The capitals (distinct, A-Z) stand at random positions among lowercase
+  distractors: "order: qwkeJxz..Pl..Dm..Xa" -> "JPDX". A token's byte says
+  whether it is a capital, but not where it stands: T5 has no absolute
+  positions, so a token's place reaches the decoder only through encoder
+  attention, which in a CoDA layer only routed tokens get. The answer needs
+  the capitals routed (the learned routers can tell them by their byte); the
+  first k tokens (truncation) hold each one with probability about 1/r.
+  """
+  letters = rng.integers(ord('a'), ord('z') + 1, ORDER_LENGTH)
+  positions = np.sort(rng.choice(ORDER_LENGTH, ORDER_NEEDLES, replace=False))
+  capitals = rng.choice(26, ORDER_NEEDLES, replace=False) + ord('A')
+  letters[positions] = capitals
+  return {'inputs': ORDER_PREFIX + ''.join(map(chr, letters)),
+          'targets': ''.join(map(chr, capitals))}
+
+
+offline_task('coda_routing_order', ordered_capitals,
+             f'the {ORDER_NEEDLES} capitals among {ORDER_LENGTH} letters, in order '
+             '(a task where routing matters)')

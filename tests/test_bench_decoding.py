@@ -1,0 +1,167 @@
+"""The decoding-latency benchmark compiles each variant once, in any dtype, and can cache.
+
+Also the shared harness (progress bar, compilation counter) and the beam and
+cross-K/V FLOP bounds it reports.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coda_jax import decoding
+from coda_jax import flops
+from coda_jax import network
+from coda_jax.bench import decoding_latency
+from coda_jax.bench import models
+from coda_jax.bench import timing
+from coda_jax.config import CodaConfig, T5Config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N_IN, N_OUT, BATCH = 16, 2, 2
+
+
+@pytest.fixture(scope='module')
+def bf16_task():
+  """One task in bfloat16: parameters made in bfloat16, 3 variants, one k."""
+  config = models.make_config('tiny', jnp.bfloat16)
+  params, info = models.coda_params(config, CodaConfig(), seed=0)
+  with timing.CompileCounter() as counter:
+    task = decoding_latency.benchmark_task(
+        config, params, task='custom', input_length=N_IN, output_length=N_OUT,
+        batch_size=BATCH, reduction_factors=[2.0], attentions=['k_to_all', 'k_to_k'],
+        coda_template=CodaConfig(), method='greedy', num_beams=1, alpha=0.6, repeats=2)
+  return params, info, task, counter
+
+
+def test_random_params_are_made_in_the_target_dtype(bf16_task):
+  params, info, _, _ = bf16_task
+  leaves = jax.tree_util.tree_leaves(params)
+  assert info['dtype'] == 'bfloat16' and info['source'] == 'random_init'
+  assert leaves and all(isinstance(x, jax.Array) for x in leaves)
+  assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+  assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in leaves)
+
+
+def test_checkpoint_params_are_cast_and_put_on_the_device(bf16_task):
+  params = bf16_task[0]
+  config = models.make_config('tiny', jnp.bfloat16)
+  dense = models.restrict_params(params, network.Transformer(config))
+  pretrained = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), dense)
+  got, info = models.coda_params(config, CodaConfig(), pretrained=pretrained, seed=0)
+  assert info['source'] == 'checkpoint' and info['dtype'] == 'bfloat16'
+  assert info['pretrained_leaves'] == len(jax.tree_util.tree_leaves(dense))
+  leaves = jax.tree_util.tree_leaves(got)
+  assert all(isinstance(x, jax.Array) and x.dtype == jnp.bfloat16 for x in leaves)
+
+
+def test_each_variant_compiles_once_and_nothing_compiles_while_timed(bf16_task):
+  _, _, task, counter = bf16_task
+  names = [row['name'] for row in task['variants']]
+  assert names == ['parallel_adapter', 'coda_k_to_all_r2', 'coda_k_to_k_r2']
+  # One encoder per variant, ONE decoder for all, one soft top-k per k (8).
+  assert task['compiled_programs'] == [f'{n}/encoder' for n in names] + [
+      'decoder', 'soft_topk/k8']
+  assert task['xla_compilations'] == {'compile': 5, 'timed_loop': 0}
+  # Nothing else compiled (tokens and scores are made on the host).
+  assert counter.compilations == 5
+
+
+def test_shared_decoder_rows(bf16_task):
+  _, _, task, _ = bf16_task
+  dec = task['decoder']
+  assert dec['model'] == 'parallel_adapter' and len(dec['times_s']) == 2
+  for row in task['variants']:
+    assert row['times_s']['decoder'] == dec['times_s']
+    assert row['speedup']['decoder'] == 1.0
+    assert row['compile_s']['decoder'] == dec['compile_s'] > 0
+    assert row['compile_s']['end_to_end'] == pytest.approx(
+        row['compile_s']['encoder'] + dec['compile_s'])
+    for t in decoding_latency.TIMED:
+      assert all(np.isfinite(row['times_s'][t])) and min(row['times_s'][t]) > 0
+
+
+def test_end_to_end_is_the_variant_encoder_then_the_baseline_decoder():
+  """The premise of sharing the decoder: it gives the variant's own predict_batch."""
+  config = models.make_config('tiny', jnp.float32)
+  params, _ = models.coda_params(config, CodaConfig(), seed=1)
+  variants = models.make_variants(config, CodaConfig(), [2.0], ['k_to_k'])
+  base, coda = variants
+  var_params = models.variant_params(variants, params)
+  tokens = models.random_tokens(BATCH, N_IN, config.vocab_size, seed=1)
+  encoded = models.make_encode_fn(coda.model)(params, tokens)
+  shared = decoding_latency.make_decode_fn(base.model, N_OUT, 'greedy', 1, 0.6)(
+      var_params[base.name], tokens, encoded)
+  own = decoding.predict_batch_jit(coda.model, params, tokens, max_decode_length=N_OUT,
+                                   method='greedy', eos_id=decoding_latency.NEVER_EOS)
+  for a, b in zip(shared, own):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _cli(tmp_path, name, *extra):
+  out = tmp_path / f'{name}.json'
+  argv = ['--preset', 'tiny', '--input_length', '8', '--output_length', '2',
+          '--batch_size', '1', '--reduction_factors', '2', '--attention', 'k_to_all',
+          '--repeats', '1', '--no_cross_kv', '--no_progress', '--png', '',
+          '--out', str(out), *extra]
+  proc = subprocess.run([sys.executable, os.path.join(REPO, 'tools', 'benchmark_decoding.py'),
+                         *argv], capture_output=True, text=True, timeout=600,
+                        env={**os.environ, 'PYTHONPATH': REPO})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  with open(out) as f:
+    return json.load(f)['meta']['compilation']
+
+
+def test_compilation_cache_dir(tmp_path):
+  cache = tmp_path / 'cache'
+  first = _cli(tmp_path, 'first', '--compilation_cache_dir', str(cache))
+  assert first['cache_dir'] == str(cache)
+  written = os.listdir(cache)
+  # Every program is cached, the small ones too (one soft top-k, 2 encoders, ...).
+  assert len(written) >= 4, written
+  second = _cli(tmp_path, 'second', '--compilation_cache_dir', str(cache))
+  assert second['xla_compilations'] == first['xla_compilations']
+  assert second['persistent_cache_hits'] == second['xla_compilations'] > 0
+
+
+def test_progress_bar_is_the_trainers(capsys):
+  bar = timing.progress_bar(6, enabled=True)
+  times = timing.time_round_robin({'a': lambda: jnp.zeros(()), 'b': lambda: jnp.ones(())},
+                                  3, bar)
+  bar.close()
+  assert {k: len(v) for k, v in times.items()} == {'a': 3, 'b': 3}
+  err = capsys.readouterr().err
+  assert 'benchmark' in err and '6/6' in err
+  assert timing.progress_bar(6, enabled=False)._bar is None  # pylint: disable=protected-access
+
+
+def test_compile_counter():
+  x = jax.ShapeDtypeStruct((5,), jnp.float32)
+  with timing.CompileCounter() as counter:
+    jax.jit(lambda x: x * 3.0 + 1.0).lower(x).compile()
+  assert counter.compilations == 1 and counter.compile_s > 0
+  jax.jit(lambda x: x - 2.0).lower(x).compile()  # after exit: not counted
+  assert counter.as_dict()['xla_compilations'] == 1
+
+
+# d=4, H=2, G=1, dh=3, m=5 (tests/test_flops.py's hand-computed model): with
+# n = 6, 2 decoded tokens, a = 2, r = 4 k-to-all, the parallel adapter model
+# costs encoder 2640, cross K/V 144, decoder 652 (940 with per-step cross K/V),
+# CoDA encoder 1248.
+FLOP_CONFIG = T5Config(vocab_size=10, emb_dim=4, num_heads=2, num_kv_heads=1, head_dim=3,
+                       mlp_dim=5, num_encoder_layers=2, num_decoder_layers=1)
+
+
+def test_beam_bound_by_hand():
+  bound = flops.end_to_end_speedup_bound(FLOP_CONFIG, 6, 2, 4, 'k_to_all', 2, num_beams=3)
+  assert bound == (2640 + 3 * (144 + 652)) / (1248 + 3 * (144 + 652))
+  with pytest.raises(ValueError, match='num_beams'):
+    flops.end_to_end_speedup_bound(FLOP_CONFIG, 6, 2, 4, 'k_to_all', 2, num_beams=0)
+
+
+def test_cross_kv_bound_by_hand():
+  assert flops.cross_kv_speedup_bound(FLOP_CONFIG, 6, 2, 2) == 940 / (144 + 652)

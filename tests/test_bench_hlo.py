@@ -1,0 +1,87 @@
+"""coda_jax.bench.hlo on real lowered StableHLO and compiled HLO text."""
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from coda_jax.bench import hlo
+
+
+def _texts(fn, *args):
+  lowered = jax.jit(fn).lower(*args)
+  return lowered.as_text(), lowered.compile().as_text()
+
+
+def _loop(unroll):
+  def fn(x, w):
+    return lax.fori_loop(0, 3, lambda i, y: jnp.tanh(y @ w) + i, x, unroll=unroll)
+  return fn
+
+
+X = jnp.ones((4, 8))
+W = jnp.full((8, 8), 0.1)
+
+
+def test_fori_loop_is_a_while_loop_unless_unrolled():
+  stablehlo, compiled = _texts(_loop(False), X, W)
+  assert hlo.count_ops(stablehlo, 'stablehlo.while') == 1
+  assert hlo.count_ops(compiled, 'while') == 1
+  stablehlo, compiled = _texts(_loop(True), X, W)
+  assert hlo.count_ops(stablehlo, 'stablehlo.while') == 0
+  assert hlo.count_ops(compiled, 'while') == 0
+  # The loop body is still there (a function called once per step).
+  assert hlo.count_ops(stablehlo, 'stablehlo.dot_general') >= 1
+
+
+def test_op_names_read_both_forms():
+  stablehlo, compiled = _texts(lambda x: jnp.sin(x) * 2, X)
+  assert 'stablehlo.sine' in hlo.op_names(stablehlo)
+  assert 'func.func' in hlo.op_names(stablehlo)
+  assert 'sine' in hlo.op_names(compiled)
+  assert all('.' not in name for name in hlo.op_names(compiled))
+
+
+def test_loop_dots_finds_matmuls_left_in_loop_bodies():
+  _, looped = _texts(_loop(False), X, W)
+  _, unrolled = _texts(_loop(True), X, W)
+  assert hlo.loop_dots(looped, op_name_pattern='dot_general') >= 1
+  assert hlo.loop_dots(unrolled, op_name_pattern='dot_general') == 0
+  # The default pattern (cross-attention K/V projections) matches nothing here.
+  assert hlo.loop_dots(looped) == 0
+
+
+def test_scatter_add_found_with_operand_shapes():
+  def add_rows(x, idx, updates):
+    return x.at[jnp.arange(x.shape[0])[:, None], idx].add(updates)
+
+  x = jnp.zeros((2, 8, 4))
+  idx = jnp.array([[0, 3, 5], [1, 2, 7]], jnp.int32)
+  updates = jnp.ones((2, 3, 4))
+  stablehlo, compiled = _texts(add_rows, x, idx, updates)
+  assert hlo.count_ops(stablehlo, 'stablehlo.scatter') == 1
+  (op,) = hlo.scatters(compiled)
+  assert op.opcode == 'scatter' and (op.dtype, op.shape) == ('f32', (2, 8, 4))
+  operand, indices, values = op.operands
+  assert (operand.dtype, operand.shape) == ('f32', (2, 8, 4))
+  assert indices.dtype == 's32'
+  assert values.dtype == 'f32' and values.shape[-1] == 4
+  assert op.computation is not None
+
+
+def test_a_gather_has_no_scatter():
+  def take_rows(x, idx):
+    return jnp.take_along_axis(x, idx[..., None], axis=1)
+
+  stablehlo, compiled = _texts(take_rows, jnp.zeros((2, 8, 4)),
+                               jnp.zeros((2, 3), jnp.int32))
+  assert hlo.count_ops(stablehlo, 'stablehlo.scatter') == 0
+  assert hlo.scatters(compiled) == []
+  (gather,) = hlo.find_ops(compiled, 'gather')
+  assert gather.operands[0].shape == (2, 8, 4)
+
+
+def test_parse_hlo_instructions_and_opcodes():
+  _, compiled = _texts(_loop(False), X, W)
+  instructions, computations = hlo.parse_hlo(compiled)
+  assert any(name.startswith('main') for name in computations)
+  opcodes = {hlo.opcode(text) for text in instructions.values()}
+  assert {'while', 'parameter', 'dot'} <= opcodes

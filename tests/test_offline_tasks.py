@@ -1,0 +1,92 @@
+"""Offline tasks generated on the fly (`coda_jax.offline_tasks`)."""
+import itertools
+
+import pytest
+
+from coda_jax import offline_tasks
+from coda_jax.offline_tasks import OfflineTask
+
+
+def _take(iterator, n):
+  return list(itertools.islice(iterator, n))
+
+
+QUICKSTART = offline_tasks.OFFLINE_TASKS['coda_quickstart_reverse']
+
+
+def test_quickstart_examples_reverse_their_words():
+  for example in _take(QUICKSTART.train_examples(seed=5), 50):
+    words = example['inputs'].split()
+    assert words[0] == 'reverse:' and 2 <= len(words) - 1 <= 5
+    assert example['targets'].split() == words[:0:-1]
+
+
+def test_validation_is_fixed_distinct_and_held_out_of_training():
+  validation = QUICKSTART.validation_examples()
+  assert len(validation) == 256 == len({e['inputs'] for e in validation})
+  assert validation == QUICKSTART.validation_examples()
+  held_out = {e['inputs'] for e in validation}
+  train = _take(QUICKSTART.train_examples(seed=0), 5000)
+  assert not held_out & {e['inputs'] for e in train}
+  # Endless and not a fixed set: 5000 draws give thousands of distinct inputs.
+  assert len({e['inputs'] for e in train}) > 3000
+
+
+def test_the_train_stream_is_a_function_of_its_seed():
+  assert _take(QUICKSTART.train_examples(seed=3), 20) == _take(
+      QUICKSTART.train_examples(seed=3), 20)
+  assert _take(QUICKSTART.train_examples(seed=3), 20) != _take(
+      QUICKSTART.train_examples(seed=4), 20)
+  assert _take(QUICKSTART.examples('train'), 5) == _take(QUICKSTART.train_examples(0), 5)
+  with pytest.raises(ValueError, match=r"has splits \['train', 'validation'\], not 'test'"):
+    QUICKSTART.examples('test')
+
+
+def _one_of(n):
+  return lambda rng: {'inputs': f'x{int(rng.integers(0, n))}', 'targets': 'y'}
+
+
+def test_too_small_generators_are_refused_by_name():
+  with pytest.raises(ValueError, match=r"offline task 'tiny': its generator gave only 3 "
+                     r'distinct inputs in 400 draws; lower num_validation \(4\)'):
+    OfflineTask('tiny', _one_of(3), '', num_validation=4).validation_examples()
+  every_input_held_out = OfflineTask('all', _one_of(3), '', num_validation=3)
+  with pytest.raises(ValueError, match=r"offline task 'all': 300 draws in a row gave "
+                     'validation inputs'):
+    next(every_input_held_out.train_examples())
+  bad = OfflineTask('bad', lambda rng: {'inputs': 1, 'targets': 'y'}, '')
+  with pytest.raises(TypeError, match=r"offline task 'bad': its generator must return "
+                     r"'inputs' as a string, got 1"):
+    bad.validation_examples()
+
+
+def test_offline_task_registers_once():
+  with pytest.raises(ValueError, match="offline task 'coda_quickstart_reverse' is already "
+                     'defined'):
+    offline_tasks.offline_task('coda_quickstart_reverse', offline_tasks.reverse_words, '')
+
+
+def test_a_new_task_is_a_generator_and_one_call():
+  seqio = pytest.importorskip('seqio')
+  from coda_jax import tasks  # pylint: disable=g-import-not-at-top
+
+  def count(rng):
+    n = int(rng.integers(1, 9))
+    return {'inputs': 'count: ' + 'a' * n, 'targets': str(n), 'length': n}
+
+  offline_tasks.offline_task('test_count', count, 'count the letters', num_validation=8)
+  vocab = seqio.ByteVocabulary(extra_ids=100)
+  try:
+    assert 'test_count' in tasks.register_tasks(vocab)
+    task = seqio.get_mixture_or_task('test_count')
+    examples = list(task.get_dataset({'inputs': 16, 'targets': 4}, split='validation',
+                                     shuffle=False).as_numpy_iterator())
+    assert len(examples) == 8
+    assert {vocab.decode(list(e['targets'][:-1])) for e in examples} == {
+        str(e['length']) for e in examples}
+    assert task.predict_metric_fns[0](['1', '2'], ['1', '3']) == {'accuracy': 50.0}
+  finally:
+    del offline_tasks.OFFLINE_TASKS['test_count']
+    seqio.TaskRegistry.remove('test_count')
+    tasks.register_tasks()
+  assert 'test_count' not in seqio.TaskRegistry.names()
