@@ -11,6 +11,7 @@ ground floor every other one stands on.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 import operator
@@ -114,6 +115,11 @@ NORMALIZERS = ('soft_topk', 'sigmoid', 'truncation')
 # (the reference, the CPU/TPU default), 'pallas' (a fused kernel,
 # `coda_jax.kernels`), 'auto' (the kernel on GPU, XLA elsewhere).
 SOFT_TOPK_METHODS = ('iterative', 'exact')
+# The soft top-k's finite stand-in for -inf on padding (XLA path and kernel):
+# large enough that exp() of it, even after division by a small ε, is exactly
+# 0, small enough that differences of two such values stay finite (no
+# -inf - -inf = NaN).
+SOFT_TOPK_PAD_SCORE = -1e30
 SOFT_TOPK_IMPLS = ('auto', 'xla', 'pallas')
 # Start of the iterative solver's b: 'colt5' (b₀ = -s, as colt5-attention's
 # coor_descent) or 'zeros' (b₀ = 0, which the paper allows).
@@ -142,6 +148,10 @@ LORA_AXIS = 'lora'
 ACM_GATE_AXIS = 'acm_gate'
 ACM_GATE_IN_AXIS = 'acm_gate_in'    # the input side of the gate's middle layer
 ACM_CHOICES_AXIS = 'acm_choices'
+# The rank of an attention projection's low-rank learners (`acm.AcmLinear`:
+# a [in, rank], b [rank, out]); small beside the model axes, replicated as
+# LoRA's rank is.
+ACM_RANK_AXIS = 'acm_rank'
 
 
 def check_adapter_type(name: str) -> str:
@@ -304,10 +314,24 @@ def parallel_adapter_baseline(coda: CodaConfig) -> CodaConfig:
                              num_routed_tokens=None)
 
 
-# Modules an ACM can replace (the FFN; low-rank learners on the attention
-# projections are not built yet), the conversion phases a forward pass
-# serves, and how inference runs the learners (`coda_jax.acm`).
-ACM_MODULES = ('mlp',)
+# Modules an ACM can replace ('mlp': each FFN; 'attention': each of the
+# query / key / value / output projections of every attention, as low-rank
+# learners with a gate each), the conversion phases a forward pass serves,
+# and how inference runs the learners (`coda_jax.acm`).
+ACM_MODULES = ('mlp', 'attention')
+ACM_ATTENTION_PROJECTIONS = ('query', 'key', 'value', 'out')
+# Other names users reach for, for the did-you-mean of a bad `modules` entry.
+_ACM_MODULE_ALIASES = {'ffn': 'mlp', 'feed_forward': 'mlp', 'attn': 'attention',
+                       'self_attention': 'attention', 'qkv': 'attention',
+                       **{p: 'attention' for p in ACM_ATTENTION_PROJECTIONS + tuple('qkvo')}}
+
+
+def _acm_module_hint(name) -> Optional[str]:
+  if str(name).lower() in _ACM_MODULE_ALIASES:
+    return _ACM_MODULE_ALIASES[str(name).lower()]
+  close = difflib.get_close_matches(str(name).lower(),
+                                    list(ACM_MODULES) + list(_ACM_MODULE_ALIASES), 1, 0.6)
+  return _ACM_MODULE_ALIASES.get(close[0], close[0]) if close else None
 ACM_PHASES = ('distill', 'gate', 'finetune')
 ACM_INFERENCE = ('masked', 'gather')
 
@@ -326,7 +350,9 @@ class AcmConfig:
   softmax, hard, straight-through, in training; argmax in evaluation).
   """
   num_learners: int = 4
-  # Which modules are ACMs: 'mlp' (each FFN).
+  # Which modules are ACMs: 'mlp' (each FFN), 'attention' (the q/k/v/o
+  # projections of every attention: low-rank learners from a truncated SVD,
+  # one gate per projection, as the paper's code does).
   modules: Sequence[str] = ('mlp',)
   # Which stacks carry ACMs.
   encoder: bool = True
@@ -352,15 +378,28 @@ class AcmConfig:
   # with u_n = learner_usage[n] (measured fractions) or the budget β.
   capacity_factor: float = 1.25
   learner_usage: Optional[Sequence[float]] = None
+  # 'attention': the total rank R of a projection's N learners (each has
+  # R / N) as a fraction of min(in, out), rounded up to a multiple of N.
+  # 1.0: the N learners together ARE the projection (exact; they then cost
+  # 2x the dense projection at k = N for a square one, break-even at k = N/2);
+  # 0.5: N learners cost one dense projection (the paper code's learner size),
+  # and even k = N is a truncated SVD.
+  attention_rank_fraction: float = 1.0
 
   def __post_init__(self):
     if not _is_int(self.num_learners) or self.num_learners < 1:
       raise ValueError(f'AcmConfig.num_learners must be an int >= 1, got {self.num_learners!r}')
+    if isinstance(self.modules, str):
+      raise ValueError(f'AcmConfig.modules must be a sequence of module names from '
+                       f'{ACM_MODULES}, e.g. {(self.modules,)!r}, not the string '
+                       f'{self.modules!r}')
     object.__setattr__(self, 'modules', tuple(self.modules))
-    unknown = sorted(set(self.modules) - set(ACM_MODULES))
-    if unknown or not self.modules:
-      raise ValueError(f'AcmConfig.modules must be a non-empty subset of {ACM_MODULES}, '
-                       f'got {self.modules!r}')
+    unknown = [m for m in self.modules if m not in ACM_MODULES]
+    if unknown or not self.modules or len(set(self.modules)) != len(self.modules):
+      hints = ''.join(f'; did you mean {_acm_module_hint(m)!r} for {m!r}?'
+                      for m in unknown if _acm_module_hint(m))
+      raise ValueError(f'AcmConfig.modules must be a non-empty subset of {ACM_MODULES} '
+                       f'(no repeats), got {self.modules!r}{hints}')
     for name, choices in (('phase', ACM_PHASES), ('inference', ACM_INFERENCE)):
       if getattr(self, name) not in choices:
         raise ValueError(f'AcmConfig.{name} must be one of {choices}, '
@@ -377,6 +416,10 @@ class AcmConfig:
     for name in ('gumbel_temperature', 'label_error_factor', 'capacity_factor'):
       if not getattr(self, name) > 0:
         raise ValueError(f'AcmConfig.{name} must be > 0, got {getattr(self, name)}')
+    fraction = self.attention_rank_fraction
+    if (isinstance(fraction, bool) or not isinstance(fraction, numbers.Real)
+        or not 0.0 < fraction <= 1.0):
+      raise ValueError(f'AcmConfig.attention_rank_fraction must be in (0, 1], got {fraction!r}')
     if self.learner_usage is not None:
       usage = tuple(float(u) for u in self.learner_usage)
       if len(usage) != self.num_learners or not all(0.0 <= u <= 1.0 for u in usage):
@@ -388,6 +431,14 @@ class AcmConfig:
     """Whether `module` (`ACM_MODULES`) of the `stack` ('encoder' | 'decoder')
     layers is an ACM."""
     return module in self.modules and bool(getattr(self, stack))
+
+  def attention_rank(self, in_dim: int, out_dim: int) -> int:
+    """Total rank R of an attention projection's N learners (each R / N):
+    `attention_rank_fraction` of min(in_dim, out_dim), rounded up to a
+    multiple of N (the directions beyond the projection's rank start at 0)."""
+    full = min(int(in_dim), int(out_dim))
+    per_learner = max(1, math.ceil(full * self.attention_rank_fraction / self.num_learners))
+    return per_learner * self.num_learners
 
   def capacities(self, tokens: int) -> Tuple[int, ...]:
     """'gather' inference: how many of `tokens` each learner runs on."""

@@ -60,17 +60,14 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from coda_jax.config import SOFT_TOPK_METHODS, SoftTopKConfig
+from coda_jax.config import SOFT_TOPK_METHODS, SOFT_TOPK_PAD_SCORE, SoftTopKConfig
 
 Array = jax.Array
 
 METHODS = SOFT_TOPK_METHODS
 DEFAULTS = SoftTopKConfig()
 
-# Finite stand-in for -inf on padding: large enough that exp() of it, even
-# after division by a small ε, is exactly 0, small enough that differences of
-# two such values stay finite (no -inf - -inf = NaN).
-_PAD_SCORE = -1e30
+_PAD_SCORE = SOFT_TOPK_PAD_SCORE
 
 
 def check_k(k) -> int:
@@ -242,7 +239,7 @@ def _iterative_solver(config: SoftTopKConfig, shape: tuple[int, ...], dtype,
   """
   if config.impl == 'xla' or (config.impl == 'auto' and config.b_init != 'colt5'):
     return functools.partial(_iterative, b_init=config.b_init)
-  # Imported here: the kernel module imports this one (its reference).
+  # Imported here: `import coda_jax` never loads Pallas.
   try:
     from coda_jax.kernels import soft_topk as kernel_lib  # pylint: disable=g-import-not-at-top
   except ImportError as e:
@@ -250,7 +247,7 @@ def _iterative_solver(config: SoftTopKConfig, shape: tuple[int, ...], dtype,
       raise
     logging.warning('soft top-k: no Pallas (%s); the XLA path is used.', e)
     return _iterative
-  if config.impl == 'pallas' or kernel_lib.use_in_auto(shape, dtype, k, sched):
+  if config.impl == 'pallas' or kernel_lib.use_in_auto(shape, dtype, k, sched, _iterative):
     return kernel_lib.soft_topk_iterative
   return _iterative
 

@@ -3,7 +3,9 @@
 On CPU the kernels run in Pallas interpret mode, whose compiles are slow: the
 structural tests use T = 3 steps (`SHORT`), one test the paper's T = 20.
 """
+import importlib.util
 import logging
+import pathlib
 import re
 
 import jax
@@ -183,7 +185,7 @@ def test_probe_runs_inside_a_trace():
   errors = []
 
   def f(x):
-    errors.append(kernel.probe(2, 16, np.float32, 3, SHORT_SCHED, interpret=True))
+    errors.append(kernel.probe(2, 16, np.float32, 3, SHORT_SCHED, st._iterative, interpret=True))
     return x
 
   jax.jit(f)(1.0)
@@ -222,3 +224,19 @@ def test_block_shapes():
   with pytest.raises(ValueError, match='power of two'):
     kernel.soft_topk_iterative(jnp.ones((3, 8)), jnp.ones((3, 8), bool), 2,
                                SHORT_SCHED, block_rows=3)
+
+
+def test_bench_tool_compares_the_kernel_with_the_xla_path():
+  """tools/bench_soft_topk.py --pallas_vs_xla: interpret mode on CPU, T = 3."""
+  path = pathlib.Path(__file__).resolve().parents[1] / 'tools' / 'bench_soft_topk.py'
+  spec = importlib.util.spec_from_file_location('bench_soft_topk', path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  result = bench.pallas_vs_xla(4, 24, config=SHORT, repeats=2)
+  assert result['probe_error'] is None and result['interpret']
+  assert result['k'] == 8 and result['n'] == 24
+  assert result['max_abs_diff_fwd'] < 1e-5 and result['max_abs_diff_fwd_bwd'] < 1e-5
+  assert all(result[f'{impl}_{p}_ms'] > 0 for impl in ('xla', 'pallas')
+             for p in ('fwd', 'fwd_bwd'))
+  with pytest.raises(SystemExit):
+    bench.main(['--pallas_vs_xla', '128by384'])

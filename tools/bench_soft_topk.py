@@ -11,16 +11,26 @@ Prints one JSON object (and writes it to --out):
   the forward of a T5 v1.1-small encoder with one layer
   (`Transformer.encode`, random parameters from `params.init_params`).
 
+With `--pallas_vs_xla ROWSxN[,ROWSxN...]` it prints instead, per shape, the
+fused Pallas kernel (`coda_jax.kernels.soft_topk`) against the XLA path:
+whether the kernel works on this device (`probe_error`), the largest
+differences of λ and of the gradient, and the median milliseconds of each
+forward and forward + backward (on a CPU the kernel runs in Pallas interpret
+mode: its times there say nothing about a GPU).
+
 All variants of a group are compiled first, then timed round-robin
 (`coda_jax.bench.timing.time_round_robin`: one call of each per repeat in a
 rotating order, `block_until_ready`), so machine load hits them alike.
 
   python tools/bench_soft_topk.py [--quick] [--repeats N] [--out FILE]
+  python tools/bench_soft_topk.py --pallas_vs_xla 128x384,4096x512
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import platform
 import sys
 from typing import Callable, Optional, Sequence
@@ -32,6 +42,7 @@ import numpy as np
 
 from coda_jax import soft_topk as st
 from coda_jax.bench import timing
+from coda_jax.config import SoftTopKConfig
 
 FULL_BATCHES = (8, 128)
 FULL_LENGTHS = (512, 2048, 4096)
@@ -136,6 +147,65 @@ def bench_layer(length: int, repeats: int, seed: int = 0,
   return out
 
 
+def pallas_vs_xla(rows: int, n: int, k: Optional[int] = None, *,
+                  config: Optional[SoftTopKConfig] = None, repeats: int = FULL_REPEATS,
+                  seed: int = 0) -> dict:
+  """The Pallas kernel against the XLA path of the iterative soft top-k.
+
+  Random float32 scores [rows, n], `config`'s settings (default
+  `SoftTopKConfig()`), k = ceil(n / 3) unless given. Both impls' forward and
+  forward + backward (gradient of Σ w λ) are compiled, then timed
+  round-robin. When the kernel does not work here (`probe_error`), no
+  timings.
+  """
+  from coda_jax.kernels import soft_topk as kernel  # pylint: disable=g-import-not-at-top
+  config = SoftTopKConfig() if config is None else config
+  k = math.ceil(n / 3) if k is None else k
+  eps_sched = st.epsilon_schedule(config.num_iters, epsilon=config.epsilon,
+                                  epsilon_init=config.epsilon_init,
+                                  epsilon_decay=config.epsilon_decay)
+  n_padded = kernel._next_power_of_2(n)  # pylint: disable=protected-access
+  block_rows = kernel.block_rows_for(rows, n_padded)
+  interpret = jax.default_backend() != 'gpu'
+  result = dict(device=str(jax.devices()[0]), jax=jax.__version__, rows=rows, n=n, k=k,
+                num_iters=config.num_iters, block_rows=block_rows,
+                num_warps=kernel.num_warps_for(block_rows * n_padded), interpret=interpret)
+  result['probe_error'] = kernel.probe(block_rows, n_padded, np.float32, k, eps_sched,
+                                       st._iterative, interpret=interpret)  # pylint: disable=protected-access
+  if result['probe_error'] is not None:
+    return result
+  key_s, key_w = jax.random.split(jax.random.PRNGKey(seed))
+  s = 2.0 * jax.random.normal(key_s, (rows, n), jnp.float32)
+  w = jax.random.normal(key_w, (rows, n), jnp.float32)
+  fns, outputs = {}, {}
+  for impl in ('xla', 'pallas'):
+    cfg = dataclasses.replace(config, method='iterative', impl=impl)
+    fwd = jax.jit(lambda s, cfg=cfg: st.soft_topk(s, k, cfg))
+    grad = jax.jit(jax.grad(lambda s, cfg=cfg: jnp.sum(w * st.soft_topk(s, k, cfg))))
+    for name, fn in (('fwd', fwd), ('fwd_bwd', grad)):
+      compiled = timing.compile_call(fn, s)
+      outputs[impl, name] = np.asarray(compiled.call())
+      fns[f'{impl}_{name}'] = compiled.call
+  times = timing.time_round_robin(fns, repeats)
+  result.update({f'{name}_ms': timing.median_ms(t) for name, t in times.items()})
+  for name in ('fwd', 'fwd_bwd'):
+    result[f'max_abs_diff_{name}'] = float(
+        np.max(np.abs(outputs['pallas', name] - outputs['xla', name])))
+  return result
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+  """'128x384,4096x512' -> [(128, 384), (4096, 512)]."""
+  shapes = []
+  for part in text.split(','):
+    rows, sep, n = part.strip().partition('x')
+    if not (sep and rows.isdigit() and n.isdigit() and int(rows) > 0 and int(n) > 1):
+      raise argparse.ArgumentTypeError(
+          f'--pallas_vs_xla takes ROWSxN shapes such as 128x384, got {part!r}')
+    shapes.append((int(rows), int(n)))
+  return shapes
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--quick', action='store_true',
@@ -144,10 +214,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                       help=f'timed calls per variant (default {FULL_REPEATS}, '
                            f'{QUICK_REPEATS} with --quick)')
   parser.add_argument('--out', default=None, help='also write the JSON here')
+  parser.add_argument('--pallas_vs_xla', type=_shapes, default=None, metavar='ROWSxN,...',
+                      help='only the Pallas kernel against the XLA path at these shapes')
   args = parser.parse_args(argv)
   repeats = args.repeats or (QUICK_REPEATS if args.quick else FULL_REPEATS)
   if repeats < 1:
     parser.error(f'--repeats must be >= 1, got {repeats}')
+  if args.pallas_vs_xla:
+    return _emit({'tool': 'tools/bench_soft_topk.py --pallas_vs_xla', 'repeats': repeats,
+                  'shapes': [pallas_vs_xla(rows, n, repeats=repeats)
+                             for rows, n in args.pallas_vs_xla]}, args.out)
   batches = QUICK_BATCHES if args.quick else FULL_BATCHES
   lengths = QUICK_LENGTHS if args.quick else FULL_LENGTHS
   report = {
@@ -174,10 +250,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   if layer.get('status') == 'ok':
     report['targets']['soft_topk_le_1pct_of_layer'] = {
         m: layer[f'{m}_over_layer'] <= 0.01 for m in st.METHODS}
+  return _emit(report, args.out)
+
+
+def _emit(report: dict, out: Optional[str]) -> dict:
+  """Prints `report` as JSON, and writes it to `out` when given."""
   text = json.dumps(report, indent=2)
   print(text)
-  if args.out:
-    with open(args.out, 'w') as f:
+  if out:
+    with open(out, 'w') as f:
       f.write(text + '\n')
   return report
 

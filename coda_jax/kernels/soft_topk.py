@@ -73,8 +73,10 @@ runs the whole kernel; wrapping the call in `shard_map` over the rows would
 avoid that (not done here).
 
 Public: `soft_topk_iterative` (the kernel, differentiable), `use_in_auto`
-(the 'auto' decision), `probe`, `block_rows_for`, `num_warps_for`, and
-`compare_with_xla` (timings against the XLA path, for benchmarks).
+(the 'auto' decision), `probe` (against a reference solver the caller passes:
+this module imports no other of the package but `config`),
+`block_rows_for`, `num_warps_for`. Timings against the XLA path:
+`python tools/bench_soft_topk.py --pallas_vs_xla ROWSxN`.
 """
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ import functools
 import logging
 import math
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 from jax import lax
@@ -91,7 +93,7 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 import numpy as np
 
-from coda_jax import soft_topk as soft_topk_lib
+from coda_jax.config import SOFT_TOPK_PAD_SCORE
 
 Array = jax.Array
 
@@ -103,7 +105,7 @@ _MIN_PROGRAMS = 128
 # entry: float32 rounding moves them by up to ~3e-5 (an ulp of a is ~1e-5 of
 # λ at ε = 0.03), a kernel that lowers wrongly by far more.
 _PROBE_TOLERANCE = 1e-3
-_PAD_SCORE = soft_topk_lib._PAD_SCORE  # pylint: disable=protected-access
+_PAD_SCORE = SOFT_TOPK_PAD_SCORE
 
 
 def _backend() -> str:
@@ -311,13 +313,14 @@ def soft_topk_iterative(s: Array, real: Array, k: int,
 
 
 def probe(block_rows: int, n_padded: int, dtype, k: int,
-          eps_sched: tuple[float, ...], *, interpret: bool = False
-          ) -> Optional[str]:
+          eps_sched: tuple[float, ...], reference: Callable[..., Array], *,
+          interpret: bool = False) -> Optional[str]:
   """Whether the kernels work here, for one block shape and setting.
 
   Lowers, compiles and runs the forward and backward kernels on one block of
   random rows (some padded) for the default backend, and compares λ and the
-  gradient with the XLA reference. Works while a jit is being traced.
+  gradient with `reference(s, real, k, eps_sched)` (the XLA path,
+  `coda_jax.soft_topk._iterative`). Works while a jit is being traced.
 
   Returns:
     None if they agree to `_PROBE_TOLERANCE`, else what went wrong.
@@ -341,7 +344,7 @@ def probe(block_rows: int, n_padded: int, dtype, k: int,
                              interpret=interpret)
   try:
     lam, grad = value_and_grad(kernel)
-    want_lam, want_grad = value_and_grad(soft_topk_lib._iterative)  # pylint: disable=protected-access
+    want_lam, want_grad = value_and_grad(reference)
   except Exception as e:  # pylint: disable=broad-except
     return f'{type(e).__name__}: {e}'
   lam_err = float(np.max(np.abs(lam - want_lam)))
@@ -355,9 +358,9 @@ def probe(block_rows: int, n_padded: int, dtype, k: int,
 
 @functools.cache
 def _probe_once(block_rows: int, n_padded: int, dtype_name: str, k: int,
-                eps_sched: tuple[float, ...]) -> bool:
+                eps_sched: tuple[float, ...], reference: Callable[..., Array]) -> bool:
   """`probe` on the device, once per setting; a failure is logged once."""
-  error = probe(block_rows, n_padded, dtype_name, k, eps_sched)
+  error = probe(block_rows, n_padded, dtype_name, k, eps_sched, reference)
   if error is not None:
     logging.warning(
         'soft top-k: the Pallas kernel does not work on this %s device for '
@@ -368,64 +371,11 @@ def _probe_once(block_rows: int, n_padded: int, dtype_name: str, k: int,
 
 
 def use_in_auto(shape: tuple[int, ...], dtype, k: int,
-                eps_sched: tuple[float, ...]) -> bool:
+                eps_sched: tuple[float, ...], reference: Callable[..., Array]) -> bool:
   """impl='auto': the kernel on GPU when it passes `probe` there, else XLA."""
   if _backend() != 'gpu':
     return False
   n_padded = _next_power_of_2(shape[-1])
   block_rows = block_rows_for(math.prod(shape[:-1]), n_padded)
   return _probe_once(block_rows, n_padded, np.dtype(dtype).name, k,
-                     tuple(eps_sched))
-
-
-def compare_with_xla(rows: int = 128, n: int = 512, k: Optional[int] = None, *,
-                     config: Optional[Any] = None, repeats: int = 20,
-                     seed: int = 0) -> dict[str, Any]:
-  """Times `soft_topk` with impl='pallas' against impl='xla' on the default device.
-
-  For benchmarks: random float32 scores [rows, n], the iterative method with
-  `config`'s settings (default `SoftTopKConfig()`), k = ceil(n / 3) unless
-  given. Times the jitted forward and forward + backward (gradient of
-  Σ w λ), best of `repeats` after a warm-up call.
-
-  Returns:
-    A dict: device, jax version, block_rows, num_warps, the probe's error
-    (None when the kernel works here; then no timings), the largest
-    differences from the XLA path, and milliseconds for each impl and pass.
-  """
-  config = soft_topk_lib.DEFAULTS if config is None else config
-  k = math.ceil(n / 3) if k is None else k
-  eps_sched = soft_topk_lib.epsilon_schedule(
-      config.num_iters, epsilon=config.epsilon, epsilon_init=config.epsilon_init,
-      epsilon_decay=config.epsilon_decay)
-  n_padded = _next_power_of_2(n)
-  block_rows = block_rows_for(rows, n_padded)
-  result: dict[str, Any] = dict(
-      device=str(jax.devices()[0]), jax=jax.__version__, rows=rows, n=n, k=k,
-      block_rows=block_rows, num_warps=num_warps_for(block_rows * n_padded),
-      interpret=_backend() != 'gpu')
-  result['probe_error'] = probe(block_rows, n_padded, np.float32, k, eps_sched,
-                                interpret=result['interpret'])
-  if result['probe_error'] is not None:
-    return result
-  key_s, key_w = jax.random.split(jax.random.PRNGKey(seed))
-  s = 2.0 * jax.random.normal(key_s, (rows, n), jnp.float32)
-  w = jax.random.normal(key_w, (rows, n), jnp.float32)
-  outputs = {}
-  for impl in ('xla', 'pallas'):
-    cfg = dataclasses.replace(config, method='iterative', impl=impl)
-    fwd = jax.jit(lambda s, cfg=cfg: soft_topk_lib.soft_topk(s, k, cfg))
-    grad = jax.jit(jax.grad(
-        lambda s, cfg=cfg: jnp.sum(w * soft_topk_lib.soft_topk(s, k, cfg))))
-    for name, fn in (('fwd', fwd), ('fwd_bwd', grad)):
-      outputs[impl, name] = fn(s).block_until_ready()
-      best = math.inf
-      for _ in range(repeats):
-        start = time.perf_counter()
-        fn(s).block_until_ready()
-        best = min(best, time.perf_counter() - start)
-      result[f'{impl}_{name}_ms'] = 1e3 * best
-  for name in ('fwd', 'fwd_bwd'):
-    result[f'max_abs_diff_{name}'] = float(
-        jnp.max(jnp.abs(outputs['pallas', name] - outputs['xla', name])))
-  return result
+                     tuple(eps_sched), reference)
