@@ -8,7 +8,9 @@ Registered names (`register_tasks`, run at import with T5's vocabulary):
   coda_glue_mnli          glue/mnli        "mnli hypothesis: .. premise: .."   accuracy
                           (validation = validation_matched; validation_mismatched too)
   coda_glue_rte           glue/rte         "rte sentence1: .. sentence2: .."   accuracy
-  coda_super_glue_boolq   super_glue/boolq "boolq passage: .. question: .."    accuracy
+  coda_super_glue_boolq   super_glue/boolq "boolq question: .. passage: .."    accuracy
+                          (question first, unlike T5's sorted keys: a truncated input
+                          keeps it, as the paper's footnote 3 does)
   coda_super_glue_record  super_glue/record "record query: .. entities: .. passage: .."
                           one example per answer; EM / F1 against all answers, once
                           per (passage, query)
@@ -65,6 +67,10 @@ LABELS = {
     'rte': ('entailment', 'not_entailment'),
     'boolq': ('False', 'True'),
 }
+
+# BoolQ's input fields in order: "boolq question: .. passage: .." (T5 sorts
+# them, passage first; the paper always keeps the question text, footnote 3).
+BOOLQ_FEATURE_KEYS = ('question', 'passage')
 
 TASK_NAMES = ('coda_glue_mnli', 'coda_glue_rte', 'coda_super_glue_boolq',
               'coda_super_glue_record', 'coda_squad_v1_1', 'coda_xsum',
@@ -316,7 +322,8 @@ def _string_join(parts):
 
 def glue_text(benchmark: str, feature_keys: Sequence[str], label_names: Sequence[str]):
   """T5's `preprocessors.glue`: "<benchmark> key1: v1 key2: v2" -> label name
-  ("<unk>" for label -1), keys in T5's order (sorted names), text untouched."""
+  ("<unk>" for label -1), keys in the order of `feature_keys` (T5's is sorted
+  names; BoolQ's registry entry puts the question first), text untouched."""
   import seqio  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -547,7 +554,8 @@ def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
           {'train': 'train', 'validation': 'validation_matched',
            'validation_mismatched': 'validation_mismatched'}),
       'coda_glue_rte': classification('rte', ('sentence1', 'sentence2')),
-      'coda_super_glue_boolq': classification('boolq', ('passage', 'question')),
+      # Question first (paper footnote 3): the passage is what truncation cuts.
+      'coda_super_glue_boolq': classification('boolq', BOOLQ_FEATURE_KEYS),
       'coda_super_glue_record': dict(
           source=tfds_source('record'), output_features=features,
           preprocessors=_text_to_text_preprocessors(record_text),

@@ -200,10 +200,11 @@ def test_glue_formats_match_t5():
                     'label': 1, 'idx': 3})
   assert ex['inputs'] == b'rte sentence1: Paris is in France. sentence2: Paris is French.'
   assert ex['targets'] == b'not_entailment'
-  boolq = tasks.glue_text('boolq', ('passage', 'question'), tasks.LABELS['boolq'])
+  # BoolQ: the question first (paper footnote 3), T5's format otherwise.
+  boolq = tasks.glue_text('boolq', tasks.BOOLQ_FEATURE_KEYS, tasks.LABELS['boolq'])
   [ex] = _run(boolq, {'question': 'is paris in france', 'label': 1, 'idx': 0,
                       'passage': 'Paris is the capital of France.'})
-  assert ex['inputs'] == b'boolq passage: Paris is the capital of France. question: is paris in france'
+  assert ex['inputs'] == b'boolq question: is paris in france passage: Paris is the capital of France.'
   assert ex['targets'] == b'True'
 
 
@@ -265,7 +266,7 @@ def test_registered_tasks_read_mocked_tfds(mocked_tfds):
   tasks.register_tasks(vocab)
   lengths = {'inputs': 64, 'targets': 16}
   prefixes = {'coda_glue_mnli': b'mnli hypothesis: ', 'coda_glue_rte': b'rte sentence1: ',
-              'coda_super_glue_boolq': b'boolq passage: ',
+              'coda_super_glue_boolq': b'boolq question: ',
               'coda_super_glue_record': b'record query: ', 'coda_squad_v1_1': b'question: ',
               'coda_xsum': b'summarize: '}
   labels = {'coda_glue_mnli': {b'entailment', b'neutral', b'contradiction'},
@@ -290,6 +291,26 @@ def test_registered_tasks_read_mocked_tfds(mocked_tfds):
   assert len(ex['inputs']) == 64 and ex['inputs'][-1] == 1
   assert len(ex['targets']) == min(targets_length, 16) and ex['targets'][0] == sentinel
   assert sentinel in ex['inputs'] and raw > 64
+
+
+def test_boolq_truncation_keeps_the_question(mocked_tfds):
+  # Paper footnote 3: "We always include the question text for BoolQ". The
+  # registered task puts it first, so an input cut to a few tokens is the
+  # question's own tokens (the old "boolq passage: .. question: .." lost it).
+  vocab = seqio.SentencePieceVocabulary(TEST_SPM, extra_ids=100)
+  tasks.register_tasks(vocab)
+  task = seqio.get_mixture_or_task('coda_super_glue_boolq')
+  raw = next(task.source.get_dataset(split='validation', shuffle=False).as_numpy_iterator())
+  prefix = len(vocab.encode('boolq question:'))
+  length = prefix + 9  # the prefix, 8 tokens of text and EOS
+  ex = next(task.get_dataset({'inputs': length, 'targets': 4}, split='validation',
+                             shuffle=False).as_numpy_iterator())
+  assert ex['inputs_pretokenized'] == (b'boolq question: ' + raw['question'] + b' passage: '
+                                       + raw['passage'])
+  question = vocab.encode('boolq question: ' + raw['question'].decode())
+  kept = min(length - 1, len(question))  # the last input token is EOS
+  assert kept > prefix  # some question text fits
+  assert list(ex['inputs'][:kept]) == question[:kept]
 
 
 # ----------------------------------------------------------------------------
