@@ -109,6 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_config() -> Dict[str, Any]:
   """Builds the configured run and reads one batch, without training."""
   from coda_jax import trainable  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import k_annealing  # pylint: disable=g-import-not-at-top
   from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top
   result = train_lib.train(dry_run=True)
   run = result.setup
@@ -118,6 +119,8 @@ def check_config() -> Dict[str, Any]:
       'batch_shapes': result.dry_run_batch_shapes,
       'mesh': dict(run.mesh.shape),
       'k_ladder': run.k_schedule.describe() if run.k_schedule else None,
+      'k_annealing': (k_annealing.describe_schedule(run.k_schedule)
+                      if run.k_schedule else None),
       'num_params': trainable.count_params(run.trainer.param_shapes),
       'num_trainable_params': trainable.count_params(run.trainer.param_shapes,
                                                      run.trainer.trainable),

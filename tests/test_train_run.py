@@ -81,7 +81,10 @@ def run_scenarios(work: str) -> dict:
   # A: uninterrupted 20 steps (through the gin-bound train()).
   losses = {}
   parse(os.path.join(work, 'full'))
-  full = train_lib.train(callbacks=[lambda s, m: losses.__setitem__(s, m['loss'])])
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    full = train_lib.train(callbacks=[lambda s, m: losses.__setitem__(s, m['loss'])])
+  report['first_line'] = out.getvalue().splitlines()[0]
   report['losses'] = [losses[s] for s in range(1, TOTAL + 1)]
   report['ladder'] = full.trainer.k_schedule.describe()
   report['trace_counts'] = {str(k): v for k, v in full.trainer.trace_counts.items()}
@@ -214,6 +217,11 @@ def test_k_annealing_ladder_compiles_each_rung_once(runs):
   # n = 48 routed down to k = 24 over the first 30% of 20 steps, 3 rungs.
   assert runs['ladder'] == [[0, 48], [3, 36], [6, 24]]
   assert runs['trace_counts'] == {'0': 1, '1': 1, '2': 1}
+  # The run says so first, with the staircase's distance to the linear ramp
+  # (4 tokens per step: 8 tokens and 2 steps behind at steps 2 and 5).
+  assert runs['first_line'] == (
+      'k annealing: 3 rungs (k = 48, 36, 24 from steps 0, 3, 6), 3 compiled train steps; '
+      'staircase vs linear: max 8.0 tokens, max 2 steps')
 
 
 def test_checkpoints_metrics_and_eval_written(runs):

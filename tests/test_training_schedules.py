@@ -1,5 +1,7 @@
 """k annealing (paper App. A) and learning-rate schedules, on real numbers."""
 import math
+import os
+import re
 
 import numpy as np
 import pytest
@@ -7,6 +9,8 @@ import pytest
 from coda_jax.config import CodaConfig, coda_k
 from coda_jax.training import k_annealing
 from coda_jax.training import schedules
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------
@@ -84,6 +88,82 @@ def test_bad_ladder_settings():
     k_annealing.k_schedule(64, 2.0, 100, fraction=1.5)
   with pytest.raises(ValueError, match='max_rungs >= 2, got 1'):
     k_annealing.k_schedule(64, 2.0, 100, max_rungs=1)
+  for bad in (2.5, '3', True, None):
+    with pytest.raises(ValueError, match=rf'max_rungs >= 2, got {re.escape(repr(bad))} '
+                       r'\(an integer: the number of k values, each one compiled train '
+                       r'step\)'):
+      k_annealing.k_schedule(64, 2.0, 100, max_rungs=bad)
+
+
+# ----------------------------------------------------------------------------
+# How far the staircase is from the paper's linear ramp
+# k_lin(t) = n - (n - k_target) t / A over the A annealing steps.
+# ----------------------------------------------------------------------------
+
+
+def _brute_force_distance(s):
+  """(max tokens, max lag steps) over every step, from the definitions."""
+  n, target, anneal = s.length, s.ks[-1], s.starts[-1]
+  slope = (n - target) / anneal
+  tokens = max(abs(s.k(t) - max(target, n - slope * t)) for t in range(anneal + 5))
+  lags = max(abs(t - (n - s.k(t)) / slope) for t in range(anneal))
+  return tokens, lags
+
+
+def test_distance_to_linear_by_hand():
+  # The quickstart: n = 48 -> k = 24 over 20% of 2000 steps (A = 400), 3 rungs
+  # k = 48, 36, 24 from steps 0, 200, 400. The ramp falls 24 / 400 = 0.06
+  # tokens per step: at step 199 it is at 48 - 11.94 = 36.06 while the
+  # staircase still routes 48 (11.94 tokens, and 199 steps behind the ramp's
+  # k = 48 at step 0); the same at step 399 against k = 36 (reached at 200).
+  s = k_annealing.k_schedule(48, 2.0, 2000, fraction=0.2, max_rungs=3)
+  assert s.describe() == [(0, 48), (200, 36), (400, 24)]
+  d = k_annealing.linear_distance(s)
+  assert d.anneal_steps == 400
+  assert d.max_tokens == pytest.approx(11.94) and d.max_tokens_step == 199
+  assert d.max_lag_steps == pytest.approx(199.0) and d.max_lag_step == 199
+  # The paper's setting (App. A): n = 512 -> k = 192 over 10% of 100K steps,
+  # 5 rungs of 2500 steps: 320 / 4 = 80 tokens per rung, less one step's 0.032.
+  p = k_annealing.k_schedule(512, 512 / 192, 100000, fraction=0.1, max_rungs=5)
+  assert p.ks == (512, 432, 352, 272, 192)
+  d = k_annealing.linear_distance(p)
+  assert d.max_tokens == pytest.approx(79.968) and d.max_lag_steps == pytest.approx(2499)
+  # Rounded rungs (k = 54, 32 for the ramp's 53.5, 32.5) are off the ramp at
+  # their first step too; the two-points-per-rung maxima equal every step's.
+  for args in [(64, 3.0, 70, 0.1, 5), (10, 1.25, 100, 0.2, 5), (128, 3.0, 3000, 0.1, 5),
+               (48, 2.0, 2000, 0.2, 3), (37, 1.7, 900, 0.15, 4)]:
+    s = k_annealing.k_schedule(*args)
+    d = k_annealing.linear_distance(s)
+    assert (d.max_tokens, d.max_lag_steps) == pytest.approx(_brute_force_distance(s)), args
+
+
+def test_more_rungs_are_closer_to_linear():
+  for n, r, total, fraction in [(48, 2.0, 2000, 0.2), (512, 512 / 192, 100000, 0.1)]:
+    distances = [k_annealing.linear_distance(
+        k_annealing.k_schedule(n, r, total, fraction, max_rungs=m)) for m in (2, 3, 5, 9)]
+    tokens = [d.max_tokens for d in distances]
+    lags = [d.max_lag_steps for d in distances]
+    assert all(a > b for a, b in zip(tokens, tokens[1:])), tokens
+    assert all(a > b for a, b in zip(lags, lags[1:])), lags
+  # Two rungs: dense until the end of the ramp, then the target.
+  d = k_annealing.linear_distance(k_annealing.k_schedule(48, 2.0, 2000, 0.2, max_rungs=2))
+  assert d.max_tokens == pytest.approx(24 - 0.06) and d.max_lag_steps == 399
+  # No annealing: nothing to compare.
+  assert k_annealing.linear_distance(
+      k_annealing.k_schedule(48, 2.0, 2000, fraction=0.0)).max_tokens == 0.0
+
+
+def test_the_line_the_trainer_logs():
+  s = k_annealing.k_schedule(48, 2.0, 2000, fraction=0.2, max_rungs=3)
+  assert k_annealing.describe_schedule(s, 3) == (
+      'k annealing: 3 rungs (k = 48, 36, 24 from steps 0, 200, 400), 3 compiled train '
+      'steps; staircase vs linear: max 11.9 tokens, max 199 steps')
+  # Fewer rungs than allowed (a 3-step run anneals for 1 step): the cap is named.
+  assert k_annealing.describe_schedule(k_annealing.k_schedule(64, 2.0, 3, 0.1), 5) == (
+      'k annealing: 2 rungs of at most 5 (k = 64, 32 from steps 0, 1), 2 compiled train '
+      'steps; staircase vs linear: max 0.0 tokens, max 0 steps')
+  assert k_annealing.describe_schedule(k_annealing.k_schedule(64, 2.0, 100, 0.0), 5) == (
+      'k annealing: off (k = 32 from step 0), 1 compiled train step')
 
 
 # ----------------------------------------------------------------------------
@@ -140,3 +220,35 @@ def test_schedule_errors_name_the_problem():
     schedules.create_learning_rate_scheduler('constant * cosine_decay')
   with pytest.raises(ValueError, match='cosine schedule needs total_steps >= 1, got None'):
     schedules.cosine(1e-2)
+
+
+# ----------------------------------------------------------------------------
+# The number of rungs is the run's K_ANNEAL_MAX_RUNGS, end to end.
+# ----------------------------------------------------------------------------
+
+
+def test_rungs_macro_reaches_the_schedule(tmp_path, capsys):
+  pytest.importorskip('seqio')
+  from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+  quickstart = os.path.join(REPO, 'gin_configs', 'runs', 'quickstart.gin')
+  # A value the ladder cannot have: one line naming the macro, exit status 2,
+  # before anything is built or written.
+  for bad in ('1', '2.5'):
+    model_dir = tmp_path / f'bad_{bad}'
+    rc = train_cli.main([f'--gin_file={quickstart}', f'--gin.MODEL_DIR={model_dir}',
+                         f'--gin.K_ANNEAL_MAX_RUNGS={bad}'])
+    assert rc == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f'coda-jax train: error: k annealing needs K_ANNEAL_MAX_RUNGS (k_anneal_max_rungs) '
+        f'>= 2, got {bad} (an integer: the number of k values, each one compiled train '
+        'step)']
+    assert not model_dir.exists()
+  # 5 rungs over the quickstart's 400 annealing steps: 100 steps each.
+  train_cli.parse_gin([quickstart], [('MODEL_DIR', repr(str(tmp_path / 'run'))),
+                                     ('K_ANNEAL_MAX_RUNGS', '5'), ('BATCH_SIZE', '2')])
+  summary = train_cli.check_config()
+  assert [tuple(r) for r in summary['k_ladder']] == [
+      (0, 48), (100, 42), (200, 36), (300, 30), (400, 24)]
+  assert summary['k_annealing'] == (
+      'k annealing: 5 rungs (k = 48, 42, 36, 30, 24 from steps 0, 100, 200, 300, 400), 5 '
+      'compiled train steps; staircase vs linear: max 5.9 tokens, max 99 steps')

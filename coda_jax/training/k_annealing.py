@@ -11,12 +11,23 @@ is cut into ``rungs - 1`` equal segments; segment j routes
 tokens, and every step after the phase routes k_target = ceil(n / r). Each
 rung is the same CoDA model with k set directly (`CodaConfig.num_routed_tokens
 = k_j`); all rungs share one parameter tree.
+
+The number of rungs is the run's ``K_ANNEAL_MAX_RUNGS`` (gin macro ->
+`train_lib.train(k_anneal_max_rungs=...)` -> `k_schedule(max_rungs=...)`):
+each rung costs one compilation of the train step. `linear_distance` measures
+what the staircase costs in fidelity: how many tokens and how many steps it is
+away from the paper's linear ramp
+
+    k_lin(t) = n - (n - k_target) * t / A     (0 <= t <= A, the annealing steps)
+
+and `describe_schedule` is the line the trainer logs at the start of a run.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
 import math
+import numbers
 from typing import List, Optional, Tuple
 
 from coda_jax.config import CodaConfig, coda_k
@@ -57,6 +68,15 @@ class KSchedule:
     return list(zip(self.starts, self.ks))
 
 
+def check_max_rungs(max_rungs, name: str = 'max_rungs') -> int:
+  """`max_rungs` as an int, or a ValueError naming `name` and the bad value."""
+  if (isinstance(max_rungs, bool) or not isinstance(max_rungs, numbers.Integral)
+      or max_rungs < 2):
+    raise ValueError(f'k annealing needs {name} >= 2, got {max_rungs!r} (an integer: '
+                     'the number of k values, each one compiled train step)')
+  return int(max_rungs)
+
+
 def k_schedule(length: int, reduction_factor: float, total_steps: int,
                fraction: float = DEFAULT_FRACTION, max_rungs: int = MAX_RUNGS,
                ) -> KSchedule:
@@ -72,8 +92,7 @@ def k_schedule(length: int, reduction_factor: float, total_steps: int,
   """
   if not 0.0 <= fraction <= 1.0:
     raise ValueError(f'k annealing fraction must be in [0, 1], got {fraction}')
-  if max_rungs < 2:
-    raise ValueError(f'k annealing needs max_rungs >= 2, got {max_rungs}')
+  check_max_rungs(max_rungs)
   n = int(length)
   target = coda_k(n, reduction_factor)
   anneal_steps = int(math.ceil(fraction * int(total_steps)))
@@ -97,3 +116,80 @@ def constant_schedule(length: int, reduction_factor: Optional[float]) -> KSchedu
   """No annealing (or no routing: k = n with reduction factor 1)."""
   r = 1.0 if reduction_factor is None else reduction_factor
   return KSchedule(int(length), (0,), (coda_k(int(length), r),))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearDistance:
+  """How far a `KSchedule` staircase is from the linear ramp it stands for.
+
+  Measured over the annealing steps t = 0 .. A - 1 (after them both route
+  k_target) against the ramp k_lin(t) = n - (n - k_target) * t / A, whose
+  step for a given k is t_lin(k) = (n - k) * A / (n - k_target) (both real).
+
+  Attributes:
+    anneal_steps: A (0: no annealing, every distance 0).
+    max_tokens: max_t |k(t) - k_lin(t)|, in tokens.
+    max_tokens_step: the first step t reaching it.
+    max_lag_steps: max_t |t - t_lin(k(t))|: how many steps the staircase's k
+      is behind (it routes more tokens than the ramp) or ahead of the ramp.
+    max_lag_step: the first step t reaching it.
+  """
+  anneal_steps: int
+  max_tokens: float
+  max_tokens_step: int
+  max_lag_steps: float
+  max_lag_step: int
+
+
+def linear_distance(schedule: KSchedule) -> LinearDistance:
+  """The distance between `schedule` and the linear ramp from n to its last k.
+
+  Within one rung both k(t) - k_lin(t) and t - t_lin(k(t)) are linear in t, so
+  their largest magnitudes lie at the rung's first or last step: the maxima
+  over every step are exact from 2 points per rung.
+  """
+  n, target = schedule.length, schedule.ks[-1]
+  anneal = schedule.starts[-1]
+  if schedule.num_rungs < 2 or anneal < 1 or target >= n:
+    return LinearDistance(0, 0.0, 0, 0.0, 0)
+  slope = (n - target) / anneal  # tokens per step
+
+  def k_lin(t):
+    return n - slope * t
+
+  def t_lin(k):
+    return (n - k) / slope
+
+  best_tokens, best_lag = (0.0, 0), (0.0, 0)
+  for j, k in enumerate(schedule.ks[:-1]):
+    first, last = schedule.starts[j], schedule.starts[j + 1] - 1
+    for t in (first, last):
+      tokens, lag = abs(k - k_lin(t)), abs(t - t_lin(k))
+      if tokens > best_tokens[0]:
+        best_tokens = (tokens, t)
+      if lag > best_lag[0]:
+        best_lag = (lag, t)
+  return LinearDistance(anneal, best_tokens[0], best_tokens[1], best_lag[0], best_lag[1])
+
+
+def describe_schedule(schedule: KSchedule, max_rungs: Optional[int] = None) -> str:
+  """One line for the run's log: the rungs, their compile count, and the
+  distance to the linear ramp (`linear_distance`).
+
+  E.g. "k annealing: 3 rungs (k = 48, 36, 24 from steps 0, 200, 400), 3
+  compiled train steps; staircase vs linear: max 11.9 tokens, max 199 steps".
+  `max_rungs` (the configured cap) is named when the ladder has fewer rungs.
+  """
+  ks = ', '.join(str(k) for k in schedule.ks)
+  steps = ', '.join(str(s) for s in schedule.starts)
+  compiled = (f'{schedule.num_rungs} compiled train step'
+              f'{"" if schedule.num_rungs == 1 else "s"}')
+  if schedule.num_rungs == 1:
+    return f'k annealing: off (k = {ks} from step 0), {compiled}'
+  cap = ''
+  if max_rungs is not None and schedule.num_rungs < max_rungs:
+    cap = f' of at most {max_rungs}'
+  d = linear_distance(schedule)
+  return (f'k annealing: {schedule.num_rungs} rungs{cap} (k = {ks} from steps {steps}), '
+          f'{compiled}; staircase vs linear: max {d.max_tokens:.1f} tokens, '
+          f'max {d.max_lag_steps:.0f} steps')

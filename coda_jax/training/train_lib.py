@@ -328,8 +328,10 @@ def check_options(model_dir: Optional[str], k_anneal_max_rungs: int,
     raise ConfigError(f'MODEL_DIR must be a directory path, got the URL {model_dir!r}; on '
                       'several hosts use one that every host mounts at the same path (NFS, '
                       'Filestore, a bucket mounted with gcsfuse)')
-  if k_anneal_max_rungs < 2:
-    raise ConfigError(f'k_anneal_max_rungs must be >= 2, got {k_anneal_max_rungs}')
+  try:
+    k_annealing.check_max_rungs(k_anneal_max_rungs, 'K_ANNEAL_MAX_RUNGS (k_anneal_max_rungs)')
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
   if checkpoint_period < 1:
     raise ConfigError(f'checkpoint_period must be >= 1, got {checkpoint_period}')
 
@@ -641,7 +643,10 @@ def train(*,
     learning_rate_fn: schedule (update count -> rate); default constant 1e-3.
     optimizer_fn: `learning_rate= -> optax transformation`; default t5x's Adafactor.
     trainable_params: 'coda' (adapters, routers, layer norms, LoRA) or 'all'.
-    k_anneal_fraction / k_anneal_max_rungs: the k-annealing ladder (App. A).
+    k_anneal_fraction / k_anneal_max_rungs: the k-annealing ladder (App. A): k
+      falls from n to n / r over that fraction of the steps in at most that
+      many rungs, each one compiled train step; when k anneals, the run's
+      first line says how, and how far the staircase is from the linear ramp.
     z_loss: t5x's z-loss coefficient.
     vocabulary: the seqio vocabulary our tasks are registered with (default
       T5's SentencePiece); `register_tasks=False` leaves the registry alone.
@@ -681,6 +686,8 @@ def train(*,
     return TrainResult(progress.state, start, run.trainer, model_dir, ckpt_dir, [],
                        evals[-1:], start, setup=run)
 
+  if lead and run.k_schedule is not None and run.k_schedule.num_rungs > 1:
+    print(k_annealing.describe_schedule(run.k_schedule, k_anneal_max_rungs), flush=True)
   batches = train_batches(run, start_example=progress.examples)
   log = metrics_lib.RunLog(
       writer, metrics_lib.ProgressBar(total_steps, initial=start,
