@@ -63,6 +63,7 @@ LABEL_WIDTH_IN = 2.8
 COLORBAR_WIDTH_IN = 1.3
 COLORBAR_BAR_IN = 0.15
 COLORBAR_PAD_IN = 0.75
+COLORBAR_FIRST_PAD_IN = 0.1
 MARGIN_HEIGHT_IN = 1.5
 MIN_FIGURE_WIDTH_IN = 6.0
 DPI = 130
@@ -310,13 +311,15 @@ def draw_picture(picture: RoutingPicture, path: str, title: str = '') -> str:
   note = f'\nrouted padding slots (gate 0): {", ".join(padded)}' if padded else ''
   ax.set_title((title or picture.text)[:TITLE_CHARS] + note, fontsize=9, loc='left')
   divider = make_axes_locatable(ax)
-  for kind in kinds:  # one colour scale per kind of row, side by side
+  for i, kind in enumerate(kinds):  # one colour scale per kind of row, side by side
     top = max(float(m) for m, k in zip(picture.value_max, picture.kinds) if k == kind)
     mappable = cm.ScalarMappable(norm=colors.Normalize(0, top),
                                  cmap=colors.LinearSegmentedColormap.from_list(
                                      kind, plt.get_cmap(COLORMAPS[kind])(
                                          np.linspace(MIN_SHADE, 1, 64))))
-    cax = divider.append_axes('right', size=COLORBAR_BAR_IN, pad=COLORBAR_PAD_IN)
+    # The second scale leaves room for the first one's ticks and label.
+    cax = divider.append_axes('right', size=COLORBAR_BAR_IN,
+                              pad=COLORBAR_PAD_IN if i else COLORBAR_FIRST_PAD_IN)
     fig.colorbar(mappable, cax=cax, label=VALUE_LABELS[kind])
   fig.tight_layout()
   fig.savefig(path, dpi=DPI)
