@@ -14,8 +14,10 @@ run skips that many and sees the same stream, on any number of processes.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import gin
@@ -142,8 +144,31 @@ def train_batches(cfg: DatasetConfig, shard_index: int = 0, num_shards: int = 1,
   if skip:
     ds = ds.skip(skip)
   ds = ds.batch(cfg.batch_size, drop_remainder=True)
-  return ({name: value[keep] for name, value in batch.items()}
-          for batch in ds.as_numpy_iterator())
+  stream = _rows_of(ds, keep)
+  _OPEN_STREAMS.add(stream)
+  return stream
+
+
+def _rows_of(ds, keep: slice) -> Iterator[Dict[str, np.ndarray]]:
+  for batch in ds.as_numpy_iterator():
+    yield {name: value[keep] for name, value in batch.items()}
+
+
+# Training streams not yet closed. A stream left open at exit (e.g. one that
+# an exception's traceback keeps alive in a reference cycle after the run
+# failed) would otherwise be destroyed during interpreter finalization: its
+# tf.data iterator then waits for a prefetching thread stuck in the offline
+# tasks' Python generator (GeneratorDataset's py_func), which can no longer
+# take the GIL, and the process hangs instead of exiting. Closing the streams
+# in an atexit hook destroys them while Python still runs.
+_OPEN_STREAMS: 'weakref.WeakSet' = weakref.WeakSet()
+
+
+@atexit.register
+def close_open_streams() -> None:
+  """Closes every training stream `train_batches` returned that is still open."""
+  for stream in list(_OPEN_STREAMS):
+    stream.close()
 
 
 # ----------------------------------------------------------------------------
