@@ -1,9 +1,13 @@
 """The decoding-latency benchmark compiles each variant once, in any dtype, and can cache.
 
+The ACM rows (the dense T5 and an ACM model per budget) and their FLOP bounds.
 Also the shared harness (progress bar, compilation counter) and the beam and
 cross-K/V FLOP bounds it reports.
 """
+import argparse
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,8 +22,9 @@ from coda_jax import flops
 from coda_jax import network
 from coda_jax.bench import decoding_latency
 from coda_jax.bench import models
+from coda_jax.bench import report
 from coda_jax.bench import timing
-from coda_jax.config import CodaConfig, T5Config
+from coda_jax.config import AcmConfig, CodaConfig, T5Config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_IN, N_OUT, BATCH = 16, 2, 2
@@ -107,7 +112,7 @@ def _cli(tmp_path, name, *extra):
   argv = ['--preset', 'tiny', '--input_length', '8', '--output_length', '2',
           '--batch_size', '1', '--reduction_factors', '2', '--attention', 'k_to_all',
           '--repeats', '1', '--no_cross_kv', '--no_progress', '--png', '',
-          '--out', str(out), *extra]
+          '--acm_budgets', '', '--out', str(out), *extra]
   proc = subprocess.run([sys.executable, os.path.join(REPO, 'tools', 'benchmark_decoding.py'),
                          *argv], capture_output=True, text=True, timeout=600,
                         env={**os.environ, 'PYTHONPATH': REPO})
@@ -165,3 +170,160 @@ def test_beam_bound_by_hand():
 
 def test_cross_kv_bound_by_hand():
   assert flops.cross_kv_speedup_bound(FLOP_CONFIG, 6, 2, 2) == 940 / (144 + 652)
+
+
+# ----------------------------------------------------------------------------
+# ACM rows: the dense T5 and an ACM model per budget, own encoder and decoder.
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def acm_task():
+  """The baseline alone plus the ACM block at two budgets, float32."""
+  config = models.make_config('tiny', jnp.float32)
+  params, _ = models.coda_params(config, CodaConfig(), seed=0)
+  template = AcmConfig(num_learners=4, inference='gather', capacity_factor=1.0)
+  acm_params, info = models.acm_params(config, template, seed=0)
+  with timing.CompileCounter() as counter:
+    task = decoding_latency.benchmark_task(
+        config, params, task='custom', input_length=N_IN, output_length=N_OUT,
+        batch_size=BATCH, reduction_factors=[], attentions=[], coda_template=CodaConfig(),
+        method='greedy', num_beams=1, alpha=0.6, repeats=2, acm_budgets=[0.25, 0.5],
+        acm_template=template, acm_params=acm_params)
+  return config, template, task, counter, info
+
+
+def test_acm_rows_next_to_the_dense_model(acm_task):
+  config, template, task, counter, info = acm_task
+  assert info['source'] == 'random_init'
+  acm = task['acm']
+  assert acm['baseline'] == 'dense'
+  assert [r['name'] for r in acm['variants']] == ['dense', 'acm_b0.25', 'acm_b0.5']
+  # The baseline's encoder and the shared decoder, then an encoder and a
+  # decoder per ACM-block model; nothing compiles while timed.
+  assert task['compiled_programs'] == ['parallel_adapter/encoder', 'decoder'] + [
+      f'{n}/{t}' for n in ('dense', 'acm_b0.25', 'acm_b0.5') for t in ('encoder', 'decoder')]
+  assert task['xla_compilations'] == {'compile': 8, 'timed_loop': 0}
+  dense, b25, b50 = acm['variants']
+  assert dense['acm'] is None and dense['budget'] is None
+  for t in decoding_latency.TIMED:
+    assert dense['speedup'][t] == 1.0 and dense['flop_bound'][t] == 1.0
+  for row, budget in ((b25, 0.25), (b50, 0.5)):
+    assert row['budget'] == budget and row['acm']['inference'] == 'gather'
+    # capacity factor 1: ceil(β tokens) per learner, in the encoder
+    # (batch · input_length tokens) and at each decoding step (batch tokens).
+    assert row['acm']['encoder_capacities'] == [math.ceil(budget * BATCH * N_IN)] * 4
+    assert row['acm']['decoder_step_capacities'] == [math.ceil(budget * BATCH)] * 4
+    assert row['acm']['encoder_ffn_fraction'] == budget
+    bounds = decoding_latency.acm_flop_bounds(config, dataclasses.replace(
+        template, budget=budget), N_IN, N_OUT, BATCH)
+    assert row['flop_bound'] == {t: bounds[t] for t in decoding_latency.TIMED}
+    for t in decoding_latency.TIMED:
+      assert len(row['times_s'][t]) == 2 and min(row['times_s'][t]) > 0
+      assert np.isfinite(row['speedup'][t]) and np.isfinite(row['fraction_of_bound'][t])
+      assert row['fraction_of_bound'][t] == pytest.approx(
+          row['speedup'][t] / row['flop_bound'][t])
+  assert b25['flop_bound']['encoder'] > b50['flop_bound']['encoder'] > 1.0
+  table = report.format_table({'meta': {
+      'model': 'tiny', 'platform': 'cpu', 'device_kind': 'cpu', 'dtype': 'float32',
+      'decoding': 'greedy', 'num_beams': 1, 'repeats': 2, 'jax_version': jax.__version__},
+      'tasks': [task], 'checks': []})
+  assert 'ACM (custom): speed-ups over dense' in table and 'acm_b0.25' in table
+
+
+def test_acm_decoder_is_the_models_own():
+  """An ACM row's end to end is its encoder then its decoder: what predict_batch gives."""
+  config = models.make_config('tiny', jnp.float32)
+  template = AcmConfig(num_learners=4, inference='gather', capacity_factor=1.0)
+  params, _ = models.acm_params(config, template, seed=2)
+  model = models.acm_model(config, template, 0.5)
+  tokens = models.random_tokens(BATCH, N_IN, config.vocab_size, seed=2)
+  encoded = models.make_encode_fn(model)(params, tokens)
+  got = decoding_latency.make_decode_fn(model, N_OUT, 'greedy', 1, 0.6)(params, tokens, encoded)
+  own = decoding.predict_batch_jit(model, params, tokens, max_decode_length=N_OUT,
+                                   method='greedy', eos_id=decoding_latency.NEVER_EOS)
+  for a, b in zip(got, own):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_acm_flop_bounds_by_hand():
+  """FLOP_CONFIG (d=4, H=2, G=1, dh=3, m=5, gated: 60 FFN MACs a token; dense
+  encoder 2 x 1224 = 2448 on 6 tokens, cross K/V 144, decoder 2 steps 620),
+  N = 2 learners, gate width 2 (4·2 + 2·2 + 2·3 = 18 MACs a token), β = 0.5,
+  batch 2: capacities ceil(0.5 · 12) = 6 and ceil(0.5 · 2) = 1, half the FFN work."""
+  acm = AcmConfig(num_learners=2, gate_dim=2, budget=0.5, capacity_factor=1.0,
+                  inference='gather')
+  bounds = decoding_latency.acm_flop_bounds(FLOP_CONFIG, acm, 6, 2, batch_size=2)
+  assert bounds['encoder_ffn_fraction'] == bounds['decoder_ffn_fraction'] == 0.5
+  encoder = 2 * (1224 - 180 + 6 * 18)            # 2304
+  decoder = 620 - 2 * 30 + 2 * 18                # 596: 1 layer, 2 steps
+  assert bounds['encoder'] == 2448 / encoder
+  assert bounds['decoder'] == 620 / decoder
+  assert bounds['end_to_end'] == (2448 + 144 + 620) / (encoder + 144 + decoder)
+  # Batch 1: a decoding step has 1 token, capacity ceil(0.5) = 1: the whole FFN.
+  one = decoding_latency.acm_flop_bounds(FLOP_CONFIG, acm, 6, 2, batch_size=1)
+  assert one['decoder_ffn_fraction'] == 1.0 and one['decoder'] == 620 / (620 + 2 * 18)
+  # Encoder ACMs only: the decoder is the dense one.
+  enc_only = decoding_latency.acm_flop_bounds(
+      FLOP_CONFIG, dataclasses.replace(acm, decoder=False), 6, 2, batch_size=2)
+  assert enc_only['decoder'] == 1.0
+
+
+def test_acm_flags():
+  parser = argparse.ArgumentParser()
+  decoding_latency.add_arguments(parser)
+  args = parser.parse_args([])
+  assert args.acm_budgets == [0.25, 0.5, 0.75] and args.acm_learners == 4
+  assert args.acm_capacity_factor == 1.0
+  assert parser.parse_args(['--acm_budgets', '']).acm_budgets == []
+  assert parser.parse_args(['--acm_budgets', '0.5']).acm_budgets == [0.5]
+  for bad in ('0', '1.5', 'x'):
+    with pytest.raises(SystemExit):
+      parser.parse_args(['--acm_budgets', bad])
+  with pytest.raises(SystemExit):
+    parser.parse_args(['--acm_capacity_factor', '0'])
+
+
+def test_acm_rows_from_the_command_line(tmp_path, capsys):
+  out = tmp_path / 'acm.json'
+  code = decoding_latency.main([
+      '--preset', 'tiny', '--input_length', '8', '--output_length', '2', '--batch_size', '2',
+      '--reduction_factors', '', '--attention', '', '--acm_budgets', '0.5',
+      '--acm_learners', '2', '--repeats', '1', '--no_progress', '--png', '',
+      '--out', str(out)])
+  assert code == 0
+  with open(out) as f:
+    result = json.load(f)
+  assert result['meta']['acm_budgets'] == [0.5]
+  assert result['meta']['acm']['num_learners'] == 2
+  assert result['meta']['acm']['inference'] == 'gather'
+  assert result['meta']['acm']['params']['source'] == 'random_init'
+  (task,) = result['tasks']
+  assert [r['name'] for r in task['acm']['variants']] == ['dense', 'acm_b0.5']
+  assert task['acm']['variants'][1]['acm']['encoder_capacities'] == [8, 8]
+  assert 'acm_b0.5' in capsys.readouterr().out
+  assert decoding_latency.main(['--preset', 'tiny', '--acm_learners', '3', '--input_length',
+                                '8', '--output_length', '2', '--reduction_factors', '',
+                                '--attention', '', '--out', '', '--png', '']) == 2
+
+
+def test_acm_params_from_a_checkpoint_keep_its_leaves():
+  config = models.make_config('tiny', jnp.bfloat16)
+  template = AcmConfig(num_learners=4, inference='gather')
+  dense = network.Transformer(config)
+  pretrained = jax.tree_util.tree_map(
+      lambda x: np.asarray(x, np.float32),
+      models.random_params(network.Transformer(dataclasses.replace(
+          config, dtype=jnp.float32)), jax.random.PRNGKey(3)))
+  params, info = models.acm_params(config, template, pretrained=pretrained, seed=0)
+  assert info['source'].startswith('checkpoint') and info['dtype'] == 'bfloat16'
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(params))
+  kept = models.restrict_params(params, dense)
+  for a, b in zip(jax.tree_util.tree_leaves(kept), jax.tree_util.tree_leaves(pretrained)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b.astype(jnp.bfloat16), np.float32))
+  # The learners are the pretrained FFN's hidden units, reordered.
+  mlp = params['encoder']['layers_0']['mlp']['wo']['kernel']
+  learners = params['encoder']['layers_0']['acm_mlp']['wo']
+  assert sorted(np.asarray(learners, np.float32).sum(1).tolist()) == sorted(
+      np.asarray(mlp, np.float32).sum(1).tolist())

@@ -30,6 +30,23 @@ distinct k (compile seconds reported apart, XLA compilations counted):
     number of routed layers, over the variant's end-to-end median;
   * FLOP bounds (`coda_jax.flops`): encoder and end-to-end MAC ratios.
 
+With ``--acm_budgets`` (default 0.25,0.5,0.75; empty: none), Adaptive
+Computation Modules (`coda_jax.acm`) are timed next to the dense T5 of the
+same backbone, in their own block of rows (speed-ups over ``dense``):
+
+  * ``dense`` -- the plain T5 (no adapters, no routing);
+  * ``acm_b<β>`` -- every FFN of the encoder and the decoder an ACM of
+    ``--acm_learners`` learners with 'gather' inference: learner n runs on a
+    static capacity of ceil(capacity_factor · β · tokens) tokens
+    (`AcmConfig.capacities`; ``--acm_capacity_factor``, default 1: the FFN work
+    is β of the dense FFN's whatever the gate chooses), per encoder call and
+    per decoding step. The decoder changes too, so each of these models has
+    its own compiled encoder and decoder; end_to_end is its encoder followed
+    by its decoder. All budgets share one set of parameters (random, or
+    `acm.acmize` of --checkpoint), the dense model their pretrained leaves;
+  * FLOP bounds (`acm_flop_bounds`): MACs(dense) / MACs(ACM) at the FFN work
+    the capacities give, encoder, decoder and end to end, gates included.
+
 Decoding runs a FIXED number of steps (`output_length`): EOS is set to -1,
 which greedy argmax and beam search can never emit, so random weights cannot
 stop a batch early and every variant decodes the same number of tokens.
@@ -74,8 +91,8 @@ from coda_jax.bench import hlo
 from coda_jax.bench import models
 from coda_jax.bench import report
 from coda_jax.bench import timing
-from coda_jax.config import (ATTENTION_VARIANTS, CodaConfig, SoftTopKConfig, T5Config,
-                             coda_k, parallel_adapter_baseline)
+from coda_jax.config import (ATTENTION_VARIANTS, AcmConfig, CodaConfig, SoftTopKConfig,
+                             T5Config, coda_k, parallel_adapter_baseline)
 
 # Task shapes (input tokens, decoded tokens). Input lengths are the paper's
 # (Table 8). Output lengths are ours: BoolQ decodes a one-word class label
@@ -98,6 +115,9 @@ CROSS_KV_TASK = 'xsum'
 CPU_CROSS_KV_BATCH = 1
 # EOS id that no decoder can emit: decoding always runs output_length steps.
 NEVER_EOS = -1
+# The ACM rows' baseline and their default budgets β.
+DENSE = 'dense'
+ACM_BUDGETS = (0.25, 0.5, 0.75)
 
 MEASURED = {
     'encoder': "the variant's compiled Transformer.encode on [batch, input_length] "
@@ -126,6 +146,51 @@ def make_decode_fn(model: network.Transformer, output_length: int, method: str,
   return jax.jit(decode)
 
 
+def acm_ffn_fraction(acm: AcmConfig, tokens: int) -> float:
+  """The fraction of the dense FFN's work the 'gather' capacities give on
+  `tokens` tokens: Σ_n C_n / (N · tokens)."""
+  return sum(acm.capacities(tokens)) / (acm.num_learners * tokens)
+
+
+def acm_flop_bounds(config: T5Config, acm: AcmConfig, n_in: int, n_out: int,
+                    batch_size: int, num_beams: int = 1) -> Dict[str, Any]:
+  """MACs(dense T5) / MACs(ACM) of decoding `n_out` tokens after an `n_in`-token encoder.
+
+  The encoder's FFNs run `acm_ffn_fraction` of the dense work on its
+  batch_size · n_in tokens (`flops.acm_encoder_layer_macs`); each decoding
+  step's on its batch_size · num_beams tokens; every ACM adds its gate
+  (d·g + g·g + g·(N + 1) per token). Attention, the cross-attention K/V and
+  the logits are dense in both. Greedy: num_beams = 1.
+
+  Returns:
+    {'encoder', 'decoder', 'end_to_end'} bounds and the FFN fractions
+    {'encoder_ffn_fraction', 'decoder_ffn_fraction'}.
+  """
+  beams = max(1, int(num_beams))
+  enc_frac = acm_ffn_fraction(acm, batch_size * n_in)
+  dec_frac = acm_ffn_fraction(acm, batch_size * beams)
+  dense_enc = flops.encoder_macs(config, n_in, variant=flops.DENSE)
+  acm_enc = dense_enc
+  if acm.replaces('mlp', 'encoder'):
+    acm_enc = config.num_encoder_layers * flops.acm_encoder_layer_macs(
+        config, n_in, enc_frac, acm.num_learners, acm.gate_dim)['total']
+  gate = config.emb_dim * acm.gate_dim + acm.gate_dim ** 2 + acm.gate_dim * (
+      acm.num_learners + 1)
+  dense_dec = acm_dec = 0.0
+  for t in range(1, n_out + 1):
+    step = flops.decoder_step_macs(config, n_in, t, decoder_adapters=False)
+    dense_dec += step['total']
+    acm_dec += step['total']
+    if acm.replaces('mlp', 'decoder'):
+      acm_dec += step['mlp'] * (dec_frac - 1.0) + config.num_decoder_layers * gate
+  cross = flops.cross_kv_macs(config, n_in)
+  dense_e2e = dense_enc + beams * (cross + dense_dec)
+  acm_e2e = acm_enc + beams * (cross + acm_dec)
+  return {'encoder': dense_enc / acm_enc, 'decoder': dense_dec / acm_dec,
+          'end_to_end': dense_e2e / acm_e2e, 'encoder_ffn_fraction': enc_frac,
+          'decoder_ffn_fraction': dec_frac}
+
+
 def make_soft_topk_fn(coda: CodaConfig, k: int):
   return jax.jit(lambda scores: soft_topk_lib.soft_topk(scores, k, coda.soft_topk))
 
@@ -139,8 +204,14 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
                    input_length: int, output_length: int, batch_size: int,
                    reduction_factors: Sequence[float], attentions: Sequence[str],
                    coda_template: CodaConfig, method: str, num_beams: int, alpha: float,
-                   repeats: int, seed: int = 0, progress=None) -> Dict[str, Any]:
-  """Times the baseline and every CoDA variant on one task shape (interleaved)."""
+                   repeats: int, seed: int = 0, progress=None,
+                   acm_budgets: Sequence[float] = (), acm_template: Optional[AcmConfig] = None,
+                   acm_params: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+  """Times the baseline and every CoDA variant on one task shape (interleaved);
+  with `acm_budgets`, the dense model and the ACM model at each budget too
+  (`acm_template`, `acm_params`: `models.acm_params`), in the same round robin."""
+  if acm_budgets and (acm_template is None or acm_params is None):
+    raise ValueError('acm_budgets need acm_template and acm_params')
   variants = models.make_variants(config, coda_template, reduction_factors, attentions)
   base = variants[0]
   var_params = models.variant_params(variants, params)
@@ -164,6 +235,22 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
       soft_topk[f'soft_topk/k{k}'] = timing.compile_call(
           make_soft_topk_fn(coda_template, k), scores)
       step(f'soft top-k k={k}')
+    # ACM block: the dense model and each budget, own encoder and own decoder.
+    acm_entries = []
+    if acm_budgets:
+      dense = network.Transformer(config)
+      acm_entries.append((DENSE, dense, models.restrict_params(acm_params, dense), None))
+      acm_entries += [(models.acm_name(b), models.acm_model(config, acm_template, b),
+                       acm_params, float(b)) for b in acm_budgets]
+    acm_compiled = {}
+    for name, model, p, _ in acm_entries:
+      enc = timing.compile_call(models.make_encode_fn(model), p, tokens)
+      step(f'{name} encoder')
+      own_encoded = jax.block_until_ready(enc.call())
+      dec = timing.compile_call(make_decode_fn(model, output_length, method, num_beams, alpha),
+                                p, tokens, own_encoded)
+      step(f'{name} decoder')
+      acm_compiled[name] = (enc, dec, p)
 
   def end_to_end(encoder: timing.Timed) -> Callable[[], Any]:
     return lambda: decoder.compiled(var_params[base.name], tokens, encoder.call())
@@ -173,6 +260,14 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
     fns[f'{v.name}/encoder'] = encoders[v.name].call
     fns[f'{v.name}/end_to_end'] = end_to_end(encoders[v.name])
   fns.update({name: t.call for name, t in soft_topk.items()})
+
+  def own_end_to_end(enc: timing.Timed, dec: timing.Timed, p) -> Callable[[], Any]:
+    return lambda: dec.compiled(p, tokens, enc.call())
+
+  for name, (enc, dec, p) in acm_compiled.items():
+    fns[f'{name}/encoder'] = enc.call
+    fns[f'{name}/decoder'] = dec.call
+    fns[f'{name}/end_to_end'] = own_end_to_end(enc, dec, p)
   with timing.CompileCounter() as timed_loop:
     times = timing.time_round_robin(fns, repeats, progress)
 
@@ -214,6 +309,31 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
     row['fraction_of_bound'] = {t: row['speedup'][t] / row['flop_bound'][t]
                                 for t in ('encoder', 'end_to_end')}
     rows.append(row)
+  acm_rows = []
+  beams = num_beams if method == 'beam' else 1
+  for name, model, _, budget in acm_entries:
+    enc, dec, _ = acm_compiled[name]
+    row = {'name': name, 'budget': budget,
+           'compile_s': {'encoder': enc.compile_s, 'decoder': dec.compile_s,
+                         'end_to_end': enc.compile_s + dec.compile_s}}
+    stats = {t: timing.summary(times[f'{name}/{t}'], times[f'{DENSE}/{t}']) for t in TIMED}
+    row.update({key: {t: stats[t][key] for t in TIMED} for key in timing.SUMMARY_KEYS})
+    if model.acm is None:
+      row['acm'] = None
+      row['flop_bound'] = {t: 1.0 for t in TIMED}
+    else:
+      bounds = acm_flop_bounds(config, model.acm, input_length, output_length, batch_size,
+                               beams)
+      row['acm'] = {
+          'num_learners': model.acm.num_learners, 'inference': model.acm.inference,
+          'capacity_factor': model.acm.capacity_factor,
+          'encoder_capacities': list(model.acm.capacities(batch_size * input_length)),
+          'decoder_step_capacities': list(model.acm.capacities(batch_size * beams)),
+          'encoder_ffn_fraction': bounds['encoder_ffn_fraction'],
+          'decoder_ffn_fraction': bounds['decoder_ffn_fraction']}
+      row['flop_bound'] = {t: bounds[t] for t in TIMED}
+    row['fraction_of_bound'] = {t: row['speedup'][t] / row['flop_bound'][t] for t in TIMED}
+    acm_rows.append(row)
   return {
       'task': task, 'input_length': input_length, 'output_length': output_length,
       'batch_size': batch_size, 'baseline': base.name, 'variants': rows,
@@ -222,7 +342,10 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
       'soft_topk_times_s': {name: times[name] for name in soft_topk},
       'soft_topk_compile_s': {name: t.compile_s for name, t in soft_topk.items()},
       'compiled_programs': ([f'{v.name}/encoder' for v in variants] + [DECODER]
-                            + list(soft_topk)),
+                            + list(soft_topk)
+                            + [f'{n}/{t}' for n in acm_compiled for t in ('encoder',
+                                                                          'decoder')]),
+      'acm': ({'baseline': DENSE, 'variants': acm_rows} if acm_rows else None),
       'xla_compilations': {'compile': compiling.compilations,
                            'timed_loop': timed_loop.compilations},
   }
@@ -339,6 +462,30 @@ def _reduction_factors(text: str) -> List[float]:
   return out
 
 
+def _budgets(text: str) -> List[float]:
+  """'0.25,0.5' -> [0.25, 0.5]: ACM budgets β in (0, 1]."""
+  out = []
+  for item in _items(text):
+    try:
+      b = float(item)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f'{item!r} is not a number') from None
+    if not (math.isfinite(b) and 0 < b <= 1):
+      raise argparse.ArgumentTypeError(f'{item} is not a budget in (0, 1]')
+    out.append(b)
+  return out
+
+
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f'{text!r} is not a number') from None
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f'must be > 0, got {value}')
+  return value
+
+
 def _one_of_each(choices: Sequence[str], empty_ok: bool):
   """A comma-separated list of names from `choices`."""
   def parse(text: str) -> List[str]:
@@ -401,10 +548,12 @@ def _resolve_tasks(args) -> List[Tuple[str, int, int]]:
 def _progress_total(tasks, rs, attentions, args) -> int:
   """Compilations and timed calls the progress bar counts."""
   n_var = 1 + len(rs) * len(attentions)
+  n_acm = (1 + len(args.acm_budgets)) if args.acm_budgets else 0
   total = 0
   for _, n_in, _ in tasks:
     n_ks = len({coda_k(n_in, r) for r in rs}) if attentions else 0
-    total += (n_var + 1 + n_ks) + args.repeats * (2 * n_var + 1 + n_ks)
+    total += (n_var + 1 + n_ks + 2 * n_acm) + args.repeats * (
+        2 * n_var + 1 + n_ks + 3 * n_acm)
   if args.cross_kv:
     total += 2 * (1 + args.cross_kv_repeats)
   return total
@@ -431,7 +580,15 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
       model_name = args.model
     coda_template = CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
                                adapter_dim=args.adapter_dim)
+    if args.acm_budgets and config.mlp_dim % args.acm_learners:
+      raise ValueError(f'--acm_learners {args.acm_learners} does not divide the FFN '
+                       f'width {config.mlp_dim}')
     params, params_info = models.coda_params(config, coda_template, pretrained, args.seed)
+    acm_template = acm_params = acm_info = None
+    if args.acm_budgets:
+      acm_template = AcmConfig(num_learners=args.acm_learners, inference='gather',
+                               capacity_factor=args.acm_capacity_factor)
+      acm_params, acm_info = models.acm_params(config, acm_template, pretrained, args.seed)
     del pretrained
     if args.checkpoint:
       params_info['checkpoint'] = args.checkpoint
@@ -452,6 +609,9 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
                                   'exactly output_length steps',
             'batch_size': batch, 'repeats': args.repeats,
             'reduction_factors': rs, 'attention': attentions,
+            'acm_budgets': list(args.acm_budgets),
+            'acm': (None if acm_template is None
+                    else {**config_lib.to_dict(acm_template), 'params': acm_info}),
             'timing': 'compile excluded (ahead-of-time compile timed as compile_s, then '
                       'one untimed warm-up call); round-robin repeats; speedup = '
                       'median(baseline) / median(variant) of times_s, speedup_of_min = '
@@ -465,7 +625,8 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
           config, params, task=name, input_length=n_in, output_length=n_out,
           batch_size=batch, reduction_factors=rs, attentions=attentions,
           coda_template=coda_template, method=args.decoding, num_beams=args.num_beams,
-          alpha=args.alpha, repeats=args.repeats, seed=args.seed, progress=progress))
+          alpha=args.alpha, repeats=args.repeats, seed=args.seed, progress=progress,
+          acm_budgets=args.acm_budgets, acm_template=acm_template, acm_params=acm_params))
     if args.cross_kv:
       n_in, n_out = TASK_SHAPES[args.cross_kv_task]
       result['cross_kv'] = benchmark_cross_kv(
@@ -518,6 +679,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  type=_one_of_each(ATTENTION_VARIANTS, True),
                  help=f'comma-separated CoDA attention variants from {ATTENTION_VARIANTS} '
                  '(empty: the baseline alone)')
+  g.add_argument('--acm_budgets', default=','.join(f'{b:g}' for b in ACM_BUDGETS),
+                 type=_budgets,
+                 help='comma-separated ACM budgets β in (0, 1]: the dense T5 and an ACM '
+                 'model at each β, timed against it (empty: none)')
+  g.add_argument('--acm_learners', type=_at_least_one, default=AcmConfig.num_learners,
+                 help='learners per ACM (must divide the FFN width)')
+  g.add_argument('--acm_capacity_factor', type=_positive_float, default=1.0,
+                 help="'gather' capacity of each learner: ceil(factor * β * tokens)")
   g.add_argument('--decoding', default='greedy', choices=('greedy', 'beam'))
   g.add_argument('--num_beams', type=_at_least_one, default=4)
   g.add_argument('--alpha', type=float, default=0.6, help='beam search length penalty')

@@ -9,7 +9,10 @@
   checkpoint's leaves with fresh routers and adapters; the baseline uses the
   same leaves minus the routers (`restrict_params`, `variant_params`);
 * `make_encode_fn`, `compile_encoders`: `Transformer.encode` of each variant,
-  compiled ahead of time.
+  compiled ahead of time;
+* ACM (`coda_jax.acm`): `acm_model` for a budget β ('gather' inference,
+  capacities from β) and `acm_params`, which the dense model shares
+  (`restrict_params`: the pretrained leaves).
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from coda_jax import checkpoints
 from coda_jax import network
 from coda_jax import params as params_lib
 from coda_jax.bench import timing
-from coda_jax.config import CodaConfig, T5Config, parallel_adapter_baseline, t5_1_1
+from coda_jax.config import (AcmConfig, CodaConfig, T5Config, parallel_adapter_baseline,
+                             t5_1_1)
 
 # A backbone small enough for tests (seconds on a CPU).
 TINY = dict(vocab_size=256, emb_dim=32, num_heads=2, num_encoder_layers=2,
@@ -139,6 +143,40 @@ def coda_params(config: T5Config, coda: CodaConfig,
   taken = len(params_lib.flatten(pretrained))
   return params, {'source': 'checkpoint', **info, 'pretrained_leaves': taken,
                   'fresh_leaves': len(params_lib.flatten(params)) - taken}
+
+
+def acm_name(budget: float) -> str:
+  return f'acm_b{budget:g}'
+
+
+def acm_model(config: T5Config, template: AcmConfig, budget: float) -> network.Transformer:
+  """The ACM model at budget β: `template` (its learners, gate, 'gather'
+  inference and capacity factor) with `budget` = β, phase 'finetune'."""
+  acm = dataclasses.replace(template, budget=float(budget), phase='finetune')
+  return network.Transformer(config, acm=acm)
+
+
+def acm_params(config: T5Config, template: AcmConfig,
+               pretrained: Optional[Mapping[str, Any]] = None, seed: int = 0
+               ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+  """Parameters of an ACM model (every budget shares them) and a summary.
+
+  In `config.dtype`, on the device. Random (`random_params`); with `pretrained`
+  (a T5 'params' tree), `acm.acmize`: the pretrained leaves as they are, the
+  learners split from the pretrained FFNs, fresh gates. The tree holds the
+  dense model's leaves too (`restrict_params` gives them).
+  """
+  model = acm_model(config, template, template.budget)
+  rng = jax.random.PRNGKey(seed)
+  dtype = jnp.dtype(config.dtype)
+  info: Dict[str, Any] = {'seed': seed, 'dtype': dtype.name}
+  if pretrained is None:
+    return random_params(model, rng), {'source': 'random_init', **info}
+  from coda_jax import acm as acm_lib  # pylint: disable=g-import-not-at-top
+  params = acm_lib.acmize(pretrained, model, rng)
+  params = jax.device_put(jax.tree.map(
+      lambda x: np.asarray(x).astype(dtype, copy=False), params))
+  return params, {'source': 'checkpoint (acm.acmize)', **info}
 
 
 def random_tokens(batch: int, length: int, vocab_size: int, seed: int = 0) -> jax.Array:

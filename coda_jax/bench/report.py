@@ -23,6 +23,30 @@ def cross_kv_explanation(cross: Mapping[str, Any]) -> str:
           f"once per sequence, ours, vs at every step, t5x's; {reading})")
 
 
+def _acm_lines(task: Mapping[str, Any]) -> list:
+  """The ACM block of a task: the dense model and each budget, speed-ups over dense."""
+  acm = task['acm']
+  head = (f'{"variant":22s} {"ffn enc/dec":>11s} {"enc ms":>9s} {"dec ms":>9s} '
+          f'{"e2e ms":>9s} {"enc x (bound)":>15s} {"dec x (bound)":>15s} '
+          f'{"e2e x (bound)":>15s} {"e2e/bnd":>7s} {"comp s":>7s}')
+  lines = ['', f'ACM ({task["task"]}): speed-ups over {acm["baseline"]}; each model its own '
+           "encoder and decoder; 'gather' inference, capacities from the budget", head,
+           '-' * len(head)]
+  for row in acm['variants']:
+    med, sp, bd = row['median_ms'], row['speedup'], row['flop_bound']
+    a = row['acm']
+    ffn = (f'{a["encoder_ffn_fraction"]:.2f}/{a["decoder_ffn_fraction"]:.2f}' if a
+           else '1/1')
+    lines.append(
+        f'{row["name"]:22s} {ffn:>11s} {med["encoder"]:9.1f} {med["decoder"]:9.1f} '
+        f'{med["end_to_end"]:9.1f} {sp["encoder"]:6.2f} ({bd["encoder"]:5.2f}) '
+        f'{sp["decoder"]:6.2f} ({bd["decoder"]:5.2f}) '
+        f'{sp["end_to_end"]:6.2f} ({bd["end_to_end"]:5.2f}) '
+        f'{row["fraction_of_bound"]["end_to_end"]:7.2f} '
+        f'{row["compile_s"]["end_to_end"]:7.1f}')
+  return lines
+
+
 def format_table(result: Mapping[str, Any]) -> str:
   """The human-readable table of a result."""
   meta = result['meta']
@@ -53,6 +77,8 @@ def format_table(result: Mapping[str, Any]) -> str:
           f'{row["fraction_of_bound"]["encoder"]:7.2f} {topk_text} '
           f'{row["speedup_of_min"]["end_to_end"]:9.2f} '
           f'{row["compile_s"]["encoder"]:10.1f}')
+    if task.get('acm'):
+      lines += _acm_lines(task)
   cross = result.get('cross_kv')
   if cross:
     lines.append('')
