@@ -1,6 +1,7 @@
 """Adaptive Computation Modules (Wójcik et al. 2023, arXiv 2312.10193) for T5 v1.1.
 
-An ACM replaces a pretrained module f (here a layer's gated-GELU FFN) with N
+An ACM replaces a pretrained module f (a layer's gated-GELU FFN, and with
+'attention' in `AcmConfig.modules` each attention projection) with N
 learners s_1..s_N whose outputs are summed and a small gate g that picks, per
 token, how many of them run:
 
@@ -13,6 +14,27 @@ keep the FFN's layout under ``acm_mlp`` (``acm_mlp/wi_0 [emb, mlp]``,
 ``acm_mlp/wi_1``, ``acm_mlp/wo [mlp, emb]``, learner n's hidden units at
 [n h, (n+1) h), h = mlp / N) and the gate is ``acm_mlp/gate``; the
 pretrained ``mlp`` stays where the checkpoint puts it, frozen, as the teacher.
+
+Attention learners (`AcmLinear`, in `AcmAttention`; the paper ACMizes the
+q/k/v/o projections of MHA too): each projection W [in, out] becomes N
+low-rank pieces W ≈ Σ_n a_n b_n, a [in, R], b [R, out], learner n the rank
+R/N slice [n R/N, (n+1) R/N) of W's truncated SVD (a = U √S, b = √S Vᵀ,
+largest singular values first, `low_rank_learners`), so learner 1 is the
+best rank-R/N approximation and the error falls with k. R = min(in, out) by
+default (`AcmConfig.attention_rank_fraction = 1`): all N learners ARE W, at
+twice the dense cost for a square W at k = N (break-even at k = N/2);
+fraction 0.5 gives the paper code's learner size (N learners cost one dense
+projection, k = N is then itself approximate). ONE GATE PER PROJECTION, as
+the paper's code attaches a gating network to every replaced module: q and
+o gates read the query tokens (o: the heads' output [.., heads·head_dim]),
+k and v gates the key/value tokens (the encoder's, in cross-attention).
+Parameters ``<attention>/acm_query/{a,b,gate/...}`` (``acm_key``,
+``acm_value``, ``acm_out``) sit next to the pretrained ``query/kernel``, ...,
+which stay, frozen, as the teachers (distillation target: z W). The logical
+axis of R is ``acm_rank`` (replicated, like LoRA's rank). Decoding: a key or
+value projected with k learners depends on its own token only, so the
+self-attention cache holds exactly the K/V of the full forward pass, and the
+cross-attention K/V are projected once per sequence (nothing sown there).
 
 The gate: Dense(emb, gate_dim) -> relu -> Dense(gate_dim, gate_dim) -> relu ->
 Dense(gate_dim, N+1) (the official code stacks the Linear layers with no
@@ -42,7 +64,9 @@ Inference (`AcmConfig.inference`): 'masked' runs every learner on every
 token and masks (exact; the training path), 'gather' runs learner n only on
 the tokens that chose k >= n: tokens are ordered by k once, and learner n
 takes the first C_n of that order (`AcmConfig.capacities`, static), moved by
-gathers both ways (`routing.gather_tokens` / `ungather_tokens`).
+gathers both ways (`routing.gather_tokens` / `ungather_tokens`). Both serve
+FFN and attention learners alike (`_learners_forward`); while decoding,
+'gather' applies the capacities to the batch's one token per row.
 """
 from __future__ import annotations
 
@@ -60,8 +84,8 @@ import numpy as np
 
 from coda_jax import layers
 from coda_jax import routing
-from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, AcmConfig,
-                             T5Config)
+from coda_jax.config import (ACM_ATTENTION_PROJECTIONS, ACM_CHOICES_AXIS, ACM_GATE_AXIS,
+                             ACM_GATE_IN_AXIS, ACM_RANK_AXIS, AcmConfig, T5Config)
 
 Array = jax.Array
 
@@ -69,9 +93,16 @@ Array = jax.Array
 GATE_AXIS = ACM_GATE_AXIS
 GATE_IN_AXIS = ACM_GATE_IN_AXIS
 CHOICES_AXIS = ACM_CHOICES_AXIS
+RANK_AXIS = ACM_RANK_AXIS
 # The module that replaces a layer's `mlp`, and its gate.
 ACM_MLP = 'acm_mlp'
 GATE_NAME = 'gate'
+# The modules that replace an attention's projections: `acm_query`,
+# `acm_key`, `acm_value`, `acm_out` (siblings of `query`, ... inside the
+# attention), each with factors `a` [in, R], `b` [R, out] and its own gate.
+ACM_PROJECTION_PREFIX = 'acm_'
+ACM_PROJECTIONS = tuple(ACM_PROJECTION_PREFIX + p for p in ACM_ATTENTION_PROJECTIONS)
+LOW_RANK_LEAVES = ('a', 'b')
 
 
 # ----------------------------------------------------------------------------
@@ -130,15 +161,20 @@ def gate_labels(errors: Array, error_factor: float) -> Array:
 
 
 class Gate(nn.Module):
-  """`[..., emb] -> [..., N+1]` logits of k: Dense -> relu -> Dense -> relu -> Dense."""
+  """`[..., in] -> [..., N+1]` logits of k: Dense -> relu -> Dense -> relu -> Dense.
+
+  `in_axis` is the logical axis of the input ('embed'; 'joined_kv' for the
+  gate of an attention's output projection, which reads the heads' output).
+  """
   num_choices: int
   hidden_dim: int = 16
   dtype: Any = jnp.float32
+  in_axis: str = 'embed'
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     widths = (self.hidden_dim, self.hidden_dim, self.num_choices)
-    axes = (('embed', GATE_AXIS), (GATE_IN_AXIS, GATE_AXIS), (GATE_AXIS, CHOICES_AXIS))
+    axes = ((self.in_axis, GATE_AXIS), (GATE_IN_AXIS, GATE_AXIS), (GATE_AXIS, CHOICES_AXIS))
     x = jnp.asarray(x, jnp.float32)
     for i, (width, axis) in enumerate(zip(widths, axes)):
       kernel = layers.param_with_axes(f'kernel_{i}', layers.default_kernel_init,
@@ -179,25 +215,43 @@ class AcmStats:
   reconstruction_error: Array
 
 
-def collect_stats(intermediates: Mapping[str, Any]) -> Tuple[AcmStats, ...]:
-  """Every `AcmStats` sown in a model's 'intermediates' collection, in tree order."""
+def collect_named_stats(intermediates: Mapping[str, Any]
+                        ) -> Tuple[Tuple[str, AcmStats], ...]:
+  """Every `AcmStats` sown in a model's 'intermediates' collection with the
+  '/'-joined path of the module that sowed it, in tree order."""
   found = []
 
-  def visit(node):
+  def visit(node, path):
     if isinstance(node, AcmStats):
-      found.append(node)
+      found.append(('/'.join(path), node))
     elif isinstance(node, Mapping):
       for key in sorted(node):
         if key == 'acm':
-          found.extend(node[key])
+          found.extend(('/'.join(path), stats) for stats in node[key])
         else:
-          visit(node[key])
+          visit(node[key], path + (str(key),))
     elif isinstance(node, (tuple, list)):
       for item in node:
-        visit(item)
+        visit(item, path)
 
-  visit(flax.core.unfreeze(intermediates))
+  visit(flax.core.unfreeze(intermediates), ())
   return tuple(found)
+
+
+def collect_stats(intermediates: Mapping[str, Any]) -> Tuple[AcmStats, ...]:
+  """Every `AcmStats` sown in a model's 'intermediates' collection, in tree order."""
+  return tuple(stats for _, stats in collect_named_stats(intermediates))
+
+
+def module_kind(path: str) -> Optional[str]:
+  """'mlp' or 'attention' (`AcmConfig.modules`): which kind of ACM sits at the
+  '/'-joined module `path` (None for neither)."""
+  names = path.split('/')
+  if ACM_MLP in names:
+    return 'mlp'
+  if any(n in ACM_PROJECTIONS for n in names):
+    return 'attention'
+  return None
 
 
 def aux_losses(intermediates: Mapping[str, Any], config: AcmConfig) -> Dict[str, Array]:
@@ -212,12 +266,20 @@ def aux_losses(intermediates: Mapping[str, Any], config: AcmConfig) -> Dict[str,
   'gate' the mean cross-entropy, 'finetune' the weighted auxiliary losses
   (the caller adds the task loss).
 
+  Every ACM counts once, whatever it replaces: with 'attention' in
+  `AcmConfig.modules` a layer holds up to five (its FFN and its attention's
+  q/k/v/o projections; a decoder layer nine), and the budget is their average
+  fraction of learners used, not a FLOP-weighted one (`flops.py` weighs them).
+
   Returns:
     {'loss', 'budget_loss', 'entropy_loss', 'diversity_loss', 'distill_loss',
     'gate_loss', 'learners_used' (the achieved budget),
-    'reconstruction_error_k<k>' for k = 1..N (averaged over the ACMs)}, scalars.
+    'reconstruction_error_k<k>' for k = 1..N (averaged over the ACMs)}, scalars;
+    when attention projections are ACMs, also 'learners_used_<kind>' for each
+    kind present ('mlp', 'attention').
   """
-  stats = collect_stats(intermediates)
+  named = collect_named_stats(intermediates)
+  stats = tuple(s for _, s in named)
   if not stats:
     raise ValueError('no ACM statistics in the intermediates: apply the model with '
                      "mutable=['intermediates'] and an AcmConfig")
@@ -240,6 +302,13 @@ def aux_losses(intermediates: Mapping[str, Any], config: AcmConfig) -> Dict[str,
   per_k = jnp.mean(jnp.stack([s.reconstruction_error for s in stats]), axis=0)
   for k in range(per_k.shape[0]):
     out[f'reconstruction_error_k{k + 1}'] = per_k[k]
+  kinds = [module_kind(path) for path, _ in named]
+  if 'attention' in kinds:
+    for kind in ('mlp', 'attention'):
+      some = [s for s, k in zip(stats, kinds) if k == kind]
+      if some:
+        out[f'learners_used_{kind}'] = sum(jnp.sum(s.learners_sum) for s in some) / jnp.maximum(
+            sum(jnp.sum(s.tokens) for s in some), 1.0)
   if config.phase == 'distill':
     out['loss'] = out['distill_loss']
   elif config.phase == 'gate':
@@ -249,6 +318,125 @@ def aux_losses(intermediates: Mapping[str, Any], config: AcmConfig) -> Dict[str,
                    + config.entropy_loss_weight * out['entropy_loss']
                    + config.diversity_loss_weight * out['diversity_loss'])
   return out
+
+
+# ----------------------------------------------------------------------------
+# N learners and a gate: what every ACM does, whatever its learners are.
+# ----------------------------------------------------------------------------
+
+# hidden(x, columns) -> [..., width]: the learners' hidden units `columns` of
+# x (learner n owns [n h, (n+1) h)); the output is hidden @ out_kernel[columns].
+HiddenFn = Any
+
+
+def _learners_forward(module: nn.Module, z: Array, token_mask: Optional[Array],
+                      teacher: Optional[Array], deterministic: bool,
+                      learners: Optional[Array], *, hidden: HiddenFn, out_kernel: Array,
+                      learner_dim: int, gate_in_axis: str, out_axes: Tuple[str, ...],
+                      sow: bool = True) -> Array:
+  """The body of an ACM (`AcmMlp`, `AcmLinear`) on `z [batch, length, in]`.
+
+  Learner n is `hidden(z, [n h, (n+1) h)) @ out_kernel[n h:(n+1) h]`; the
+  gate, the phases, the statistics and 'gather' inference are the same for
+  every kind of learner. Called from the module's compact `__call__`: the
+  gate is its submodule `gate`. Returns `[batch, length, out]`.
+  """
+  acm = module.acm
+  n_learners, h = acm.num_learners, learner_dim
+  batch, length, _ = z.shape
+  out_dim = out_kernel.shape[-1]
+  real = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
+  real_f = real.astype(jnp.float32)
+  # Module-wise phases train on the teacher's input: nothing flows back into z.
+  logits = Gate(n_learners + 1, acm.gate_dim, in_axis=gate_in_axis, name=GATE_NAME)(
+      z if acm.phase == 'finetune' else lax.stop_gradient(z))
+  probs = jax.nn.softmax(logits, axis=-1)
+  zero = jnp.zeros((), jnp.float32)
+  distill_loss = gate_loss = zero
+  reconstruction = jnp.zeros((n_learners,), jnp.float32)
+
+  if acm.phase in ('distill', 'gate'):
+    if teacher is None:
+      raise ValueError(f"AcmConfig.phase={acm.phase!r} needs the pretrained module's output "
+                       '(teacher)')
+    target = lax.stop_gradient(jnp.asarray(teacher, jnp.float32))
+    x = lax.stop_gradient(z)
+    hid = hidden(x).reshape(batch, length, n_learners, h)
+    parts = jnp.einsum('blnh,nhe->blne', hid,
+                       jnp.asarray(out_kernel, module.dtype).reshape(n_learners, h, out_dim))
+    partial = jnp.cumsum(parts.astype(jnp.float32), axis=2)        # h(z, k), k = 1..N
+    per_k = jnp.mean(jnp.square(partial - target[:, :, None, :]), axis=3)   # [b, l, N]
+    per_k = jnp.sum(per_k * real_f[..., None], axis=(0, 1)) / jnp.maximum(
+        jnp.sum(real_f), 1.0)
+    reconstruction = lax.stop_gradient(per_k)
+    if acm.phase == 'distill':
+      distill_loss = jnp.mean(per_k)
+    else:
+      partial = lax.stop_gradient(partial)
+      errors = jnp.linalg.norm(
+          jnp.concatenate([jnp.zeros_like(partial[:, :, :1]), partial], axis=2)
+          - target[:, :, None, :], axis=-1)                          # [b, l, N+1]
+      labels = gate_labels(errors, acm.label_error_factor)
+      ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels[..., None],
+                                axis=-1)[..., 0]
+      gate_loss = jnp.sum(ce * real_f) / jnp.maximum(jnp.sum(real_f), 1.0)
+    choice = jax.nn.one_hot(jnp.argmax(logits, axis=-1), n_learners + 1)
+    out = jnp.asarray(teacher, module.dtype)
+  else:
+    if learners is not None or acm.force_learners is not None:
+      k = learners if learners is not None else jnp.full((batch, length), acm.force_learners)
+      choice = jax.nn.one_hot(k, n_learners + 1)
+    elif deterministic:
+      choice = jax.nn.one_hot(jnp.argmax(logits, axis=-1), n_learners + 1)
+    else:
+      choice = gumbel_softmax(logits, module.make_rng('dropout'), acm.gumbel_temperature)
+    mask = learner_mask(choice) * real_f[..., None]                  # [b, l, N]
+    if deterministic and acm.inference == 'gather':
+      out = _gathered(module, z, hidden, out_kernel, h,
+                      jnp.sum(mask, axis=-1).astype(jnp.int32))
+    else:
+      hid = hidden(z) * jnp.repeat(mask, h, axis=-1).astype(module.dtype)
+      out = hid @ jnp.asarray(out_kernel, module.dtype)
+
+  if sow:
+    learners = jnp.argmax(choice, axis=-1).astype(jnp.int32) * real
+    # k / N counted with the straight-through choice: the budget loss reaches the gate.
+    k_frac = jnp.sum(learner_mask(choice), axis=-1) / n_learners
+    module.sow('intermediates', 'acm', AcmStats(
+        learners=learners, learners_sum=jnp.sum(k_frac * real_f, axis=-1),
+        tokens=jnp.sum(real_f, axis=-1),
+        choice_probs_sum=jnp.sum(probs * real_f[..., None], axis=(0, 1)),
+        distill_loss=distill_loss, gate_loss=gate_loss, reconstruction_error=reconstruction))
+  return layers.with_sharding_constraint(out, out_axes)
+
+
+def _gathered(module: nn.Module, z: Array, hidden: HiddenFn, out_kernel: Array, h: int,
+              k: Array) -> Array:
+  """Learner n on the first C_n tokens ordered by k (those with k >= n): gathers only.
+
+  z [b, l, in], k [b, l] int -> [b, l, out]. Tokens beyond a learner's
+  capacity lose that learner (the capacity comes from the budget, as
+  CoDA's k comes from r).
+  """
+  batch, length, in_dim = z.shape
+  out_dim = out_kernel.shape[-1]
+  tokens = batch * length
+  flat_z = z.reshape(1, tokens, in_dim)
+  flat_k = k.reshape(1, tokens)
+  # One ordering for every learner: larger k first, then position.
+  order = jnp.argsort(-flat_k, axis=-1, stable=True).astype(jnp.int32)   # [1, T]
+  rank = jnp.argsort(order, axis=-1).astype(jnp.int32)                   # its inverse
+  out = jnp.zeros((1, tokens, out_dim), module.dtype)
+  for n, capacity in enumerate(module.acm.capacities(tokens)):
+    idx = order[:, :capacity]
+    slots = jnp.where(rank < capacity, rank, capacity)
+    runs = routing.gather_tokens(flat_k, idx) > n                        # [1, C]
+    x = routing.gather_tokens(flat_z, idx, slots)
+    hid = hidden(x, slice(n * h, (n + 1) * h))
+    y = (hid @ jnp.asarray(out_kernel[n * h:(n + 1) * h], module.dtype)) * runs[
+        ..., None].astype(module.dtype)
+    out = out + routing.ungather_tokens(y, idx, slots)
+  return out.reshape(batch, length, out_dim)
 
 
 # ----------------------------------------------------------------------------
@@ -315,98 +503,119 @@ class AcmMlp(nn.Module):
     Returns:
       [batch, length, emb].
     """
+    wi, wo = self._kernels(z.shape[-1])
+    return _learners_forward(
+        self, z, token_mask, teacher, deterministic, learners,
+        hidden=lambda x, columns=slice(None): self._hidden(x, wi, columns), out_kernel=wo,
+        learner_dim=self.learner_dim, gate_in_axis='embed',
+        out_axes=('batch', 'length', 'embed'))
+
+
+# ----------------------------------------------------------------------------
+# The attention projections as N low-rank learners.
+# ----------------------------------------------------------------------------
+
+
+class AcmLinear(nn.Module):
+  """A linear projection `[.., in] -> [.., out]` as N low-rank learners plus a gate.
+
+  W ≈ a b with a [in, R], b [R, out]; learner n is the rank-R/N piece
+  `z a[:, n r:(n+1) r] b[n r:(n+1) r]` (r = R / N), so h(z, k) = z a_{:kr} b_{:kr}.
+  `acmize` sets a = U √S, b = √S Vᵀ of W's SVD, singular values largest
+  first: learner 1 holds the top R/N directions and, with R = min(in, out),
+  all N learners ARE W. Parameters `a`, `b` and `gate/...`, every one with
+  logical axes (`RANK_AXIS` for R).
+
+  Attributes:
+    acm: the `AcmConfig`.
+    features: out.
+    rank: R, divisible by N (`AcmConfig.attention_rank`).
+    in_axis, out_axis: logical axes of in and out (those of the pretrained
+      kernel: 'embed' / 'joined_kv' / 'kv').
+  """
+  acm: AcmConfig
+  features: int
+  rank: int
+  in_axis: str = 'embed'
+  out_axis: str = 'joined_kv'
+  dtype: Any = jnp.float32
+
+  def __post_init__(self):
+    if self.rank % self.acm.num_learners or self.rank < self.acm.num_learners:
+      raise ValueError(f'AcmLinear rank={self.rank} is not a positive multiple of '
+                       f'AcmConfig.num_learners={self.acm.num_learners}')
+    super().__post_init__()
+
+  @property
+  def learner_dim(self) -> int:
+    return self.rank // self.acm.num_learners
+
+  @nn.compact
+  def __call__(self, z: Array, token_mask: Optional[Array] = None,
+               teacher: Optional[Array] = None, deterministic: bool = True,
+               learners: Optional[Array] = None, sow: bool = True) -> Array:
+    """`z [batch, length, in] -> [batch, length, out]`; arguments as `AcmMlp`'s
+    (`teacher`: the pretrained projection's output z W), plus `sow`: whether
+    to sow `AcmStats` (not inside the cached cross-attention's `nn.cond`)."""
+    a = layers.param_with_axes('a', layers.default_kernel_init, (z.shape[-1], self.rank),
+                               jnp.float32, axes=(self.in_axis, RANK_AXIS))
+    b = layers.param_with_axes('b', layers.default_kernel_init, (self.rank, self.features),
+                               jnp.float32, axes=(RANK_AXIS, self.out_axis))
+
+    def hidden(x, columns=slice(None)):
+      return jnp.asarray(x, self.dtype) @ jnp.asarray(a[:, columns], self.dtype)
+
+    return _learners_forward(
+        self, z, token_mask, teacher, deterministic, learners, hidden=hidden, out_kernel=b,
+        learner_dim=self.learner_dim, gate_in_axis=self.in_axis,
+        out_axes=('batch', 'length', self.out_axis), sow=sow)
+
+
+class AcmAttention(layers.MultiHeadDotProductAttention):
+  """`layers.MultiHeadDotProductAttention` whose q/k/v/o projections are ACMs.
+
+  Each projection keeps its pretrained `DenseGeneral` (`query/kernel`, ...:
+  the checkpoint's leaves, the frozen teacher, run in phases 'distill' and
+  'gate' and at init) and gains a sibling `AcmLinear` (`acm_query`,
+  `acm_key`, `acm_value`, `acm_out`) with its OWN gate, as in the paper's
+  code (one gating network per replaced projection): the q and o gates read
+  the query tokens (o: the heads' output), the k and v gates the key/value
+  tokens. Each gate's k is per token, so a key/value projected with k
+  learners is a function of that token alone: the self-attention cache
+  holds exactly the keys/values the full forward computes, and the
+  cross-attention cache the encoder tokens' (computed once, nothing sown).
+  """
+  acm: Optional[AcmConfig] = None
+
+  def _acm_projection(self, name: str, x: Array, teacher: Optional[Array], out_dim: int,
+                      in_axis: str, out_axis: str, token_mask: Optional[Array],
+                      deterministic: bool, sow: bool) -> Array:
+    """`x [b, l, in]` -> `[b, l, out_dim]` through `acm_<name>`."""
     acm = self.acm
-    n_learners, h = acm.num_learners, self.learner_dim
-    batch, length, emb = z.shape
-    real = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
-    real_f = real.astype(jnp.float32)
-    wi, wo = self._kernels(emb)
-    # Module-wise phases train on the teacher's input: nothing flows back into z.
-    logits = Gate(n_learners + 1, acm.gate_dim, name=GATE_NAME)(
-        z if acm.phase == 'finetune' else lax.stop_gradient(z))
-    probs = jax.nn.softmax(logits, axis=-1)
-    zero = jnp.zeros((), jnp.float32)
-    distill_loss = gate_loss = zero
-    reconstruction = jnp.zeros((n_learners,), jnp.float32)
+    if teacher is not None:
+      teacher = teacher.reshape(x.shape[:2] + (out_dim,))
+    return AcmLinear(acm, out_dim, acm.attention_rank(x.shape[-1], out_dim), in_axis,
+                     out_axis, dtype=self.dtype, name=ACM_PROJECTION_PREFIX + name)(
+                         x, token_mask, teacher if acm.phase != 'finetune' else None,
+                         deterministic=deterministic, sow=sow)
 
-    if acm.phase in ('distill', 'gate'):
-      if teacher is None:
-        raise ValueError(f"AcmConfig.phase={acm.phase!r} needs the pretrained FFN's output "
-                         '(teacher)')
-      target = lax.stop_gradient(jnp.asarray(teacher, jnp.float32))
-      x = lax.stop_gradient(z)
-      hidden = self._hidden(x, wi).reshape(batch, length, n_learners, h)
-      parts = jnp.einsum('blnh,nhe->blne', hidden,
-                         jnp.asarray(wo, self.dtype).reshape(n_learners, h, emb))
-      partial = jnp.cumsum(parts.astype(jnp.float32), axis=2)        # h(z, k), k = 1..N
-      per_k = jnp.mean(jnp.square(partial - target[:, :, None, :]), axis=3)   # [b, l, N]
-      per_k = jnp.sum(per_k * real_f[..., None], axis=(0, 1)) / jnp.maximum(
-          jnp.sum(real_f), 1.0)
-      reconstruction = lax.stop_gradient(per_k)
-      if acm.phase == 'distill':
-        distill_loss = jnp.mean(per_k)
-      else:
-        partial = lax.stop_gradient(partial)
-        errors = jnp.linalg.norm(
-            jnp.concatenate([jnp.zeros_like(partial[:, :, :1]), partial], axis=2)
-            - target[:, :, None, :], axis=-1)                          # [b, l, N+1]
-        labels = gate_labels(errors, acm.label_error_factor)
-        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels[..., None],
-                                  axis=-1)[..., 0]
-        gate_loss = jnp.sum(ce * real_f) / jnp.maximum(jnp.sum(real_f), 1.0)
-      choice = jax.nn.one_hot(jnp.argmax(logits, axis=-1), n_learners + 1)
-      out = jnp.asarray(teacher, self.dtype)
-    else:
-      if learners is not None or acm.force_learners is not None:
-        k = learners if learners is not None else jnp.full((batch, length), acm.force_learners)
-        choice = jax.nn.one_hot(k, n_learners + 1)
-      elif deterministic:
-        choice = jax.nn.one_hot(jnp.argmax(logits, axis=-1), n_learners + 1)
-      else:
-        choice = gumbel_softmax(logits, self.make_rng('dropout'), acm.gumbel_temperature)
-      mask = learner_mask(choice) * real_f[..., None]                  # [b, l, N]
-      if deterministic and acm.inference == 'gather':
-        out = self._gathered(z, wi, wo, jnp.sum(mask, axis=-1).astype(jnp.int32))
-      else:
-        hidden = self._hidden(z, wi) * jnp.repeat(mask, h, axis=-1).astype(self.dtype)
-        out = hidden @ jnp.asarray(wo, self.dtype)
+  def _needs_teacher(self) -> bool:
+    return self.acm.phase in ('distill', 'gate') or self.is_initializing()
 
-    learners = jnp.argmax(choice, axis=-1).astype(jnp.int32) * real
-    # k / N counted with the straight-through choice: the budget loss reaches the gate.
-    k_frac = jnp.sum(learner_mask(choice), axis=-1) / n_learners
-    self.sow('intermediates', 'acm', AcmStats(
-        learners=learners, learners_sum=jnp.sum(k_frac * real_f, axis=-1),
-        tokens=jnp.sum(real_f, axis=-1),
-        choice_probs_sum=jnp.sum(probs * real_f[..., None], axis=(0, 1)),
-        distill_loss=distill_loss, gate_loss=gate_loss, reconstruction_error=reconstruction))
-    return layers.with_sharding_constraint(out, ('batch', 'length', 'embed'))
+  def _project(self, name: str, x: Array, heads: int, token_mask: Optional[Array] = None,
+               deterministic: bool = True, sow: bool = True) -> Array:
+    teacher = super()._project(name, x, heads) if self._needs_teacher() else None
+    out_axis = 'joined_kv' if heads == self.num_heads else 'kv'
+    y = self._acm_projection(name, x, teacher, heads * self.head_dim, 'embed', out_axis,
+                             token_mask, deterministic, sow)
+    return y.reshape(x.shape[:2] + (heads, self.head_dim))
 
-  def _gathered(self, z: Array, wi: Sequence[Array], wo: Array, k: Array) -> Array:
-    """Learner n on the first C_n tokens ordered by k (those with k >= n): gathers only.
-
-    z [b, l, emb], k [b, l] int -> [b, l, emb]. Tokens beyond a learner's
-    capacity lose that learner (the capacity comes from the budget, as
-    CoDA's k comes from r).
-    """
-    batch, length, emb = z.shape
-    tokens = batch * length
-    flat_z = z.reshape(1, tokens, emb)
-    flat_k = k.reshape(1, tokens)
-    # One ordering for every learner: larger k first, then position.
-    order = jnp.argsort(-flat_k, axis=-1, stable=True).astype(jnp.int32)   # [1, T]
-    rank = jnp.argsort(order, axis=-1).astype(jnp.int32)                   # its inverse
-    h = self.learner_dim
-    out = jnp.zeros((1, tokens, emb), self.dtype)
-    for n, capacity in enumerate(self.acm.capacities(tokens)):
-      idx = order[:, :capacity]
-      slots = jnp.where(rank < capacity, rank, capacity)
-      runs = routing.gather_tokens(flat_k, idx) > n                        # [1, C]
-      x = routing.gather_tokens(flat_z, idx, slots)
-      hidden = self._hidden(x, wi, slice(n * h, (n + 1) * h))
-      y = (hidden @ jnp.asarray(wo[n * h:(n + 1) * h], self.dtype)) * runs[..., None].astype(
-          self.dtype)
-      out = out + routing.ungather_tokens(y, idx, slots)
-    return out.reshape(batch, length, emb)
+  def _output(self, x: Array, features: int, token_mask: Optional[Array] = None,
+              deterministic: bool = True) -> Array:
+    teacher = super()._output(x, features) if self._needs_teacher() else None
+    flat = x.reshape(x.shape[:2] + (-1,))
+    return self._acm_projection('out', flat, teacher, features, 'joined_kv', 'embed',
+                                token_mask, deterministic, True)
 
 
 # ----------------------------------------------------------------------------
@@ -427,23 +636,60 @@ def hidden_unit_importance(wi: Sequence[np.ndarray], wo: np.ndarray) -> np.ndarr
   return score
 
 
+def low_rank_learners(kernel: np.ndarray, rank: int) -> Tuple[np.ndarray, np.ndarray]:
+  """`a [in, rank]`, `b [rank, out]` of a truncated SVD of `kernel [in, out]`.
+
+  kernel = U S Vᵀ (float64, singular values largest first); a = U √S and
+  b = √S Vᵀ on the top `rank` directions (the scale split evenly, so a and b
+  train alike), directions beyond the kernel's rank zero. Learner n of N
+  owns directions [n R/N, (n+1) R/N): ordered by singular value, and with
+  rank >= min(in, out) a b = kernel (to float32 rounding).
+  """
+  w = np.asarray(kernel, np.float64)
+  u, sv, vt = np.linalg.svd(w, full_matrices=False)
+  keep = min(int(rank), sv.shape[0])
+  root = np.sqrt(sv[:keep])
+  a = np.zeros((w.shape[0], rank), np.float64)
+  b = np.zeros((rank, w.shape[1]), np.float64)
+  a[:, :keep] = u[:, :keep] * root
+  b[:keep] = root[:, None] * vt[:keep]
+  return a.astype(np.float32), b.astype(np.float32)
+
+
 def acmize(t5_params: Mapping[str, Any], model, rng: jax.Array) -> Dict[str, Any]:
   """The parameters of `model` (a `Transformer` with an `AcmConfig`) from a T5's.
 
   Every pretrained leaf is taken from `t5_params` unchanged (the teacher). Each
   ACM FFN gets the pretrained FFN's kernels with the hidden units permuted by
   `hidden_unit_importance` (most important first), so learner 1 holds the
-  top mlp/N units and all N learners reproduce the dense FFN exactly; gates
+  top mlp/N units and all N learners reproduce the dense FFN exactly. Each
+  ACM attention projection (`acm_query`, ...) gets `low_rank_learners` of
+  the pretrained kernel next to it (learner 1: the largest singular values;
+  at `attention_rank_fraction=1` all N learners reproduce it exactly). Gates
   are initialised fresh. Other new leaves (CoDA's, if any) are initialised
-  as `checkpoints.init_coda_from_t5` does.
+  as `checkpoints.init_coda_from_t5` does. ACM leaves `t5_params` already
+  holds (a previous conversion phase) are kept as they are.
   """
   from coda_jax import checkpoints  # pylint: disable=g-import-not-at-top
   from coda_jax import params as params_lib  # pylint: disable=g-import-not-at-top
   params = params_lib.flatten(checkpoints.init_coda_from_t5(t5_params, model, rng))
   flat_t5 = params_lib.flatten(t5_params)
+  factors = {}   # the SVD of each projection, computed once for its a and b
   for name in list(params):
     names = params_lib.split(name)
-    if ACM_MLP not in names or GATE_NAME in names:
+    if GATE_NAME in names or name in flat_t5:
+      continue
+    projection = next((n for n in names if n in ACM_PROJECTIONS), None)
+    if projection is not None and names[-1] in LOW_RANK_LEAVES:
+      at = names.index(projection)
+      kernel = params_lib.join(names[:at] + (projection[len(ACM_PROJECTION_PREFIX):],
+                                             'kernel'))
+      if kernel not in factors:
+        rank = params[params_lib.join(names[:at + 1] + ('a',))].shape[-1]
+        factors[kernel] = low_rank_learners(flat_t5[kernel], rank)
+      params[name] = factors[kernel][LOW_RANK_LEAVES.index(names[-1])]
+      continue
+    if ACM_MLP not in names:
       continue
     prefix = params_lib.join(names[:names.index(ACM_MLP)])
     mlp = {leaf: np.asarray(flat_t5[f'{prefix}/mlp/{leaf}/kernel'])

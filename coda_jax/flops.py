@@ -27,9 +27,10 @@ With r = 1 (k = n) both CoDA variants cost the parallel adapter plus the router.
 from __future__ import annotations
 
 import numbers
-from typing import Dict
+from typing import Dict, Optional, Sequence
 
-from coda_jax.config import ATTENTION_VARIANTS, DEFAULT_ADAPTER_DIM, T5Config, coda_k
+from coda_jax.config import (ATTENTION_VARIANTS, DEFAULT_ADAPTER_DIM, AcmConfig, T5Config,
+                             coda_k)
 
 DENSE = 'dense'
 PARALLEL_ADAPTER = 'parallel_adapter'
@@ -255,27 +256,62 @@ def cross_kv_speedup_bound(config: T5Config, n_in: int, n_out: int,
 # ----------------------------------------------------------------------------
 
 
-def acm_encoder_layer_macs(config: T5Config, n: int, learners_used: float,
-                           num_learners: int = 4, gate_dim: int = 16) -> Dict[str, int]:
-  """MACs of one encoder layer whose FFN is an ACM (`coda_jax.acm`).
+def _acm_gate_macs(n: int, in_dim: int, gate_dim: int, num_learners: int) -> int:
+  """One ACM gate on n tokens: in·g + g·g + g·(N + 1) per token."""
+  return n * (in_dim * gate_dim + gate_dim * gate_dim + gate_dim * (num_learners + 1))
 
-  The attention is dense; the FFN costs `learners_used` (the fraction of its
-  N learners a token runs on average, i.e. the achieved budget) of the dense
-  FFN, plus the gate: d·g + g·g + g·(N + 1) per token.
+
+def acm_encoder_layer_macs(config: T5Config, n: int, learners_used: float,
+                           num_learners: int = 4, gate_dim: int = 16, *,
+                           modules: Sequence[str] = ('mlp',),
+                           attention_learners_used: Optional[float] = None,
+                           attention_rank_fraction: float = 1.0) -> Dict[str, int]:
+  """MACs of one encoder layer whose FFN (and/or attention projections) are ACMs.
+
+  'mlp' in `modules` (`coda_jax.acm.AcmMlp`): the FFN costs `learners_used`
+  (the fraction of its N learners a token runs on average, i.e. the achieved
+  budget) of the dense FFN. 'attention' (`acm.AcmLinear` on q/k/v/o): each
+  projection in -> out is N low-rank learners of total rank R
+  (`AcmConfig.attention_rank`), a token with k learners costs
+  k/N · R·(in + out), so on average `attention_learners_used` (default
+  `learners_used`) · R·(in + out) per token instead of in·out: with R =
+  min(in, out) (`attention_rank_fraction=1`, exact) a square projection costs
+  twice the dense one at k = N and breaks even at k = N/2; with fraction 1/2
+  it breaks even at k = N. Every ACM adds its gate, `gate`: in·g + g·g +
+  g·(N + 1) per token (in = d; the output projection's reads H·dh).
+  Logits and attention-times-values stay dense.
   """
-  if not 0.0 <= learners_used <= 1.0:
-    raise ValueError(f'learners_used must be in [0, 1], got {learners_used!r}')
+  if attention_learners_used is None:
+    attention_learners_used = learners_used
+  for name, value in (('learners_used', learners_used),
+                      ('attention_learners_used', attention_learners_used)):
+    if not 0.0 <= value <= 1.0:
+      raise ValueError(f'{name} must be in [0, 1], got {value!r}')
+  modules = tuple(modules)
+  acm = AcmConfig(num_learners=num_learners, modules=modules, gate_dim=gate_dim,
+                  attention_rank_fraction=attention_rank_fraction)
   n = _check_positive_int('n', n)
+  d, h, g, dh = config.emb_dim, config.num_heads, config.kv_heads, config.head_dim
   macs = _attention_mlp_macs(config, q=n, s=n, kv_proj_tokens=n)
-  macs['mlp'] = round(macs['mlp'] * learners_used)
-  macs['gate'] = n * (config.emb_dim * gate_dim + gate_dim * gate_dim
-                      + gate_dim * (num_learners + 1))
+  gate = 0
+  if 'mlp' in modules:
+    macs['mlp'] = round(macs['mlp'] * learners_used)
+    gate += _acm_gate_macs(n, d, gate_dim, num_learners)
+  if 'attention' in modules:
+    for name, (in_dim, out_dim) in (('q_proj', (d, h * dh)), ('k_proj', (d, g * dh)),
+                                    ('v_proj', (d, g * dh)), ('out_proj', (h * dh, d))):
+      rank = acm.attention_rank(in_dim, out_dim)
+      macs[name] = round(n * rank * (in_dim + out_dim) * attention_learners_used)
+      gate += _acm_gate_macs(n, in_dim, gate_dim, num_learners)
+  macs['gate'] = gate
   return _with_total(macs)
 
 
 def acm_encoder_speedup_bound(config: T5Config, n: int, learners_used: float,
-                              num_learners: int = 4, gate_dim: int = 16) -> float:
-  """MACs(dense encoder layer) / MACs(ACM encoder layer) at budget `learners_used`."""
+                              num_learners: int = 4, gate_dim: int = 16,
+                              **attention) -> float:
+  """MACs(dense encoder layer) / MACs(ACM encoder layer) at budget `learners_used`
+  (`attention`: `acm_encoder_layer_macs`'s keyword arguments)."""
   dense = encoder_layer_macs(config, n, variant=DENSE)['total']
   return dense / acm_encoder_layer_macs(config, n, learners_used, num_learners,
-                                        gate_dim)['total']
+                                        gate_dim, **attention)['total']

@@ -10,6 +10,9 @@ Two generalisations over t5x's `examples/t5/layers.py`, both needed by CoDA:
     explicit query/key positions, so routed tokens keep their ORIGINAL positions;
   * `DenseGeneral` has an optional LoRA branch (`lora_rank > 0`), whose
     parameters `lora_a`/`lora_b` sit next to the pretrained `kernel`.
+The attention's projections go through two methods, `_project` (q/k/v) and
+`_output` (o), that see each token's mask, so `acm.AcmAttention` can make
+them conditional without touching the rest.
 """
 from __future__ import annotations
 
@@ -207,7 +210,14 @@ class MultiHeadDotProductAttention(nn.Module):
   def kv_heads(self) -> int:
     return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
-  def _project(self, name: str, x: Array, heads: int) -> Array:
+  def _project(self, name: str, x: Array, heads: int, token_mask: Optional[Array] = None,
+               deterministic: bool = True, sow: bool = True) -> Array:
+    """`x [b, l, emb]` -> `[b, l, heads, head_dim]` through the projection `name`.
+
+    `token_mask` (real tokens of x), `deterministic` and `sow` serve a
+    subclass whose projections are conditional (`acm.AcmAttention`).
+    """
+    del token_mask, deterministic, sow
     kernel_init = self.kernel_init
     if name == 'query':
       depth_scaling = jnp.sqrt(self.head_dim).astype(self.dtype)
@@ -217,6 +227,15 @@ class MultiHeadDotProductAttention(nn.Module):
         features=(heads, self.head_dim), axis=-1, kernel_axes=('embed', joined),
         kernel_init=kernel_init, dtype=self.dtype, lora_rank=self.lora_rank,
         lora_alpha=self.lora_alpha, name=name)(x)
+
+  def _output(self, x: Array, features: int, token_mask: Optional[Array] = None,
+              deterministic: bool = True) -> Array:
+    """The output projection `out`: `[b, q, heads, head_dim]` -> `[b, q, features]`."""
+    del token_mask, deterministic
+    return DenseGeneral(
+        features=features, axis=(-2, -1), kernel_init=self.kernel_init,
+        kernel_axes=('joined_kv', 'embed'), dtype=self.dtype,
+        lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, name='out')(x)
 
   @nn.compact
   def __call__(self,
@@ -229,7 +248,9 @@ class MultiHeadDotProductAttention(nn.Module):
                key_positions: Optional[Array] = None,
                decode: bool = False,
                cache_kv: bool = False,
-               deterministic: bool = False) -> Array:
+               deterministic: bool = False,
+               query_token_mask: Optional[Array] = None,
+               kv_token_mask: Optional[Array] = None) -> Array:
     """Attends from `inputs_q [batch, q_len, emb]` to `inputs_kv [batch, kv_len, emb]`.
 
     Four steps: project (queries; keys/values, or the cross-attention cache),
@@ -247,11 +268,15 @@ class MultiHeadDotProductAttention(nn.Module):
       decode: use and update the autoregressive self-attention cache.
       cache_kv: compute the key/value projections of `inputs_kv` once per
         sequence while decoding (cross-attention).
+      query_token_mask, kv_token_mask: `[batch, q_len]` / `[batch, kv_len]`
+        bool, the real tokens of `inputs_q` / `inputs_kv` (default: all), for
+        projections that keep per-token statistics (`acm.AcmAttention`).
 
     Returns:
       `[batch, q_len, emb]`.
     """
-    query, key, value, kv_layout = self._project_qkv(inputs_q, inputs_kv, cache_kv)
+    query, key, value, kv_layout = self._project_qkv(
+        inputs_q, inputs_kv, cache_kv, query_token_mask, kv_token_mask, deterministic)
     if decode:
       key, value, mask, cur_index = self._update_self_attention_cache(key, value, mask)
       if cur_index is not None and query_positions is None:
@@ -266,25 +291,24 @@ class MultiHeadDotProductAttention(nn.Module):
         query, key, value, bias=attention_bias, dropout_rng=dropout_rng,
         dropout_rate=self.dropout_rate, deterministic=deterministic,
         dtype=self.dtype, float32_logits=self.float32_logits, kv_layout=kv_layout)
-    return DenseGeneral(
-        features=inputs_q.shape[-1], axis=(-2, -1), kernel_init=self.kernel_init,
-        kernel_axes=('joined_kv', 'embed'), dtype=self.dtype,
-        lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, name='out')(x)
+    return self._output(x, inputs_q.shape[-1], query_token_mask, deterministic)
 
-  def _project_qkv(self, inputs_q: Array, inputs_kv: Array, cache_kv: bool
+  def _project_qkv(self, inputs_q: Array, inputs_kv: Array, cache_kv: bool,
+                   query_token_mask: Optional[Array] = None,
+                   kv_token_mask: Optional[Array] = None, deterministic: bool = True
                    ) -> Tuple[Array, Array, Array, str]:
     """Queries `[b, q, heads, head_dim]` and keys/values in `kv_layout`.
 
     'bskd' (`[b, kv, kv_heads, head_dim]`) when projected here; 'heads_major'
     when read from the once-per-sequence cross-attention cache.
     """
-    query = self._project('query', inputs_q, self.num_heads)
+    query = self._project('query', inputs_q, self.num_heads, query_token_mask, deterministic)
     query = with_sharding_constraint(query, ('batch', 'length', 'heads', 'kv'))
     if cache_kv:
-      key, value = self._cached_cross_kv(inputs_kv)
+      key, value = self._cached_cross_kv(inputs_kv, kv_token_mask)
       return query, key, value, 'heads_major'
-    key = self._project('key', inputs_kv, self.kv_heads)
-    value = self._project('value', inputs_kv, self.kv_heads)
+    key = self._project('key', inputs_kv, self.kv_heads, kv_token_mask, deterministic)
+    value = self._project('value', inputs_kv, self.kv_heads, kv_token_mask, deterministic)
     if self.kv_heads == self.num_heads:
       key = with_sharding_constraint(key, ('batch', 'length', 'heads', 'kv'))
       value = with_sharding_constraint(value, ('batch', 'length', 'heads', 'kv'))
@@ -308,7 +332,8 @@ class MultiHeadDotProductAttention(nn.Module):
                         jnp.full(mask.shape, MASK_VALUE, self.dtype))
     return masked if bias is None else masked + bias
 
-  def _cached_cross_kv(self, inputs_kv: Array) -> Tuple[Array, Array]:
+  def _cached_cross_kv(self, inputs_kv: Array, kv_token_mask: Optional[Array] = None
+                       ) -> Tuple[Array, Array]:
     """Key/value projections of the encoder output, computed once per sequence.
 
     Three cases, told apart by what the 'cache' collection holds:
@@ -319,6 +344,8 @@ class MultiHeadDotProductAttention(nn.Module):
         `decoding.init_decode_cache`): read it, nothing else runs in the loop.
       * both (a cache from `init(..., decode=True)`, as t5x's decoding builds
         it): compute at the first step, read afterwards (`nn.cond`).
+    Projected deterministically (decoding), sowing nothing (the two `nn.cond`
+    branches must touch the same collections).
     """
     # Stored (and returned) in dot_product_attention's 'heads_major' layout,
     # key [batch, kv_heads, head_dim, length] and value [batch, kv_heads,
@@ -338,21 +365,23 @@ class MultiHeadDotProductAttention(nn.Module):
                                  (batch, self.kv_heads, length, self.head_dim), self.dtype)
     ready = self.variable('cache', 'cross_kv_ready', lambda: jnp.zeros((), jnp.bool_))
 
-    def compute(mdl, kv):
-      return (to_key(mdl._project('key', kv, mdl.kv_heads).astype(mdl.dtype)),
-              to_value(mdl._project('value', kv, mdl.kv_heads).astype(mdl.dtype)))
+    def compute(mdl, kv, kv_mask):
+      project = functools.partial(mdl._project, heads=mdl.kv_heads, token_mask=kv_mask,
+                                  deterministic=True, sow=False)
+      return (to_key(project('key', kv).astype(mdl.dtype)),
+              to_value(project('value', kv).astype(mdl.dtype)))
 
-    def reuse(mdl, kv):
-      del kv
+    def reuse(mdl, kv, kv_mask):
+      del kv, kv_mask
       return (mdl.get_variable('cache', 'cached_cross_key'),
               mdl.get_variable('cache', 'cached_cross_value'))
 
     if not initialized or self.is_initializing():
-      key, value = compute(self, inputs_kv)
+      key, value = compute(self, inputs_kv, kv_token_mask)
     else:
       # Both branches are traced (the projections' parameters exist either
       # way); only one runs: the projections at the first step, a read after.
-      key, value = nn.cond(ready.value, reuse, compute, self, inputs_kv)
+      key, value = nn.cond(ready.value, reuse, compute, self, inputs_kv, kv_token_mask)
       ready.value = jnp.ones((), jnp.bool_)
     cached_key.value, cached_value.value = key, value
     return key, value

@@ -42,13 +42,20 @@ def _lora(coda: Optional[CodaConfig]) -> dict:
 
 
 def _attention(config: T5Config, name: str, coda: Optional[CodaConfig] = None,
+               acm: Optional[AcmConfig] = None, stack: str = 'encoder',
                **kwargs) -> layers.MultiHeadDotProductAttention:
-  return layers.MultiHeadDotProductAttention(
+  """The pretrained attention `name`; with 'attention' in `acm.modules` for
+  this `stack`, its projections are ACMs (`acm.AcmAttention`: the pretrained
+  kernels stay, frozen teachers, `acm_query`, ... are new siblings)."""
+  cls, extra = layers.MultiHeadDotProductAttention, {}
+  if acm is not None and acm.replaces('attention', stack):
+    cls, extra = acm_lib.AcmAttention, {'acm': acm}
+  return cls(
       num_heads=config.num_heads, num_kv_heads=config.kv_heads,
       head_dim=config.head_dim, dtype=config.dtype,
       dropout_rate=config.dropout_rate,
       float32_logits=config.float32_attention_logits, name=name, **_lora(coda),
-      **kwargs)
+      **extra, **kwargs)
 
 
 def _mlp(config: T5Config, coda: Optional[CodaConfig] = None) -> layers.MlpBlock:
@@ -141,18 +148,22 @@ class EncoderLayer(nn.Module):
   def _pretrained_update(self, x: Array, xn: Array, kv: Array, mask: Optional[Array],
                          deterministic: bool, query_positions: Optional[Array] = None,
                          key_positions: Optional[Array] = None,
-                         token_mask: Optional[Array] = None) -> Tuple[Array, Array]:
+                         token_mask: Optional[Array] = None,
+                         kv_token_mask: Optional[Array] = None) -> Tuple[Array, Array]:
     """The frozen layer's attention and MLP updates of the query tokens `x [b, q, emb]`.
 
     `xn` is LN(x), `kv [b, s, emb]` the normalised tokens attended to,
-    `token_mask [b, q]` the real queries (for an ACM's statistics).
+    `token_mask [b, q]` the real queries and `kv_token_mask [b, s]` the real
+    keys (default: `token_mask`; for an ACM's statistics).
     Returns `(att, ffn)`, each `[b, q, emb]`; the layer output is x + att + ffn.
     """
     cfg, coda = self.config, self.coda
     sequential = coda is not None and coda.adapter in SEQUENTIAL_ADAPTERS
-    att = _attention(cfg, 'attention', coda, relative_embedding=self.relative_embedding)(
+    att = _attention(cfg, 'attention', coda, self.acm, 'encoder',
+                     relative_embedding=self.relative_embedding)(
         xn, kv, mask, query_positions=query_positions, key_positions=key_positions,
-        deterministic=deterministic)
+        deterministic=deterministic, query_token_mask=token_mask,
+        kv_token_mask=token_mask if kv_token_mask is None else kv_token_mask)
     att = _dropout(cfg)(att, deterministic=deterministic)
     if sequential and coda.adapter == SEQUENTIAL_HOULSBY:
       att = _adapter(cfg, coda, 'adapter_attention', sequential=True)(att)
@@ -198,7 +209,7 @@ class EncoderLayer(nn.Module):
         query_real, key_real, dtype=encoder_mask.dtype)          # [b, 1, k, n | k]
     att, ffn = self._pretrained_update(xr, xrn, kv, mask, deterministic,
                                        query_positions=idx, key_positions=key_positions,
-                                       token_mask=query_real)
+                                       token_mask=query_real, kv_token_mask=key_real)
     with jax.named_scope('unroute'):
       return routing.ungather_tokens((att + ffn) * gate, idx, slots)
 
@@ -221,24 +232,28 @@ class DecoderLayer(nn.Module):
                decoder_mask: Optional[Array] = None,
                encoder_decoder_mask: Optional[Array] = None,
                deterministic: bool = False, decode: bool = False,
-               token_mask: Optional[Array] = None) -> Array:
+               token_mask: Optional[Array] = None,
+               encoder_token_mask: Optional[Array] = None) -> Array:
     """`inputs [batch, length, emb]`, `encoded [batch, enc_length, emb]`;
-    `token_mask [batch, length]` the real target positions (for an ACM)."""
+    `token_mask [batch, length]` the real target positions and
+    `encoder_token_mask [batch, enc_length]` the real inputs (for an ACM)."""
     cfg = self.config
     coda = self.coda if self.coda is not None and self.coda.decoder_adapters else None
     adapter_type = coda.adapter if coda is not None else NO_ADAPTER
     xn = layers.RMSNorm(dtype=cfg.dtype, name='pre_self_attention_layer_norm')(inputs)
-    x = _attention(cfg, 'self_attention', coda, relative_embedding=self.relative_embedding,
-                   bidirectional=False)(xn, xn, decoder_mask, decode=decode,
-                                        deterministic=deterministic)
+    x = _attention(cfg, 'self_attention', coda, self.acm, 'decoder',
+                   relative_embedding=self.relative_embedding, bidirectional=False)(
+                       xn, xn, decoder_mask, decode=decode, deterministic=deterministic,
+                       query_token_mask=token_mask, kv_token_mask=token_mask)
     x = _dropout(cfg)(x, deterministic=deterministic)
     if adapter_type == SEQUENTIAL_HOULSBY:
       x = _adapter(cfg, coda, 'adapter_attention', sequential=True)(x)
     x = x + inputs
     y = layers.RMSNorm(dtype=cfg.dtype, name='pre_cross_attention_layer_norm')(x)
-    y = _attention(cfg, 'encoder_decoder_attention', coda)(
+    y = _attention(cfg, 'encoder_decoder_attention', coda, self.acm, 'decoder')(
         y, encoded, encoder_decoder_mask, cache_kv=decode and self.cache_cross_kv,
-        deterministic=deterministic)
+        deterministic=deterministic, query_token_mask=token_mask,
+        kv_token_mask=encoder_token_mask)
     y = _dropout(cfg)(y, deterministic=deterministic) + x
     z = layers.RMSNorm(dtype=cfg.dtype, name='pre_mlp_layer_norm')(y)
     z = _ffn(self, cfg, coda, self.acm, 'decoder', z, token_mask, deterministic)
@@ -289,7 +304,8 @@ class Decoder(nn.Module):
                decoder_mask: Optional[Array] = None,
                encoder_decoder_mask: Optional[Array] = None,
                deterministic: bool = False, decode: bool = False,
-               token_mask: Optional[Array] = None) -> Array:
+               token_mask: Optional[Array] = None,
+               encoder_token_mask: Optional[Array] = None) -> Array:
     """Returns float32 logits `[batch, length, vocab]`."""
     cfg = self.config
     rel_emb = _relative_embedding(cfg)
@@ -301,7 +317,8 @@ class Decoder(nn.Module):
                        name=f'layers_{lyr}')(
                            y, encoded, decoder_mask=decoder_mask,
                            encoder_decoder_mask=encoder_decoder_mask,
-                           deterministic=deterministic, decode=decode, token_mask=token_mask)
+                           deterministic=deterministic, decode=decode, token_mask=token_mask,
+                           encoder_token_mask=encoder_token_mask)
     y = layers.RMSNorm(dtype=cfg.dtype, name='decoder_norm')(y)
     y = _dropout(cfg)(y, deterministic=deterministic)
     if cfg.logits_via_embedding:
@@ -322,9 +339,11 @@ class Transformer(nn.Module):
       t5x paths, routers and adapters are new siblings).
     cache_cross_kv: while decoding, compute the cross-attention keys/values
       once per sequence (True) or at every step as t5x does (False).
-    acm: None, or an `AcmConfig`: the FFNs of the encoder and/or decoder as
-      Adaptive Computation Modules (`coda_jax.acm`; the pretrained `mlp`s stay
-      as their frozen teachers, learners and gates are new `acm_mlp` siblings).
+    acm: None, or an `AcmConfig`: the FFNs (and, with 'attention' in its
+      `modules`, the attention projections) of the encoder and/or decoder as
+      Adaptive Computation Modules (`coda_jax.acm`; the pretrained `mlp`s and
+      `query`/`key`/`value`/`out` kernels stay as their frozen teachers,
+      learners and gates are new siblings: `acm_mlp`, `acm_query`, ...).
   """
   config: T5Config
   coda: Optional[CodaConfig] = None
@@ -402,7 +421,8 @@ class Transformer(nn.Module):
           dtype=cfg.dtype)
     return self.decoder(encoded, decoder_input_tokens, decoder_mask, encoder_decoder_mask,
                         deterministic=not enable_dropout, decode=decode,
-                        token_mask=None if decode else decoder_target_tokens > 0)
+                        token_mask=None if decode else decoder_target_tokens > 0,
+                        encoder_token_mask=encoder_input_tokens > 0)
 
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
                decoder_target_tokens: Array,

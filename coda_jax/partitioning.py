@@ -20,21 +20,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from coda_jax import params as params_lib
-from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ADAPTER_AXIS,
-                             LORA_AXIS)
+from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_RANK_AXIS,
+                             ADAPTER_AXIS, LORA_AXIS)
 
 LogicalRules = Sequence[Tuple[str, Optional[str]]]
 MESH_AXES = ('data', 'model')
 
 
 # Rules for the axes coda_jax adds to t5x's: adapter bottlenecks, LoRA ranks
-# and ACM gates are small, replicate them.
+# ACM gates and the rank of ACM attention learners are small, replicate them.
 CODA_LOGICAL_AXIS_RULES: Tuple[Tuple[str, Optional[str]], ...] = (
     (ADAPTER_AXIS, None),
     (LORA_AXIS, None),
     (ACM_GATE_AXIS, None),
     (ACM_GATE_IN_AXIS, None),
     (ACM_CHOICES_AXIS, None),
+    (ACM_RANK_AXIS, None),
 )
 
 

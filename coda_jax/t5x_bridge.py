@@ -35,8 +35,8 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import gin
 
 from coda_jax import params as params_lib
-from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ADAPTER_AXIS,
-                             LORA_AXIS)
+from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_RANK_AXIS,
+                             ADAPTER_AXIS, LORA_AXIS)
 from coda_jax.partitioning import CODA_LOGICAL_AXIS_RULES
 
 T5X_INSTALL_HINT = (
@@ -48,7 +48,8 @@ T5X_INSTALL_HINT = (
     'jestimator from https://github.com/google-research/jestimator).')
 
 # Logical axes coda_jax adds to t5x's parameter axes.
-CODA_AXES = (ADAPTER_AXIS, LORA_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_CHOICES_AXIS)
+CODA_AXES = (ADAPTER_AXIS, LORA_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_CHOICES_AXIS,
+             ACM_RANK_AXIS)
 
 # Adafactor factorisation of the new axes: the small bottleneck side of a
 # (embed, adapter) kernel is a column, as `mlp` is in t5x's rules. (Rank-2
@@ -59,6 +60,7 @@ CODA_LOGICAL_FACTOR_RULES = {
     ACM_GATE_AXIS: 'column',
     ACM_GATE_IN_AXIS: 'column',
     ACM_CHOICES_AXIS: 'column',
+    ACM_RANK_AXIS: 'column',
 }
 
 # A path component that names a leaf a T5 checkpoint does not have: a router,

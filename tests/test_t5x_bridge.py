@@ -129,19 +129,20 @@ def test_rule_lists_cover_every_parameter_axis():
         variables['params_axes'],
         is_leaf=lambda x: isinstance(x, flax.linen.partitioning.AxisMetadata)):
       axes.update(leaf.names)
-  # An ACM model's gates add their own axes.
+  # An ACM model's gates add their own axes, its attention learners their rank.
   acm_model = network.Transformer(config_lib.T5Config(**TINY),
-                                  acm=config_lib.AcmConfig(num_learners=2))
+                                  acm=config_lib.AcmConfig(num_learners=2,
+                                                           modules=('mlp', 'attention')))
   for leaf in jax.tree.leaves(
       params_lib.abstract_variables(acm_model)['params_axes'],
       is_leaf=lambda x: isinstance(x, flax.linen.partitioning.AxisMetadata)):
     axes.update(leaf.names)
-  assert {'adapter', 'lora', 'acm_gate', 'acm_gate_in', 'acm_choices'} <= axes
+  assert {'adapter', 'lora', 'acm_gate', 'acm_gate_in', 'acm_choices', 'acm_rank'} <= axes
   new_axes = axes - T5X_AXES
   assert new_axes == set(t5x_bridge.CODA_AXES)
   rules = dict(t5x_bridge.coda_logical_axis_rules())
   assert rules == {'adapter': None, 'lora': None, 'acm_gate': None, 'acm_gate_in': None,
-                   'acm_choices': None}
+                   'acm_choices': None, 'acm_rank': None}
   # The same as coda_jax's own partitioner rules for those axes.
   ours = dict(partitioning.standard_logical_axis_rules())
   assert {a: ours[a] for a in new_axes} == rules
@@ -149,7 +150,8 @@ def test_rule_lists_cover_every_parameter_axis():
   base = {'vocab': 'column', 'embed': 'row', 'mlp': 'column'}
   factor = t5x_bridge.coda_logical_factor_rules(base)
   assert dict(factor) == {**base, 'adapter': 'column', 'lora': 'column', 'acm_gate': 'column',
-                          'acm_gate_in': 'column', 'acm_choices': 'column'}
+                          'acm_gate_in': 'column', 'acm_choices': 'column',
+                          'acm_rank': 'column'}
   assert t5x_bridge.coda_logical_factor_rules({**base, 'adapter': 'none'})['adapter'] == 'none'
 
 

@@ -41,7 +41,6 @@ from coda_jax import acm as acm_lib
 from coda_jax import checkpoints
 from coda_jax.checkpoints import coda as coda_checkpoints
 from coda_jax import config as config_lib
-from coda_jax import params as params_lib
 from coda_jax import network
 from coda_jax import partitioning
 from coda_jax.training import data as data_lib
@@ -397,7 +396,7 @@ def _initial_params(run: RunSetup, initial_checkpoint_path: Optional[str], rng):
   """The parameters a fresh run starts from (`restore_or_initialize`).
 
   From a T5 v1.1 checkpoint: its leaves, CoDA's new ones initialised, an
-  ACM's learners from the pretrained FFNs (`acm.acmize`). From a trained run
+  ACM's learners from the pretrained FFNs / projections (`acm.acmize`). From a trained run
   (a MODEL_DIR of this trainer, e.g. the previous phase of an ACM
   conversion): every leaf it has, only the missing new ones initialised.
   """
@@ -408,11 +407,11 @@ def _initial_params(run: RunSetup, initial_checkpoint_path: Optional[str], rng):
     given = checkpoints.load_train_state(initial_checkpoint_path).params
   else:
     _, given = checkpoints.load_t5_v1_1(initial_checkpoint_path)
-  has_acm = any(params_lib.is_new_leaf(params_lib.split(name)) and acm_lib.ACM_MLP in name
-                for name in params_lib.flatten(given))
-  if getattr(run.model, 'acm', None) is not None and not has_acm:
+  if getattr(run.model, 'acm', None) is not None:
+    # The ACM leaves `given` lacks from the pretrained modules; those it has
+    # (a previous phase's) as they are.
     params = acm_lib.acmize(given, run.model, rng)
-  elif run.model.coda is not None or getattr(run.model, 'acm', None) is not None:
+  elif run.model.coda is not None:
     params = checkpoints.init_coda_from_t5(given, run.model, rng)
   else:
     params = given
