@@ -83,6 +83,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import layers
+from coda_jax import params as params_lib
 from coda_jax import routing
 from coda_jax.config import (ACM_ATTENTION_PROJECTIONS, ACM_CHOICES_AXIS, ACM_GATE_AXIS,
                              ACM_GATE_IN_AXIS, ACM_RANK_AXIS, AcmConfig, T5Config)
@@ -667,12 +668,10 @@ def acmize(t5_params: Mapping[str, Any], model, rng: jax.Array) -> Dict[str, Any
   the pretrained kernel next to it (learner 1: the largest singular values;
   at `attention_rank_fraction=1` all N learners reproduce it exactly). Gates
   are initialised fresh. Other new leaves (CoDA's, if any) are initialised
-  as `checkpoints.init_coda_from_t5` does. ACM leaves `t5_params` already
+  as `params.from_pretrained` does. ACM leaves `t5_params` already
   holds (a previous conversion phase) are kept as they are.
   """
-  from coda_jax import checkpoints  # pylint: disable=g-import-not-at-top
-  from coda_jax import params as params_lib  # pylint: disable=g-import-not-at-top
-  params = params_lib.flatten(checkpoints.init_coda_from_t5(t5_params, model, rng))
+  params = params_lib.from_pretrained(t5_params, model, rng)
   flat_t5 = params_lib.flatten(t5_params)
   factors = {}   # the SVD of each projection, computed once for its a and b
   for name in list(params):

@@ -221,3 +221,35 @@ def init_params(model, rng: jax.Array, only: Optional[Iterable[str]] = None
                 ) -> Dict[str, Any]:
   """Random parameters of `model` by one jitted `init_fn(model, only)`."""
   return _jitted_init(model, None if only is None else frozenset(only))(rng)
+
+
+def from_pretrained(pretrained: Mapping[str, Any], model, rng: jax.Array) -> Dict[str, Any]:
+  """The flat parameters of `model`: every pretrained leaf from `pretrained`.
+
+  Every leaf of `model` that `pretrained` (a tree) holds is taken from it
+  (same path, checked shape); only the new leaves (`is_new_leaf`) are
+  initialised, by a jitted init whose unused outputs XLA drops, so the
+  backbone's random initialisation is never materialised.
+
+  Raises:
+    ValueError: a pretrained leaf of the model is missing from `pretrained`,
+      has another shape, or `pretrained` holds a leaf the model does not have.
+  """
+  shapes = param_shapes(model)
+  given = flatten(pretrained)
+  unexpected = sorted(set(given) - set(shapes))
+  if unexpected:
+    raise ValueError(f'checkpoint has {len(unexpected)} leaves the model does not: '
+                     f'{unexpected[:5]}')
+  new = []
+  for name, shape in shapes.items():
+    if name in given:
+      if tuple(given[name].shape) != shape:
+        raise ValueError(f'{name}: checkpoint shape {tuple(given[name].shape)} != '
+                         f'model shape {shape}')
+    elif is_new_leaf(split(name)):
+      new.append(name)
+    else:
+      raise ValueError(f'checkpoint is missing {name}')
+  fresh = init_params(model, rng, only=new)
+  return {name: given[name] if name in given else fresh[name] for name in shapes}

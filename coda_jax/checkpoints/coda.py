@@ -33,34 +33,18 @@ def init_coda_from_t5(t5_params: Mapping[str, Any], model, rng: jax.Array) -> Pa
   """The parameters of `model` (a CoDA `Transformer`) started from a T5.
 
   Every pretrained leaf is taken from `t5_params` (same t5x path, checked
-  shape); only the new leaves (routers, adapters, LoRA) are initialised, by a
-  jitted init whose unused outputs XLA drops, so the backbone's random
-  initialisation is never materialised.
+  shape); only the new leaves (routers, adapters, LoRA) are initialised
+  (`params.from_pretrained`).
 
   Raises:
     CheckpointError: a pretrained leaf of the model is missing from
       `t5_params`, has another shape, or `t5_params` holds a leaf the model
       does not have.
   """
-  shapes = params_lib.param_shapes(model)
-  given = flatten(t5_params)
-  unexpected = sorted(set(given) - set(shapes))
-  if unexpected:
-    raise CheckpointError(f'checkpoint has {len(unexpected)} leaves the model does not: '
-                          f'{unexpected[:5]}')
-  new = []
-  for name, shape in shapes.items():
-    if name in given:
-      if tuple(given[name].shape) != shape:
-        raise CheckpointError(f'{name}: checkpoint shape {tuple(given[name].shape)} != '
-                              f'model shape {shape}')
-    elif params_lib.is_new_leaf(params_lib.split(name)):
-      new.append(name)
-    else:
-      raise CheckpointError(f'checkpoint is missing {name}')
-  fresh = params_lib.init_params(model, rng, only=new)
-  flat = {name: given[name] if name in given else fresh[name] for name in shapes}
-  return unflatten(flat)
+  try:
+    return unflatten(params_lib.from_pretrained(t5_params, model, rng))
+  except ValueError as e:
+    raise CheckpointError(str(e)) from None
 
 
 def fingerprint_strides(params: Mapping[str, Any]) -> Dict[str, int]:
