@@ -26,7 +26,9 @@ Metrics: exact match of the decoded text, as a percentage (`tasks.accuracy`,
 named ``accuracy`` as T5 names it), unless the task gives its own.
 A generator may return more fields than ``inputs`` and ``targets`` (strings,
 ints or floats); they travel with the example (a postprocessor or metric of
-the task may read them).
+the task may read them). A task where routing matters may say which input
+tokens carry the answer (`OfflineTask.informative`), so that a tool can
+measure how many of them a router selects (``tools/router_ablation.py``).
 
 Needs the `data` extra (seqio, TensorFlow) only to build datasets; the
 generators are plain numpy.
@@ -63,12 +65,15 @@ class OfflineTask:
     num_validation: the size of the validation split (distinct inputs).
     metric_fns: seqio metric functions `(targets, predictions) -> {name: value}`;
       empty: exact match (`tasks.accuracy`, in %).
+    informative: `piece -> bool`, whether an input token (its decoded text)
+      carries the answer; None: the task does not say.
   """
   name: str
   generate: Generator
   description: str
   num_validation: int = 256
   metric_fns: Sequence[Callable[..., Mapping[str, float]]] = ()
+  informative: Optional[Callable[[str], bool]] = None
 
   def validation_examples(self) -> List[Example]:
     """The validation split: `num_validation` examples with distinct inputs."""
@@ -143,8 +148,8 @@ OFFLINE_TASKS: Dict[str, OfflineTask] = {}
 
 def offline_task(name: str, generate: Generator, description: str, *,
                  num_validation: int = 256,
-                 metric_fns: Sequence[Callable[..., Mapping[str, float]]] = ()
-                 ) -> OfflineTask:
+                 metric_fns: Sequence[Callable[..., Mapping[str, float]]] = (),
+                 informative: Optional[Callable[[str], bool]] = None) -> OfflineTask:
   """Adds the task `name` (see `OfflineTask`) to `OFFLINE_TASKS`; returns it.
 
   `coda_jax.tasks.register_tasks` registers it with seqio.
@@ -154,7 +159,8 @@ def offline_task(name: str, generate: Generator, description: str, *,
   if num_validation < 1:
     raise ValueError(f'offline task {name!r}: num_validation must be >= 1, got '
                      f'{num_validation}')
-  task = OfflineTask(name, generate, description, num_validation, tuple(metric_fns))
+  task = OfflineTask(name, generate, description, num_validation, tuple(metric_fns),
+                     informative)
   OFFLINE_TASKS[name] = task
   return task
 
@@ -195,20 +201,29 @@ offline_task('coda_quickstart_reverse', reverse_words,
 
 # Where routing matters: a few informative tokens among many distractors.
 ORDER_PREFIX = 'order: '
-ORDER_LENGTH = 56      # characters after the prefix: 64 byte tokens with the EOS
-ORDER_NEEDLES = 4      # capitals among them
+ORDER_LENGTH = 56      # letters after the prefix: 64 byte tokens with the EOS
+ORDER_NEEDLES = 4      # capitals among them, the informative tokens
+
+
+def is_capital(piece: str) -> bool:
+  """Whether a token's text is one capital letter A-Z (an informative token
+  of `ordered_capitals`)."""
+  return len(piece) == 1 and 'A' <= piece <= 'Z'
 
 
 def ordered_capitals(rng: np.random.Generator) -> Example:
   """"order: " + `ORDER_LENGTH` letters -> its `ORDER_NEEDLES` capitals in order.
 
-  The capitals (distinct, A-Z) stand at random positions among lowercase
-  distractors: "order: qwkeJxz..Pl..Dm..Xa" -> "JPDX". A token's byte says
-  whether it is a capital, but not where it stands: T5 has no absolute
-  positions, so a token's place reaches the decoder only through encoder
-  attention, which in a CoDA layer only routed tokens get. The answer needs
-  the capitals routed (the learned routers can tell them by their byte); the
-  first k tokens (truncation) hold each one with probability about 1/r.
+  The capitals (distinct, A-Z) stand at uniformly random positions among
+  lowercase distractors: "order: qwkeJxz..Pl..Dm..Xa" -> "JPDX". A token's
+  byte says whether it is a capital, but not where it stands: T5 has no
+  absolute positions, so a token's place reaches the decoder only through
+  encoder attention, which in a CoDA layer only routed tokens get (the
+  adapter sees each token alone). The answer needs the capitals routed (a
+  learned router can tell them by their byte); truncation routes the first
+  k = ceil(n / r) tokens, the prefix and the first k - 7 letters, so it holds
+  each capital with probability (k - 7) / `ORDER_LENGTH` (15/56 at n = 64,
+  r = 3; 6/56 at r = 5) and has to guess the order of the others.
   """
   letters = rng.integers(ord('a'), ord('z') + 1, ORDER_LENGTH)
   positions = np.sort(rng.choice(ORDER_LENGTH, ORDER_NEEDLES, replace=False))
@@ -220,4 +235,4 @@ def ordered_capitals(rng: np.random.Generator) -> Example:
 
 offline_task('coda_routing_order', ordered_capitals,
              f'the {ORDER_NEEDLES} capitals among {ORDER_LENGTH} letters, in order '
-             '(a task where routing matters)')
+             '(a task where routing matters)', informative=is_capital)

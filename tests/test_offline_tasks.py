@@ -1,6 +1,7 @@
 """Offline tasks generated on the fly (`coda_jax.offline_tasks`)."""
 import itertools
 
+import numpy as np
 import pytest
 
 from coda_jax import offline_tasks
@@ -90,3 +91,44 @@ def test_a_new_task_is_a_generator_and_one_call():
     seqio.TaskRegistry.remove('test_count')
     tasks.register_tasks()
   assert 'test_count' not in seqio.TaskRegistry.names()
+
+
+ORDER = offline_tasks.OFFLINE_TASKS['coda_routing_order']
+
+
+def test_order_examples_ask_for_their_capitals_in_order():
+  for example in _take(ORDER.train_examples(seed=2), 200):
+    text = example['inputs']
+    assert text.startswith(offline_tasks.ORDER_PREFIX)
+    letters = text[len(offline_tasks.ORDER_PREFIX):]
+    assert len(letters) == offline_tasks.ORDER_LENGTH and letters.isalpha()
+    capitals = ''.join(c for c in letters if offline_tasks.is_capital(c))
+    assert example['targets'] == capitals
+    assert len(set(capitals)) == offline_tasks.ORDER_NEEDLES
+  # With the EOS, an input fills the ablation's 64 encoder tokens exactly.
+  assert len(offline_tasks.ORDER_PREFIX) + offline_tasks.ORDER_LENGTH + 1 == 64
+
+
+def test_order_marks_capitals_as_its_informative_tokens():
+  assert ORDER.informative is offline_tasks.is_capital
+  assert [offline_tasks.is_capital(p) for p in ('A', 'Z', 'a', ':', ' ', 'AB', '')] == [
+      True, True, False, False, False, False, False]
+  assert QUICKSTART.informative is None
+
+
+@pytest.mark.parametrize('reduction_factor', [3, 5])
+def test_order_capitals_are_spread_over_the_whole_input(reduction_factor):
+  # Truncation routes the first k = ceil(n / r) tokens: most capitals stand
+  # after them, and every stretch of the input holds some.
+  n = 64
+  k = -(-n // reduction_factor)
+  positions = np.array([[i for i, c in enumerate(e['inputs']) if offline_tasks.is_capital(c)]
+                        for e in ORDER.validation_examples()])
+  prefix = len(offline_tasks.ORDER_PREFIX)
+  assert positions.min() >= prefix and positions.max() < n - 1
+  within = (positions < k).mean()
+  expected = (k - prefix) / offline_tasks.ORDER_LENGTH  # uniform over the letters
+  assert abs(within - expected) < 0.05
+  assert (positions >= k).all(axis=1).mean() > 0.2   # rows truncation sees none of
+  counts = np.histogram(positions, bins=8, range=(prefix, n - 1))[0]
+  assert counts.min() > 0.5 * counts.mean()

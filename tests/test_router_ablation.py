@@ -1,0 +1,183 @@
+"""tools/router_ablation.py: its main path on a tiny budget, and its flags.
+
+The run is one subprocess (the tool's command line, XLA's CPU backend at
+optimisation level 0): a backbone of 3 steps, then soft top-k and truncation
+at r = 3 with one seed, 4 steps each. The tests read its stdout, JSON and PNG.
+"""
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from coda_jax import config as config_lib
+from coda_jax import offline_tasks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(REPO, 'tools', 'router_ablation.py')
+ROUTERS = ('soft_topk', 'truncation')
+FACTOR = 3.0
+LENGTH = 64
+ENCODER_LAYERS = ('encoder/layers_0', 'encoder/layers_1')
+
+
+def _tool():
+  spec = importlib.util.spec_from_file_location('router_ablation', TOOL)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope='module')
+def ablation(tmp_path_factory):
+  out_dir = str(tmp_path_factory.mktemp('ablation'))
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0').strip()
+  command = [sys.executable, TOOL, '--steps', '4', '--backbone_steps', '3', '--seeds', '1',
+             '--routers', ','.join(ROUTERS), '--reduction_factors', '3',
+             '--out_dir', out_dir, '--gin.K_ANNEAL_FRACTION=0',
+             '--gin.EVAL_NUM_EXAMPLES=16', '--gin.EVAL_BATCH_SIZE=16']
+  proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return out_dir, proc.stdout, proc.stderr
+
+
+def _stdout_json(stdout):
+  start = stdout.index('\n{') + 1
+  return stdout[:start], json.loads(stdout[start:])
+
+
+def test_prints_a_table_and_the_json_it_writes(ablation):
+  out_dir, stdout, _ = ablation
+  table, report = _stdout_json(stdout)
+  with open(os.path.join(out_dir, 'router_ablation.json')) as f:
+    assert json.load(f) == report
+  k = config_lib.coda_k(LENGTH, FACTOR)
+  assert f'| router | r = 3 (k = {k}) |' in table
+  for router in ROUTERS:
+    row = next(line for line in table.splitlines() if line.startswith(f'| {router} |'))
+    value = float(row.split('|')[2])
+    assert value == pytest.approx(next(s['mean'] for s in report['summary']
+                                       if s['router'] == router), abs=0.05)
+  assert 'sigmoid' not in table
+  assert report['command'].startswith('python tools/router_ablation.py --steps 4')
+  assert report['cpu'] and report['cpu_count'] >= 1 and report['wall_s'] > 0
+  assert report['steps'] == 4 and report['backbone']['steps'] == 3
+  # The gin files' settings, as the runs used them.
+  assert report['TRAINABLE'] == 'coda' and report['K_ANNEAL_FRACTION'] == 0
+  assert report['router_init_stddev'] == 0.0
+  assert report['backbone']['TRAINABLE'] == 'all'
+  assert 'router_init_stddev' not in report['backbone']
+
+
+def test_one_run_per_router_r_and_seed_with_real_numbers(ablation):
+  _, stdout, _ = ablation
+  _, report = _stdout_json(stdout)
+  runs = report['runs']
+  assert sorted((r['router'], r['reduction_factor'], r['seed']) for r in runs) == sorted(
+      (router, FACTOR, 0) for router in ROUTERS)
+  for run in runs + [report['backbone']]:
+    assert math.isfinite(run['accuracy']) and 0 <= run['accuracy'] <= 100
+    assert math.isfinite(run['train_loss']) and run['train_loss'] > 0
+    assert run['seconds'] > 0
+    assert os.path.isdir(os.path.join(run['model_dir'], 'checkpoints'))
+  for run in runs:
+    assert run['k'] == config_lib.coda_k(LENGTH, FACTOR)
+    assert sorted(run['routed_informative']) == list(ENCODER_LAYERS)
+    assert all(0 <= v <= 1 for v in run['routed_informative'].values())
+  assert report['run_seconds_total'] == pytest.approx(
+      report['backbone']['seconds'] + sum(r['seconds'] for r in runs), abs=0.2)
+  summary = {s['router']: s for s in report['summary']}
+  assert sorted(summary) == sorted(ROUTERS)
+  for router, s in summary.items():
+    run = next(r for r in runs if r['router'] == router)
+    assert s['values'] == [run['accuracy']] and s['mean'] == run['accuracy']
+    assert s['std'] is None  # one seed: no spread
+  entry = report['checks']['per_r']['3']
+  assert entry['soft_topk_minus_truncation'] == pytest.approx(
+      summary['soft_topk']['mean'] - summary['truncation']['mean'])
+
+
+def test_truncation_routes_the_capitals_of_the_first_k_tokens(ablation):
+  # The diagnostic, checked where it is known: truncation selects tokens 0..k-1.
+  _, stdout, _ = ablation
+  _, report = _stdout_json(stdout)
+  k = config_lib.coda_k(LENGTH, FACTOR)
+  task = offline_tasks.OFFLINE_TASKS['coda_routing_order']
+  inputs = [e['inputs'] for e in task.validation_examples()]
+  capitals = np.array([[offline_tasks.is_capital(c) for c in text] for text in inputs])
+  expected = capitals[:, :k].sum() / capitals.sum()
+  run = next(r for r in report['runs'] if r['router'] == 'truncation')
+  for layer in ENCODER_LAYERS:
+    assert run['routed_informative'][layer] == pytest.approx(expected)
+
+
+def test_writes_a_bar_chart(ablation):
+  out_dir, _, _ = ablation
+  import matplotlib.image  # pylint: disable=g-import-not-at-top
+  image = matplotlib.image.imread(os.path.join(out_dir, 'router_ablation.png'))
+  assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 200
+  assert image.std() > 0  # not a blank canvas
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--steps', '0'], r'--steps: expected an integer >= 1, got 0'),
+    (['--seeds', 'two'], r"--seeds: expected an integer >= 1, got 'two'"),
+    (['--routers', 'soft_topk,top2'], r"--routers: unknown router 'top2'; expected some "
+     'of soft_topk,sigmoid,truncation'),
+    (['--routers', 'sigmoid,sigmoid'], r"--routers: router 'sigmoid' is given twice"),
+    (['--reduction_factors', '3,0.5'], r'--reduction_factors: a reduction factor must be '
+     r"a finite number >= 1, got '0.5'"),
+    (['--reduction_factors', '3,x'], r'--reduction_factors: expected comma-separated '
+     r"numbers >= 1 \(e.g. 3,5\), got 'x'"),
+    (['--gin.ROUTER=sigmoid'], r'--gin.ROUTER is set by the tool for each run \(use '
+     r'--routers\)'),
+    (['--frobnicate'], r'unrecognized arguments: --frobnicate'),
+])
+def test_flags_are_validated(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    _tool().parse_args(argv)
+  assert exit_info.value.code == 2
+  import re  # pylint: disable=g-import-not-at-top
+  assert re.search(message, capsys.readouterr().err)
+
+
+def test_out_dir_must_be_a_directory(tmp_path, capsys):
+  path = tmp_path / 'file'
+  path.write_text('')
+  with pytest.raises(SystemExit):
+    _tool().parse_args(['--out_dir', str(path)])
+  assert f'--out_dir {path} exists and is not a directory' in capsys.readouterr().err
+
+
+def test_defaults_are_the_papers_ablation():
+  args = _tool().parse_args([])
+  assert args.routers == config_lib.NORMALIZERS
+  assert args.reduction_factors == (3.0, 5.0) and args.seeds == 3
+  assert args.steps is None and args.gin_overrides == []
+
+
+def test_checks_read_the_issue_benchmark_off_the_numbers():
+  tool = _tool()
+  runs = []
+  means = {(3.0, 'soft_topk'): (80, 84), (3.0, 'sigmoid'): (40, 50),
+           (3.0, 'truncation'): (5, 7), (5.0, 'soft_topk'): (70, 74),
+           (5.0, 'sigmoid'): (10, 30), (5.0, 'truncation'): (1, 3)}
+  for (r, router), values in means.items():
+    for seed, value in enumerate(values):
+      runs.append({'router': router, 'reduction_factor': r, 'k': 1, 'seed': seed,
+                   'accuracy': value, 'routed_informative': {'l': 1.0}})
+  found = tool.checks(tool.summarize(runs))
+  assert found['per_r']['3']['soft_topk_ge_sigmoid']
+  # 45 - 6 = 39 > std(40, 50) + std(5, 7) = 7.07 + 1.41
+  assert found['per_r']['3']['sigmoid_above_truncation_beyond_spread']
+  assert found['per_r']['3']['seed_spread'] == pytest.approx(
+      np.std([40, 50], ddof=1) + np.std([5, 7], ddof=1))
+  assert found['per_r']['5']['sigmoid_minus_truncation'] == pytest.approx(18)
+  # gap 82 - 6 = 76 at r = 3, 72 - 2 = 70 at r = 5: it does not grow.
+  assert found['gap_grows'] == {'from_r': 3.0, 'to_r': 5.0, 'value': False}
