@@ -122,6 +122,8 @@ def test_every_run_file_sets_only_macros_it_reads():
       continue  # included by, or added to, the others
     task = [('MIXTURE_OR_TASK_NAME', "'x'"),
             ('TASK_FEATURE_LENGTHS', "{'inputs': 8, 'targets': 8}")]
+    if name == 'acm_quickstart.gin':  # its phase is a required flag
+      task += [('ACM_PHASE', "'distill'"), ('TRAINABLE', "'acm_distill'")]
     gin_utils.parse_gin([os.path.join(runs, name)],
                         [('MODEL_DIR', "'x'"), ('INITIAL_CHECKPOINT_PATH', 'None'), *task])
     for extra in ('infer.gin', 'eval.gin'):
