@@ -449,7 +449,7 @@ def plot(report: Dict[str, Any], path: str) -> str:
   cell = {(s['reduction_factor'], s['router']): s for s in summary}
   k = {s['reduction_factor']: s['k'] for s in summary}
   width = 0.8 / len(routers)
-  fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(factors), 4.2))
+  fig, ax = plt.subplots(figsize=(3.6 + 1.6 * len(factors), 4.2))
   for j, router in enumerate(routers):
     xs, means, stds = [], [], []
     for i, r in enumerate(factors):
@@ -471,7 +471,7 @@ def plot(report: Dict[str, Any], path: str) -> str:
   ax.set_ylim(0, 105)
   ax.set_title(f'Router ablation (CoDA Table 3 in miniature)\n{report["task"]}, k-to-k, '
                f'{report["steps"]} steps, {report["num_seeds"]} seed(s)', fontsize=10)
-  ax.legend(fontsize=8, loc='upper right')
+  ax.legend(fontsize=8, loc='center left', bbox_to_anchor=(1.01, 0.5))
   ax.grid(axis='y', alpha=0.3, zorder=0)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
