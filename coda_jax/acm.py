@@ -9,17 +9,17 @@ token, how many of them run:
 
 FFN learners (`AcmMlp`): learner n is group n of the pretrained FFN's hidden
 units (columns of wi_0/wi_1, rows of wo), groups ordered by importance
-(`acmize`), so all N learners together ARE the dense FFN. Their parameters
-keep the FFN's layout under ``acm_mlp`` (``acm_mlp/wi_0 [emb, mlp]``,
-``acm_mlp/wi_1``, ``acm_mlp/wo [mlp, emb]``, learner n's hidden units at
-[n h, (n+1) h), h = mlp / N) and the gate is ``acm_mlp/gate``; the
+(`coda_jax.acmize`), so all N learners together ARE the dense FFN. Their
+parameters keep the FFN's layout under ``acm_mlp`` (``acm_mlp/wi_0 [emb,
+mlp]``, ``acm_mlp/wi_1``, ``acm_mlp/wo [mlp, emb]``, learner n's hidden units
+at [n h, (n+1) h), h = mlp / N) and the gate is ``acm_mlp/gate``; the
 pretrained ``mlp`` stays where the checkpoint puts it, frozen, as the teacher.
 
 Attention learners (`AcmLinear`, in `AcmAttention`; the paper ACMizes the
 q/k/v/o projections of MHA too): each projection W [in, out] becomes N
 low-rank pieces W ≈ Σ_n a_n b_n, a [in, R], b [R, out], learner n the rank
 R/N slice [n R/N, (n+1) R/N) of W's truncated SVD (a = U √S, b = √S Vᵀ,
-largest singular values first, `low_rank_learners`), so learner 1 is the
+largest singular values first, `acmize.low_rank_learners`), so learner 1 is the
 best rank-R/N approximation and the error falls with k. R = min(in, out) by
 default (`AcmConfig.attention_rank_fraction = 1`): all N learners ARE W, at
 twice the dense cost for a square W at k = N (break-even at k = N/2);
@@ -71,7 +71,6 @@ FFN and attention learners alike (`_learners_forward`); while decoding,
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -83,10 +82,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import layers
-from coda_jax import params as params_lib
 from coda_jax import routing
 from coda_jax.config import (ACM_ATTENTION_PROJECTIONS, ACM_CHOICES_AXIS, ACM_GATE_AXIS,
-                             ACM_GATE_IN_AXIS, ACM_RANK_AXIS, AcmConfig, T5Config)
+                             ACM_GATE_IN_AXIS, ACM_RANK_AXIS, AcmConfig)
 
 Array = jax.Array
 
@@ -242,6 +240,34 @@ def collect_named_stats(intermediates: Mapping[str, Any]
 def collect_stats(intermediates: Mapping[str, Any]) -> Tuple[AcmStats, ...]:
   """Every `AcmStats` sown in a model's 'intermediates' collection, in tree order."""
   return tuple(stats for _, stats in collect_named_stats(intermediates))
+
+
+def learner_usage_counts(intermediates: Mapping[str, Any], num_learners: int) -> Array:
+  """[modules, N + 1] float32: for each sown `AcmStats` (`collect_stats`
+  order), its real tokens, then for n = 1..N how many of them ran learner n
+  (chose k >= n). Sums over batches add up; `learner_usage` reads them."""
+  stats = collect_stats(intermediates)
+  if not stats:
+    raise ValueError('no AcmStats were sown: apply an ACM model with '
+                     "mutable=['intermediates']")
+  return jnp.stack([jnp.stack(
+      [jnp.sum(s.tokens).astype(jnp.float32)]
+      + [jnp.sum((s.learners >= n).astype(jnp.float32)) for n in range(1, num_learners + 1)])
+      for s in stats])
+
+
+def learner_usage(counts: Any) -> Tuple[float, ...]:
+  """u_n = P(k >= n), n = 1..N, from `learner_usage_counts` (summed over batches).
+
+  The largest over the modules: one `AcmConfig.learner_usage` sets every
+  ACM's 'gather' capacities, and a module whose tokens outnumber a capacity
+  loses learners, so each capacity must cover the busiest module.
+  """
+  counts = np.asarray(counts, np.float64)
+  if counts.ndim != 2 or counts.shape[1] < 2:
+    raise ValueError(f'learner_usage needs [modules, N + 1] counts, got shape {counts.shape}')
+  fractions = counts[:, 1:] / np.maximum(counts[:, :1], 1.0)
+  return tuple(float(u) for u in np.clip(fractions.max(axis=0), 0.0, 1.0))
 
 
 def module_kind(path: str) -> Optional[str]:
@@ -440,12 +466,34 @@ def _gathered(module: nn.Module, z: Array, hidden: HiddenFn, out_kernel: Array, 
   return out.reshape(batch, length, out_dim)
 
 
+class _LearnerStack(nn.Module):
+  """What every ACM module shares: a hidden width split evenly into N learners."""
+  acm: AcmConfig
+
+  def _split_width(self) -> Tuple[str, int]:
+    """(its name in error messages, the width the N learners split)."""
+    raise NotImplementedError
+
+  def __post_init__(self):
+    what, width = self._split_width()
+    n = self.acm.num_learners
+    if width < n or width % n:
+      raise ValueError(f'{what}={width} is not a positive multiple of '
+                       f'AcmConfig.num_learners={n}')
+    super().__post_init__()
+
+  @property
+  def learner_dim(self) -> int:
+    """h: the width of one learner."""
+    return self._split_width()[1] // self.acm.num_learners
+
+
 # ----------------------------------------------------------------------------
 # The FFN as N learners.
 # ----------------------------------------------------------------------------
 
 
-class AcmMlp(nn.Module):
+class AcmMlp(_LearnerStack):
   """A T5 (gated) FFN as N learners plus a gate; parameters as `layers.MlpBlock`'s.
 
   Attributes:
@@ -459,15 +507,8 @@ class AcmMlp(nn.Module):
   activations: Sequence[str] = ('gelu', 'linear')
   dtype: Any = jnp.float32
 
-  def __post_init__(self):
-    if self.intermediate_dim % self.acm.num_learners:
-      raise ValueError(f'mlp_dim={self.intermediate_dim} is not divisible by '
-                       f'AcmConfig.num_learners={self.acm.num_learners}')
-    super().__post_init__()
-
-  @property
-  def learner_dim(self) -> int:
-    return self.intermediate_dim // self.acm.num_learners
+  def _split_width(self) -> Tuple[str, int]:
+    return 'mlp_dim', self.intermediate_dim
 
   def _kernels(self, emb: int):
     names = ['wi'] if len(self.activations) == 1 else [
@@ -517,12 +558,12 @@ class AcmMlp(nn.Module):
 # ----------------------------------------------------------------------------
 
 
-class AcmLinear(nn.Module):
+class AcmLinear(_LearnerStack):
   """A linear projection `[.., in] -> [.., out]` as N low-rank learners plus a gate.
 
   W ≈ a b with a [in, R], b [R, out]; learner n is the rank-R/N piece
   `z a[:, n r:(n+1) r] b[n r:(n+1) r]` (r = R / N), so h(z, k) = z a_{:kr} b_{:kr}.
-  `acmize` sets a = U √S, b = √S Vᵀ of W's SVD, singular values largest
+  `acmize.acmize` sets a = U √S, b = √S Vᵀ of W's SVD, singular values largest
   first: learner 1 holds the top R/N directions and, with R = min(in, out),
   all N learners ARE W. Parameters `a`, `b` and `gate/...`, every one with
   logical axes (`RANK_AXIS` for R).
@@ -541,15 +582,8 @@ class AcmLinear(nn.Module):
   out_axis: str = 'joined_kv'
   dtype: Any = jnp.float32
 
-  def __post_init__(self):
-    if self.rank % self.acm.num_learners or self.rank < self.acm.num_learners:
-      raise ValueError(f'AcmLinear rank={self.rank} is not a positive multiple of '
-                       f'AcmConfig.num_learners={self.acm.num_learners}')
-    super().__post_init__()
-
-  @property
-  def learner_dim(self) -> int:
-    return self.rank // self.acm.num_learners
+  def _split_width(self) -> Tuple[str, int]:
+    return 'AcmLinear rank', self.rank
 
   @nn.compact
   def __call__(self, z: Array, token_mask: Optional[Array] = None,
@@ -617,85 +651,3 @@ class AcmAttention(layers.MultiHeadDotProductAttention):
     flat = x.reshape(x.shape[:2] + (-1,))
     return self._acm_projection('out', flat, teacher, features, 'joined_kv', 'embed',
                                 token_mask, deterministic, True)
-
-
-# ----------------------------------------------------------------------------
-# ACMization of a pretrained T5.
-# ----------------------------------------------------------------------------
-
-
-def hidden_unit_importance(wi: Sequence[np.ndarray], wo: np.ndarray) -> np.ndarray:
-  """[mlp] importance of each hidden unit of a (gated) FFN, without data.
-
-  Unit j adds act_0(z·wi_0[:, j]) · act_1(z·wi_1[:, j]) · wo[j, :] to the output;
-  for inputs of a given norm its size scales with Π_i ||wi_i[:, j]|| · ||wo[j, :]||.
-  That product ranks the units (largest first).
-  """
-  score = np.linalg.norm(np.asarray(wo, np.float64), axis=1)
-  for w in wi:
-    score = score * np.linalg.norm(np.asarray(w, np.float64), axis=0)
-  return score
-
-
-def low_rank_learners(kernel: np.ndarray, rank: int) -> Tuple[np.ndarray, np.ndarray]:
-  """`a [in, rank]`, `b [rank, out]` of a truncated SVD of `kernel [in, out]`.
-
-  kernel = U S Vᵀ (float64, singular values largest first); a = U √S and
-  b = √S Vᵀ on the top `rank` directions (the scale split evenly, so a and b
-  train alike), directions beyond the kernel's rank zero. Learner n of N
-  owns directions [n R/N, (n+1) R/N): ordered by singular value, and with
-  rank >= min(in, out) a b = kernel (to float32 rounding).
-  """
-  w = np.asarray(kernel, np.float64)
-  u, sv, vt = np.linalg.svd(w, full_matrices=False)
-  keep = min(int(rank), sv.shape[0])
-  root = np.sqrt(sv[:keep])
-  a = np.zeros((w.shape[0], rank), np.float64)
-  b = np.zeros((rank, w.shape[1]), np.float64)
-  a[:, :keep] = u[:, :keep] * root
-  b[:keep] = root[:, None] * vt[:keep]
-  return a.astype(np.float32), b.astype(np.float32)
-
-
-def acmize(t5_params: Mapping[str, Any], model, rng: jax.Array) -> Dict[str, Any]:
-  """The parameters of `model` (a `Transformer` with an `AcmConfig`) from a T5's.
-
-  Every pretrained leaf is taken from `t5_params` unchanged (the teacher). Each
-  ACM FFN gets the pretrained FFN's kernels with the hidden units permuted by
-  `hidden_unit_importance` (most important first), so learner 1 holds the
-  top mlp/N units and all N learners reproduce the dense FFN exactly. Each
-  ACM attention projection (`acm_query`, ...) gets `low_rank_learners` of
-  the pretrained kernel next to it (learner 1: the largest singular values;
-  at `attention_rank_fraction=1` all N learners reproduce it exactly). Gates
-  are initialised fresh. Other new leaves (CoDA's, if any) are initialised
-  as `params.from_pretrained` does. ACM leaves `t5_params` already
-  holds (a previous conversion phase) are kept as they are.
-  """
-  params = params_lib.from_pretrained(t5_params, model, rng)
-  flat_t5 = params_lib.flatten(t5_params)
-  factors = {}   # the SVD of each projection, computed once for its a and b
-  for name in list(params):
-    names = params_lib.split(name)
-    if GATE_NAME in names or name in flat_t5:
-      continue
-    projection = next((n for n in names if n in ACM_PROJECTIONS), None)
-    if projection is not None and names[-1] in LOW_RANK_LEAVES:
-      at = names.index(projection)
-      kernel = params_lib.join(names[:at] + (projection[len(ACM_PROJECTION_PREFIX):],
-                                             'kernel'))
-      if kernel not in factors:
-        rank = params[params_lib.join(names[:at + 1] + ('a',))].shape[-1]
-        factors[kernel] = low_rank_learners(flat_t5[kernel], rank)
-      params[name] = factors[kernel][LOW_RANK_LEAVES.index(names[-1])]
-      continue
-    if ACM_MLP not in names:
-      continue
-    prefix = params_lib.join(names[:names.index(ACM_MLP)])
-    mlp = {leaf: np.asarray(flat_t5[f'{prefix}/mlp/{leaf}/kernel'])
-           for leaf in ('wi', 'wi_0', 'wi_1', 'wo') if f'{prefix}/mlp/{leaf}/kernel' in flat_t5}
-    order = np.argsort(-hidden_unit_importance(
-        [w for leaf, w in sorted(mlp.items()) if leaf != 'wo'], mlp['wo']), kind='stable')
-    leaf = names[-1]
-    params[name] = mlp[leaf][order] if leaf == 'wo' else mlp[leaf][:, order]
-  return params_lib.unflatten(params)
-

@@ -30,7 +30,7 @@ own RMS norm, `att`/`mlp` the pretrained sub-layers):
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Tuple
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax

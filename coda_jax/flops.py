@@ -27,7 +27,7 @@ With r = 1 (k = n) both CoDA variants cost the parallel adapter plus the router.
 from __future__ import annotations
 
 import numbers
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from coda_jax.config import (ATTENTION_VARIANTS, DEFAULT_ADAPTER_DIM, AcmConfig, T5Config,
                              coda_k)
@@ -315,3 +315,47 @@ def acm_encoder_speedup_bound(config: T5Config, n: int, learners_used: float,
   dense = encoder_layer_macs(config, n, variant=DENSE)['total']
   return dense / acm_encoder_layer_macs(config, n, learners_used, num_learners,
                                         gate_dim, **attention)['total']
+
+
+def acm_ffn_fraction(acm: AcmConfig, tokens: int) -> float:
+  """The fraction of the dense FFN's work the 'gather' capacities give on
+  `tokens` tokens: Σ_n C_n / (N · tokens)."""
+  return sum(acm.capacities(tokens)) / (acm.num_learners * tokens)
+
+
+def acm_decoding_speedup_bounds(config: T5Config, acm: AcmConfig, n_in: int, n_out: int,
+                                batch_size: int, num_beams: int = 1) -> Dict[str, Any]:
+  """MACs(dense T5) / MACs(ACM) of decoding `n_out` tokens after an `n_in`-token encoder.
+
+  The encoder's FFNs run `acm_ffn_fraction` of the dense work on its
+  batch_size · n_in tokens (`acm_encoder_layer_macs`); each decoding
+  step's on its batch_size · num_beams tokens; every ACM adds its gate
+  (d·g + g·g + g·(N + 1) per token). Attention, the cross-attention K/V and
+  the logits are dense in both. Greedy: num_beams = 1.
+
+  Returns:
+    {'encoder', 'decoder', 'end_to_end'} bounds and the FFN fractions
+    {'encoder_ffn_fraction', 'decoder_ffn_fraction'}.
+  """
+  beams = max(1, int(num_beams))
+  enc_frac = acm_ffn_fraction(acm, batch_size * n_in)
+  dec_frac = acm_ffn_fraction(acm, batch_size * beams)
+  dense_enc = encoder_macs(config, n_in, variant=DENSE)
+  acm_enc = dense_enc
+  if acm.replaces('mlp', 'encoder'):
+    acm_enc = config.num_encoder_layers * acm_encoder_layer_macs(
+        config, n_in, enc_frac, acm.num_learners, acm.gate_dim)['total']
+  gate = _acm_gate_macs(1, config.emb_dim, acm.gate_dim, acm.num_learners)
+  dense_dec = acm_dec = 0.0
+  for t in range(1, n_out + 1):
+    step = decoder_step_macs(config, n_in, t, decoder_adapters=False)
+    dense_dec += step['total']
+    acm_dec += step['total']
+    if acm.replaces('mlp', 'decoder'):
+      acm_dec += step['mlp'] * (dec_frac - 1.0) + config.num_decoder_layers * gate
+  cross = cross_kv_macs(config, n_in)
+  dense_e2e = dense_enc + beams * (cross + dense_dec)
+  acm_e2e = acm_enc + beams * (cross + acm_dec)
+  return {'encoder': dense_enc / acm_enc, 'decoder': dense_dec / acm_dec,
+          'end_to_end': dense_e2e / acm_e2e, 'encoder_ffn_fraction': enc_frac,
+          'decoder_ffn_fraction': dec_frac}

@@ -223,20 +223,20 @@ class DecoderLayer(nn.Module):
   """
   config: T5Config
   relative_embedding: nn.Module
-  cache_cross_kv: bool = True
   coda: Optional[CodaConfig] = None
   acm: Optional[AcmConfig] = None
 
   @nn.compact
-  def __call__(self, inputs: Array, encoded: Array,
-               decoder_mask: Optional[Array] = None,
-               encoder_decoder_mask: Optional[Array] = None,
-               deterministic: bool = False, decode: bool = False,
+  def __call__(self, inputs: Array, encoded: Array, decoder_mask: Optional[Array] = None,
+               encoder_decoder_mask: Optional[Array] = None, *, deterministic: bool = False,
+               decode: bool = False, cache_cross_kv: bool = True,
                token_mask: Optional[Array] = None,
                encoder_token_mask: Optional[Array] = None) -> Array:
     """`inputs [batch, length, emb]`, `encoded [batch, enc_length, emb]`;
     `token_mask [batch, length]` the real target positions and
-    `encoder_token_mask [batch, enc_length]` the real inputs (for an ACM)."""
+    `encoder_token_mask [batch, enc_length]` the real inputs (for an ACM).
+    The flags and token masks are keyword-only (`Decoder` passes them on);
+    `cache_cross_kv`: `Transformer.cache_cross_kv`, used when `decode`."""
     cfg = self.config
     coda = self.coda if self.coda is not None and self.coda.decoder_adapters else None
     adapter_type = coda.adapter if coda is not None else NO_ADAPTER
@@ -251,7 +251,7 @@ class DecoderLayer(nn.Module):
     x = x + inputs
     y = layers.RMSNorm(dtype=cfg.dtype, name='pre_cross_attention_layer_norm')(x)
     y = _attention(cfg, 'encoder_decoder_attention', coda, self.acm, 'decoder')(
-        y, encoded, encoder_decoder_mask, cache_kv=decode and self.cache_cross_kv,
+        y, encoded, encoder_decoder_mask, cache_kv=decode and cache_cross_kv,
         deterministic=deterministic, query_token_mask=token_mask,
         kv_token_mask=encoder_token_mask)
     y = _dropout(cfg)(y, deterministic=deterministic) + x
@@ -312,12 +312,12 @@ class Decoder(nn.Module):
     y = self.shared_embedding(decoder_input_tokens.astype('int32'))
     y = _dropout(cfg)(y, deterministic=deterministic).astype(cfg.dtype)
     for lyr in range(cfg.num_decoder_layers):
-      y = DecoderLayer(config=cfg, relative_embedding=rel_emb,
-                       cache_cross_kv=self.cache_cross_kv, coda=self.coda, acm=self.acm,
+      y = DecoderLayer(config=cfg, relative_embedding=rel_emb, coda=self.coda, acm=self.acm,
                        name=f'layers_{lyr}')(
                            y, encoded, decoder_mask=decoder_mask,
                            encoder_decoder_mask=encoder_decoder_mask,
-                           deterministic=deterministic, decode=decode, token_mask=token_mask,
+                           deterministic=deterministic, decode=decode,
+                           cache_cross_kv=self.cache_cross_kv, token_mask=token_mask,
                            encoder_token_mask=encoder_token_mask)
     y = layers.RMSNorm(dtype=cfg.dtype, name='decoder_norm')(y)
     y = _dropout(cfg)(y, deterministic=deterministic)

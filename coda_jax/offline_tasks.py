@@ -165,18 +165,23 @@ def offline_task(name: str, generate: Generator, description: str, *,
   return task
 
 
-def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
-  """Keyword arguments of `seqio.Task` for each offline task."""
+def task_specs(vocabulary, postprocess_fn: Callable[..., Any],
+               default_metric_fn: Callable[..., Mapping[str, float]]
+               ) -> Dict[str, Dict[str, Any]]:
+  """Keyword arguments of `seqio.Task` for each offline task.
+
+  `postprocess_fn` and `default_metric_fn` (for tasks that name no metric)
+  come from the caller (`coda_jax.tasks`), so no import runs back up.
+  """
   import seqio  # pylint: disable=g-import-not-at-top
-  from coda_jax import tasks  # pylint: disable=g-import-not-at-top
   features = {key: seqio.Feature(vocabulary, add_eos=True) for key in ('inputs', 'targets')}
   return {
       name: dict(source=seqio.FunctionDataSource(task.dataset, splits=SPLITS),
                  output_features=features,
                  preprocessors=[seqio.preprocessors.tokenize,
                                 seqio.preprocessors.append_eos_after_trim],
-                 postprocess_fn=tasks.text_postprocessor,
-                 metric_fns=list(task.metric_fns) or [tasks.accuracy])
+                 postprocess_fn=postprocess_fn,
+                 metric_fns=list(task.metric_fns) or [default_metric_fn])
       for name, task in OFFLINE_TASKS.items()}
 
 

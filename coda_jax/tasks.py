@@ -576,7 +576,7 @@ def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
                          seqio.CacheDatasetPlaceholder(), concat_and_split,
                          span_corruption, seqio.preprocessors.append_eos_after_trim],
           metric_fns=[]),
-      **offline_tasks.task_specs(vocabulary),
+      **offline_tasks.task_specs(vocabulary, text_postprocessor, accuracy),
   }
 
 

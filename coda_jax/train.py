@@ -145,6 +145,7 @@ def run_gin_command(command: str, args: argparse.Namespace, extra: Sequence[str]
   is a bug and keeps its traceback.
   """
   from coda_jax import checkpoints  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import distributed  # pylint: disable=g-import-not-at-top
   from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top
   overrides, rest = gin_utils.split_gin_overrides(list(extra))
   overrides = list(getattr(args, 'gin_overrides', None) or []) + overrides
@@ -156,7 +157,7 @@ def run_gin_command(command: str, args: argparse.Namespace, extra: Sequence[str]
   started = None
   try:
     lead = True
-    if train_lib.maybe_initialize_distributed(
+    if distributed.maybe_initialize_distributed(
         args.multiprocess, coordinator_address=args.coordinator_address,
         process_count=args.process_count, process_index=args.process_index):
       import jax  # pylint: disable=g-import-not-at-top

@@ -9,7 +9,7 @@ position biases, logits) is frozen.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import jax
 import jax.numpy as jnp

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from coda_jax import acm
+from coda_jax import acmize
 from coda_jax import decoding
 from coda_jax import flops
 from coda_jax import params as params_lib
@@ -36,7 +37,7 @@ def _acmized(**acm_fields):
   cfg = tiny_config()
   t5 = params_lib.init_params(Transformer(cfg), jax.random.PRNGKey(0))
   model = Transformer(cfg, acm=AcmConfig(num_learners=N, **acm_fields))
-  return cfg, t5, model, acm.acmize(t5, model, jax.random.PRNGKey(1))
+  return cfg, t5, model, acmize.acmize(t5, model, jax.random.PRNGKey(1))
 
 
 def _logits(model, params, enable_dropout=False, rng=None):
@@ -75,7 +76,7 @@ def test_acmize_orders_units_by_importance_and_keeps_the_teacher():
   order = np.argsort(-score, kind='stable')
   np.testing.assert_array_equal(np.asarray(flat[pre + 'acm_mlp/wi_0']), wi[0][:, order])
   np.testing.assert_array_equal(np.asarray(flat[pre + 'acm_mlp/wo']), wo[order])
-  got = acm.hidden_unit_importance(wi, wo)[order]
+  got = acmize.hidden_unit_importance(wi, wo)[order]
   assert np.all(np.diff(got) <= 0)
 
 
@@ -146,6 +147,48 @@ def test_gather_inference_equals_masked_with_enough_capacity():
                                                  capacity_factor=1.0, learner_usage=(1.0,) * N))
   np.testing.assert_allclose(np.asarray(_logits(gathered, params)),
                              np.asarray(_logits(model, params)), atol=1e-5, rtol=0)
+
+
+def test_learner_usage_counts_real_tokens_by_hand():
+  """u_n = P(k >= n) over real tokens, the largest over the ACMs."""
+  ks = np.array([[0, 2, 4, 1], [3, 3, 0, 4]])
+  real = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool)   # the k=1 token is padding
+  mlp = acm.AcmMlp(AcmConfig(num_learners=N), intermediate_dim=16)
+  z = jax.random.normal(jax.random.PRNGKey(0), (2, 4, 8))
+  params = mlp.init(jax.random.PRNGKey(1), z)['params']
+  _, state = mlp.apply({'params': params}, z, jnp.asarray(real), deterministic=True,
+                       learners=jnp.asarray(ks), mutable=['intermediates'])
+  counts = np.asarray(acm.learner_usage_counts(state['intermediates'], N))
+  # 7 real tokens; k >= 1: 2, 4, 3, 3, 4; k >= 3: 4, 3, 3, 4; k >= 4: 4, 4.
+  np.testing.assert_array_equal(counts, [[7, 5, 5, 4, 2]])
+  other = np.array([[4, 4, 1, 0, 0]])
+  assert acm.learner_usage(np.concatenate([counts, other])) == pytest.approx(
+      (1.0, 5 / 7, 4 / 7, 2 / 7))
+  with pytest.raises(ValueError, match='no AcmStats were sown'):
+    acm.learner_usage_counts({}, N)
+
+
+def test_trainer_measures_the_learner_usage_in_evaluation_mode():
+  """`Trainer.learner_usage_fn` counts the argmax gates' choices: equal to
+  counting the sown learners of a deterministic forward by hand."""
+  cfg, _, model, params = _acmized()
+  enc, dec = _tokens()
+  mesh = partitioning.create_mesh((1, 1), jax.devices()[:1])
+  trainer = trainer_lib.Trainer(model, optax.sgd(0.1), mesh, trainable_params='acm_finetune')
+  batch = trainer.shard_batch({'encoder_input_tokens': enc, 'decoder_input_tokens': dec,
+                               'decoder_target_tokens': dec}, enc.shape[0])
+  counts = np.asarray(trainer.learner_usage_fn()(trainer.place_params(params), batch))
+  _, state = model.apply({'params': params}, enc, dec, dec, enable_dropout=False,
+                         mutable=['intermediates'])
+  expected = []
+  for stats in acm.collect_stats(state['intermediates']):
+    k = np.asarray(stats.learners)
+    expected.append([float(np.sum(stats.tokens))] + [float(np.sum(k >= n))
+                                                    for n in range(1, N + 1)])
+  np.testing.assert_array_equal(counts, expected)
+  assert counts.shape == (cfg.num_encoder_layers + cfg.num_decoder_layers, N + 1)
+  # Not the trivial answer: the trained-from-nothing gates pick several k.
+  assert 0 < counts[:, N].sum() < counts[:, 1].sum()
 
 
 def test_gumbel_softmax_is_one_hot_with_the_softmax_gradient():
@@ -342,13 +385,13 @@ def test_truncated_rank_is_the_top_singular_directions():
   """attention_rank_fraction < 1: N learners cost one dense square projection
   (the paper code's size); even k = N is then a truncated SVD."""
   w = np.random.RandomState(0).randn(12, 10)
-  a, b = acm.low_rank_learners(w, 6)
+  a, b = acmize.low_rank_learners(w, 6)
   sv = np.linalg.svd(w, compute_uv=False)
   assert a.shape == (12, 6) and b.shape == (6, 10)
   np.testing.assert_allclose(np.linalg.norm(w - a.astype(np.float64) @ b),
                              np.sqrt(np.sum(sv[6:] ** 2)), rtol=1e-5)
   # A rank beyond min(in, out): the extra directions are zero, the product exact.
-  a, b = acm.low_rank_learners(w, 12)
+  a, b = acmize.low_rank_learners(w, 12)
   assert not a[:, 10:].any() and not b[10:].any()
   np.testing.assert_allclose(a.astype(np.float64) @ b, w, atol=1e-5)
   cfg = AcmConfig(num_learners=4, attention_rank_fraction=0.5)
@@ -442,7 +485,7 @@ def test_cached_decoding_with_attention_learners_equals_teacher_forcing(inferenc
   model = Transformer(cfg, cache_cross_kv=cache_cross_kv, acm=AcmConfig(
       num_learners=N, modules=BOTH, inference=inference, capacity_factor=1.0,
       learner_usage=(1.0,) * N))
-  params = acm.acmize(t5, model, jax.random.PRNGKey(1))
+  params = acmize.acmize(t5, model, jax.random.PRNGKey(1))
   enc, dec = _tokens()
   full, state = model.apply({'params': params}, enc, dec, dec, enable_dropout=False,
                             mutable=['intermediates'])
@@ -531,7 +574,7 @@ def test_acmize_keeps_the_acm_leaves_it_is_given():
   """A later conversion phase starts from the previous one's learners."""
   _, t5, model, params = _acmized(modules=BOTH)
   moved = jax.tree.map(lambda x: np.asarray(x) + 1.0, params)
-  again = params_lib.flatten(acm.acmize(moved, model, jax.random.PRNGKey(5)))
+  again = params_lib.flatten(acmize.acmize(moved, model, jax.random.PRNGKey(5)))
   for name, leaf in params_lib.flatten(moved).items():
     np.testing.assert_array_equal(np.asarray(again[name]), leaf)
 

@@ -72,6 +72,17 @@ def test_conversion_pipeline_runs_end_to_end(tmp_path):
   assert row['learner_usage'] == sorted(row['learner_usage'], reverse=True)
   assert sum(row['learner_usage']) / 4 >= row['learners_used_eval'] - 1e-9
   assert set(row['k_fractions_per_stack']) == {'encoder', 'decoder'}
+  # The trainer measured u_n at the end of fine-tuning and recorded it where
+  # infer reads it; the report's 'gather, recorded usage' column used that.
+  with open(work / 'finetune_b050' / 'run_config.json') as f:
+    run_config = json.load(f)
+  recorded = run_config['acm_config']['learner_usage']
+  assert recorded == row['learner_usage_recorded'] == sorted(recorded, reverse=True)
+  assert len(recorded) == 4 and all(0.0 <= u <= 1.0 for u in recorded)
+  measured = run_config['acm_measured_learner_usage']
+  assert measured['learner_usage'] == recorded and measured['batches'] >= 1
+  assert measured['step'] == 2 and measured['modules'] == 2  # one FFN ACM per stack
+  assert 'ACM learner usage P(k >= n)' in proc.stdout
   for key in ('exact_match', 'exact_match_gather', 'exact_match_gather_usage'):
     assert 0.0 <= row[key] <= 100.0
   assert row['encoder_flop_bound'] > 0

@@ -215,7 +215,7 @@ def test_acm_rows_next_to_the_dense_model(acm_task):
     assert row['acm']['encoder_capacities'] == [math.ceil(budget * BATCH * N_IN)] * 4
     assert row['acm']['decoder_step_capacities'] == [math.ceil(budget * BATCH)] * 4
     assert row['acm']['encoder_ffn_fraction'] == budget
-    bounds = decoding_latency.acm_flop_bounds(config, dataclasses.replace(
+    bounds = flops.acm_decoding_speedup_bounds(config, dataclasses.replace(
         template, budget=budget), N_IN, N_OUT, BATCH)
     assert row['flop_bound'] == {t: bounds[t] for t in decoding_latency.TIMED}
     for t in decoding_latency.TIMED:
@@ -253,7 +253,7 @@ def test_acm_flop_bounds_by_hand():
   batch 2: capacities ceil(0.5 · 12) = 6 and ceil(0.5 · 2) = 1, half the FFN work."""
   acm = AcmConfig(num_learners=2, gate_dim=2, budget=0.5, capacity_factor=1.0,
                   inference='gather')
-  bounds = decoding_latency.acm_flop_bounds(FLOP_CONFIG, acm, 6, 2, batch_size=2)
+  bounds = flops.acm_decoding_speedup_bounds(FLOP_CONFIG, acm, 6, 2, batch_size=2)
   assert bounds['encoder_ffn_fraction'] == bounds['decoder_ffn_fraction'] == 0.5
   encoder = 2 * (1224 - 180 + 6 * 18)            # 2304
   decoder = 620 - 2 * 30 + 2 * 18                # 596: 1 layer, 2 steps
@@ -261,10 +261,10 @@ def test_acm_flop_bounds_by_hand():
   assert bounds['decoder'] == 620 / decoder
   assert bounds['end_to_end'] == (2448 + 144 + 620) / (encoder + 144 + decoder)
   # Batch 1: a decoding step has 1 token, capacity ceil(0.5) = 1: the whole FFN.
-  one = decoding_latency.acm_flop_bounds(FLOP_CONFIG, acm, 6, 2, batch_size=1)
+  one = flops.acm_decoding_speedup_bounds(FLOP_CONFIG, acm, 6, 2, batch_size=1)
   assert one['decoder_ffn_fraction'] == 1.0 and one['decoder'] == 620 / (620 + 2 * 18)
   # Encoder ACMs only: the decoder is the dense one.
-  enc_only = decoding_latency.acm_flop_bounds(
+  enc_only = flops.acm_decoding_speedup_bounds(
       FLOP_CONFIG, dataclasses.replace(acm, decoder=False), 6, 2, batch_size=2)
   assert enc_only['decoder'] == 1.0
 

@@ -347,19 +347,19 @@ def test_preemption_notice_checkpoints_and_stops_every_process(runs):
 
 def test_job_from_flags_then_environment(monkeypatch):
   import jax  # pylint: disable=g-import-not-at-top
-  from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import distributed  # pylint: disable=g-import-not-at-top
   calls = []
   monkeypatch.setattr(jax.distributed, 'initialize', lambda *args: calls.append(args))
   env = {'JAX_COORDINATOR_ADDRESS': 'host0:1234', 'JAX_NUM_PROCESSES': '4',
          'JAX_PROCESS_ID': '3'}
-  assert train_lib.maybe_initialize_distributed('auto', env)
-  assert train_lib.maybe_initialize_distributed(
+  assert distributed.maybe_initialize_distributed('auto', env)
+  assert distributed.maybe_initialize_distributed(
       'auto', env, coordinator_address='10.0.0.2:99', process_count='8', process_index='5')
-  assert train_lib.maybe_initialize_distributed(  # flags alone make a launch
+  assert distributed.maybe_initialize_distributed(  # flags alone make a launch
       'auto', {}, coordinator_address='h:1', process_count=2, process_index=1)
-  assert not train_lib.maybe_initialize_distributed('auto', {'JAX_NUM_PROCESSES': '1'})
+  assert not distributed.maybe_initialize_distributed('auto', {'JAX_NUM_PROCESSES': '1'})
   # SLURM: what the environment does not say is JAX's cluster detection's.
-  assert train_lib.maybe_initialize_distributed('auto', {'SLURM_NTASKS': '4'})
+  assert distributed.maybe_initialize_distributed('auto', {'SLURM_NTASKS': '4'})
   assert calls == [('host0:1234', 4, 3), ('10.0.0.2:99', 8, 5), ('h:1', 2, 1),
                    (None, None, None)]
 
@@ -379,9 +379,10 @@ def test_job_from_flags_then_environment(monkeypatch):
      "port), got 'host0:http'"),
 ])
 def test_bad_job_options_are_named(env, flags, message):
+  from coda_jax.training import distributed  # pylint: disable=g-import-not-at-top
   from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top
   with pytest.raises(train_lib.ConfigError) as error:
-    train_lib.maybe_initialize_distributed('auto', env, **flags)
+    distributed.maybe_initialize_distributed('auto', env, **flags)
   assert error.value.message == message
 
 

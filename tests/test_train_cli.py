@@ -21,6 +21,7 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 from coda_jax import tasks  # pylint: disable=g-import-not-at-top
 from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
 from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
+from coda_jax.training import distributed  # pylint: disable=g-import-not-at-top
 from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top
 from coda_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
 
@@ -214,21 +215,21 @@ def test_routed_encoder_refuses_segment_ids():
     ({'TPU_WORKER_HOSTNAMES': 't1v-0,t1v-1,t1v-2,t1v-3'}, True),
 ])
 def test_multiprocess_launch_detection(env, expected):
-  assert train_lib._multiprocess_launch_detected(env) is expected
+  assert distributed._multiprocess_launch_detected(env) is expected
 
 
 def test_distributed_initialisation_modes(monkeypatch):
   calls = []
   monkeypatch.setattr(jax.distributed, 'initialize', lambda *a, **k: calls.append(1))
   cluster = {'SLURM_NTASKS': '4'}
-  assert train_lib.maybe_initialize_distributed('auto', env={}) is False and not calls
-  assert train_lib.maybe_initialize_distributed('off', env=cluster) is False and not calls
-  assert train_lib.maybe_initialize_distributed('auto', env=cluster) is True
-  assert train_lib.maybe_initialize_distributed('on', env={}) is True
+  assert distributed.maybe_initialize_distributed('auto', env={}) is False and not calls
+  assert distributed.maybe_initialize_distributed('off', env=cluster) is False and not calls
+  assert distributed.maybe_initialize_distributed('auto', env=cluster) is True
+  assert distributed.maybe_initialize_distributed('on', env={}) is True
   assert len(calls) == 2
   with pytest.raises(train_lib.ConfigError, match="multiprocess must be auto, on or off, "
                      "got 'yes'"):
-    train_lib.maybe_initialize_distributed('yes', env={})
+    distributed.maybe_initialize_distributed('yes', env={})
 
 
 def test_command_line_initialises_before_parsing(monkeypatch, capsys, tmp_path):

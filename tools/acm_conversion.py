@@ -22,8 +22,10 @@ evaluation mode (argmax gate, no Gumbel noise):
   (every learner, masked: the trainer's evaluation) and with 'gather'
   inference (learner n only on the first C_n tokens ordered by k), its
   capacities C_n from β alone (AcmConfig's default, what the decoding
-  benchmark times) and from the measured usage of each learner,
-  P(k >= n) (`AcmConfig.learner_usage`), beside the dense model's and the
+  benchmark times) and from the usage of each learner, P(k >= n)
+  (`AcmConfig.learner_usage`), as the trainer measured it on training batches
+  and recorded it in run_config.json (what `infer` uses; the usage on the
+  validation set is reported too), beside the dense model's and the
   distilled model at a fixed k = round(βN) (and N) for every token (no gate,
   no fine-tuning; a static-width reference);
 * the encoder FLOP bound at the encoder's achieved budget
@@ -196,26 +198,6 @@ class Evaluation:
     return [(batch, jax.device_get(fn(params, *batch))) for batch in self.batches]
 
 
-def _acm_stats_by_path(intermediates) -> List[Tuple[str, Any]]:
-  """(path, AcmStats) of every ACM in a model's intermediates, tree order."""
-  import flax  # pylint: disable=g-import-not-at-top
-  from coda_jax import acm as acm_lib  # pylint: disable=g-import-not-at-top
-  found = []
-
-  def visit(node, path):
-    if isinstance(node, acm_lib.AcmStats):
-      found.append(('/'.join(path), node))
-    elif isinstance(node, Mapping):
-      for key in sorted(node):
-        visit(node[key], path + (str(key),))
-    elif isinstance(node, (tuple, list)):
-      for item in node:
-        visit(item, path)
-
-  visit(flax.core.unfreeze(intermediates), ())
-  return found
-
-
 def _teacher_mean_squares(intermediates, batch) -> Dict[str, float]:
   """{layer path: Σ f(z)^2 / emb over real tokens, and the token count} of
   every captured pretrained `mlp` output."""
@@ -245,6 +227,7 @@ def reconstruction_errors(ev: Evaluation, model, params) -> Dict[str, Any]:
   the trainer's metric), and relative: each ACM's MSE over its teacher's mean
   square output, averaged over the ACMs.
   """
+  from coda_jax import acm as acm_lib  # pylint: disable=g-import-not-at-top
   sums: Dict[str, np.ndarray] = {}
   counts: Dict[str, float] = {}
   teacher: Dict[str, List[float]] = {}
@@ -255,7 +238,7 @@ def reconstruction_errors(ev: Evaluation, model, params) -> Dict[str, Any]:
       acc[0] += ms[0]
       acc[1] += ms[1]
       real_counts[path] = ms[1]
-    for path, stats in _acm_stats_by_path(inter):
+    for path, stats in acm_lib.collect_named_stats(inter):
       layer = path.split('/acm_mlp')[0]
       n = float(np.sum(stats.tokens))
       sums[layer] = sums.get(layer, 0.0) + np.asarray(stats.reconstruction_error, np.float64) * n
@@ -278,13 +261,14 @@ def reconstruction_errors(ev: Evaluation, model, params) -> Dict[str, Any]:
 def achieved_budget(ev: Evaluation, model, params) -> Dict[str, Any]:
   """The fraction of learners used in evaluation mode (argmax gate), over every
   ACM's real tokens; per stack; the distribution of k."""
+  from coda_jax import acm as acm_lib  # pylint: disable=g-import-not-at-top
   num = model.acm.num_learners
   used = {'encoder': 0.0, 'decoder': 0.0}
   tokens = {'encoder': 0.0, 'decoder': 0.0}
   histogram = {'encoder': np.zeros(num + 1), 'decoder': np.zeros(num + 1)}
   for batch, inter in ev.forward(model, params):
     enc, _, tgt = batch
-    for path, stats in _acm_stats_by_path(inter):
+    for path, stats in acm_lib.collect_named_stats(inter):
       stack = 'encoder' if path.startswith('encoder') else 'decoder'
       real = (enc > 0) if stack == 'encoder' else (tgt > 0)
       k = np.asarray(stats.learners)
@@ -324,7 +308,7 @@ def measure(workdir: str, budgets: Sequence[float], ev: Evaluation,
   (`references`: also decode the gate-only model and the distilled one at
   fixed k)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from coda_jax import acm as acm_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax import acmize  # pylint: disable=g-import-not-at-top
   from coda_jax import flops  # pylint: disable=g-import-not-at-top
   from coda_jax import infer  # pylint: disable=g-import-not-at-top
 
@@ -341,7 +325,7 @@ def measure(workdir: str, budgets: Sequence[float], ev: Evaluation,
 
   # Phase 1: reconstruction error per k, before (ACMization) and after distillation.
   distill_model = _with_acm(distill.model, phase='distill')
-  init_params = acm_lib.acmize(dense.params, distill_model, jax.random.PRNGKey(0))
+  init_params = acmize.acmize(dense.params, distill_model, jax.random.PRNGKey(0))
   train_last, _ = read_metrics(phase_dir(workdir, 'distill'))
   after = reconstruction_errors(ev, distill_model, distill.params)
   before = reconstruction_errors(ev, distill_model, init_params)
@@ -380,11 +364,15 @@ def measure(workdir: str, budgets: Sequence[float], ev: Evaluation,
     budget = achieved_budget(ev, eval_model, run.params)
     achieved = budget['learners_used']
     # 'gather' capacities: from β alone (AcmConfig's default: every learner
-    # gets ceil(1.25 β T) tokens), and from the measured usage of each learner
-    # u_n = P(k >= n) (AcmConfig.learner_usage; the larger of the encoder's and
-    # the decoder's), whose mean is about the budget.
-    usage = budget['learner_usage']
-    gather_model = _with_acm(run.model, phase='finetune', budget=beta, inference='gather')
+    # gets ceil(1.25 β T) tokens), and from the usage of each learner
+    # u_n = P(k >= n) (AcmConfig.learner_usage) that the trainer measured on
+    # training batches at the end of fine-tuning and wrote into the run's
+    # run_config.json (`train_lib.record_learner_usage`: what `infer` uses);
+    # the usage measured here on the validation set is reported beside it.
+    recorded = run.model.acm.learner_usage
+    usage = recorded if recorded is not None else budget['learner_usage']
+    gather_model = _with_acm(run.model, phase='finetune', budget=beta, inference='gather',
+                             learner_usage=None)
     usage_model = _with_acm(run.model, phase='finetune', budget=beta, inference='gather',
                             learner_usage=usage)
     step_tokens = min(ev.evaluator.batch_size, ev.num_examples)
@@ -399,7 +387,8 @@ def measure(workdir: str, budgets: Sequence[float], ev: Evaluation,
         'k_fractions': budget['k_fractions'],
         'k_fractions_per_stack': budget['k_fractions_per_stack'],
         'exact_match': ev.exact_match(eval_model, run.params),
-        'learner_usage': usage,
+        'learner_usage': budget['learner_usage'],
+        'learner_usage_recorded': None if recorded is None else list(recorded),
         'exact_match_gather': ev.exact_match(gather_model, run.params),
         'gather_capacities_per_decoding_step': list(gather_model.acm.capacities(step_tokens)),
         'exact_match_gather_usage': ev.exact_match(usage_model, run.params),
@@ -429,7 +418,7 @@ def table(report: Mapping[str, Any]) -> str:
   for name, values in rows:
     lines.append(f'| {name} | ' + ' | '.join(f'{values[k]:.4g}' for k in ks) + ' |')
   lines += ['', '| β | learners used (eval) | within 0.05 | exact match % (masked) | '
-            'gather, capacities from β | gather, capacities from usage | '
+            'gather, capacities from β | gather, capacities from recorded usage | '
             'encoder FLOP bound |', '| --- | --- | --- | --- | --- | --- | --- |']
   for r in report['budgets']:
     lines.append(f"| {r['beta']:g} | {r['learners_used_eval']:.3f} | "
@@ -458,7 +447,7 @@ def plot(report: Mapping[str, Any], path: str) -> None:
              label=f"dense ({report['dense']['exact_match']:.1f}%)")
   ax.plot(betas, [r['exact_match'] for r in rows], 'o-', label='ACM (masked inference)')
   ax.plot(betas, [r['exact_match_gather_usage'] for r in rows], 'D--',
-          label='ACM (gather, capacities from measured usage)')
+          label='ACM (gather, capacities from recorded usage)')
   ax.plot(betas, [r['exact_match_gather'] for r in rows], 's:',
           label='ACM (gather, capacities from β)')
   fixed = report['distilled_fixed_k']

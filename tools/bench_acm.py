@@ -17,12 +17,12 @@ no-savings reference. Prints JSON (and writes it to --out).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax
 
 from coda_jax import flops
+from coda_jax.bench import report as bench_report
 from coda_jax.bench import models
 from coda_jax.bench import timing
 from coda_jax.config import AcmConfig
@@ -77,11 +77,7 @@ def main(argv=None) -> dict:
             'dtype': dtype, 'batch_size': args.batch_size, 'length': args.length,
             'num_learners': args.num_learners, 'repeats': args.repeats,
             'dense_median_ms': timing.median_ms(times['dense']), 'rows': rows}
-  text = json.dumps(report, indent=1)
-  print(text)
-  if args.out:
-    with open(args.out, 'w') as f:
-      f.write(text + '\n')
+  print(bench_report.write_json(report, args.out))
   return report
 
 

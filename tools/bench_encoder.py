@@ -45,6 +45,7 @@ import jax.numpy as jnp
 
 from coda_jax import config as config_lib
 from coda_jax import flops
+from coda_jax.bench import report as bench_report
 from coda_jax.bench import hlo
 from coda_jax.bench import models
 from coda_jax.bench import timing
@@ -262,11 +263,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  profile=args.profile, profile_top=args.profile_top,
                  progress=not args.no_progress)
   print(format_table(result), file=sys.stderr)
-  text = json.dumps(result, indent=1)
-  if args.out:
-    with open(args.out, 'w') as f:
-      f.write(text + '\n')
-  print(text)
+  print(bench_report.write_json(result, args.out))
   return 0
 
 

@@ -23,7 +23,6 @@ matmul; with the device, jax version and the command line.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 
 from coda_jax import routing
 from coda_jax import soft_topk as soft_topk_lib
+from coda_jax.bench import report as bench_report
 from coda_jax.bench import timing
 from coda_jax.config import SOFT_TOPK_IMPLS, SoftTopKConfig, coda_k
 
@@ -113,11 +113,7 @@ def main(argv=None) -> dict:
             **timing.environment(), 'dtype': args.dtype, 'batch_size': args.batch_size,
             'length': args.length, 'emb_dim': args.emb_dim, 'mlp_dim': args.mlp_dim,
             'k': k, 'repeats': args.repeats, 'primitives': rows}
-  text = json.dumps(report, indent=1)
-  print(text)
-  if args.out:
-    with open(args.out, 'w') as f:
-      f.write(text + '\n')
+  print(bench_report.write_json(report, args.out))
   return report
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import platform
 import sys
@@ -41,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import soft_topk as st
+from coda_jax.bench import report as bench_report
 from coda_jax.bench import timing
 from coda_jax.config import SoftTopKConfig
 
@@ -255,11 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
 def _emit(report: dict, out: Optional[str]) -> dict:
   """Prints `report` as JSON, and writes it to `out` when given."""
-  text = json.dumps(report, indent=2)
-  print(text)
-  if out:
-    with open(out, 'w') as f:
-      f.write(text + '\n')
+  print(bench_report.write_json(report, out, indent=2))
   return report
 
 

@@ -43,9 +43,10 @@ same backbone, in their own block of rows (speed-ups over ``dense``):
     per decoding step. The decoder changes too, so each of these models has
     its own compiled encoder and decoder; end_to_end is its encoder followed
     by its decoder. All budgets share one set of parameters (random, or
-    `acm.acmize` of --checkpoint), the dense model their pretrained leaves;
-  * FLOP bounds (`acm_flop_bounds`): MACs(dense) / MACs(ACM) at the FFN work
-    the capacities give, encoder, decoder and end to end, gates included.
+    `acmize.acmize` of --checkpoint), the dense model their pretrained leaves;
+  * FLOP bounds (`flops.acm_decoding_speedup_bounds`): MACs(dense) /
+    MACs(ACM) at the FFN work the capacities give, encoder, decoder and end
+    to end, gates included.
 
 Decoding runs a FIXED number of steps (`output_length`): EOS is set to -1,
 which greedy argmax and beam search can never emit, so random weights cannot
@@ -71,8 +72,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
-import math
 import os
 import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -87,6 +86,7 @@ from coda_jax import decoding
 from coda_jax import flops
 from coda_jax import network
 from coda_jax import soft_topk as soft_topk_lib
+from coda_jax.bench import flags
 from coda_jax.bench import hlo
 from coda_jax.bench import models
 from coda_jax.bench import report
@@ -144,51 +144,6 @@ def make_decode_fn(model: network.Transformer, output_length: int, method: str,
                                   method=method, num_beams=num_beams, alpha=alpha,
                                   eos_id=NEVER_EOS, encoded=encoded)
   return jax.jit(decode)
-
-
-def acm_ffn_fraction(acm: AcmConfig, tokens: int) -> float:
-  """The fraction of the dense FFN's work the 'gather' capacities give on
-  `tokens` tokens: Σ_n C_n / (N · tokens)."""
-  return sum(acm.capacities(tokens)) / (acm.num_learners * tokens)
-
-
-def acm_flop_bounds(config: T5Config, acm: AcmConfig, n_in: int, n_out: int,
-                    batch_size: int, num_beams: int = 1) -> Dict[str, Any]:
-  """MACs(dense T5) / MACs(ACM) of decoding `n_out` tokens after an `n_in`-token encoder.
-
-  The encoder's FFNs run `acm_ffn_fraction` of the dense work on its
-  batch_size · n_in tokens (`flops.acm_encoder_layer_macs`); each decoding
-  step's on its batch_size · num_beams tokens; every ACM adds its gate
-  (d·g + g·g + g·(N + 1) per token). Attention, the cross-attention K/V and
-  the logits are dense in both. Greedy: num_beams = 1.
-
-  Returns:
-    {'encoder', 'decoder', 'end_to_end'} bounds and the FFN fractions
-    {'encoder_ffn_fraction', 'decoder_ffn_fraction'}.
-  """
-  beams = max(1, int(num_beams))
-  enc_frac = acm_ffn_fraction(acm, batch_size * n_in)
-  dec_frac = acm_ffn_fraction(acm, batch_size * beams)
-  dense_enc = flops.encoder_macs(config, n_in, variant=flops.DENSE)
-  acm_enc = dense_enc
-  if acm.replaces('mlp', 'encoder'):
-    acm_enc = config.num_encoder_layers * flops.acm_encoder_layer_macs(
-        config, n_in, enc_frac, acm.num_learners, acm.gate_dim)['total']
-  gate = config.emb_dim * acm.gate_dim + acm.gate_dim ** 2 + acm.gate_dim * (
-      acm.num_learners + 1)
-  dense_dec = acm_dec = 0.0
-  for t in range(1, n_out + 1):
-    step = flops.decoder_step_macs(config, n_in, t, decoder_adapters=False)
-    dense_dec += step['total']
-    acm_dec += step['total']
-    if acm.replaces('mlp', 'decoder'):
-      acm_dec += step['mlp'] * (dec_frac - 1.0) + config.num_decoder_layers * gate
-  cross = flops.cross_kv_macs(config, n_in)
-  dense_e2e = dense_enc + beams * (cross + dense_dec)
-  acm_e2e = acm_enc + beams * (cross + acm_dec)
-  return {'encoder': dense_enc / acm_enc, 'decoder': dense_dec / acm_dec,
-          'end_to_end': dense_e2e / acm_e2e, 'encoder_ffn_fraction': enc_frac,
-          'decoder_ffn_fraction': dec_frac}
 
 
 def make_soft_topk_fn(coda: CodaConfig, k: int):
@@ -322,7 +277,7 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
       row['acm'] = None
       row['flop_bound'] = {t: 1.0 for t in TIMED}
     else:
-      bounds = acm_flop_bounds(config, model.acm, input_length, output_length, batch_size,
+      bounds = flops.acm_decoding_speedup_bounds(config, model.acm, input_length, output_length, batch_size,
                                beams)
       row['acm'] = {
           'num_learners': model.acm.num_learners, 'inference': model.acm.inference,
@@ -444,79 +399,6 @@ def checks(result: Mapping[str, Any]) -> List[Dict[str, Any]]:
 # ------------------------------------------------------------------------------
 
 
-def _items(text: str) -> List[str]:
-  return [x for x in text.replace(' ', '').split(',') if x]
-
-
-def _reduction_factors(text: str) -> List[float]:
-  """'1,3,5' -> [1.0, 3.0, 5.0]: CoDA reduction factors r (finite, >= 1)."""
-  out = []
-  for item in _items(text):
-    try:
-      r = float(item)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f'{item!r} is not a number') from None
-    if not (math.isfinite(r) and r >= 1):
-      raise argparse.ArgumentTypeError(f'{item} is not a reduction factor r >= 1')
-    out.append(r)
-  return out
-
-
-def _budgets(text: str) -> List[float]:
-  """'0.25,0.5' -> [0.25, 0.5]: ACM budgets β in (0, 1]."""
-  out = []
-  for item in _items(text):
-    try:
-      b = float(item)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f'{item!r} is not a number') from None
-    if not (math.isfinite(b) and 0 < b <= 1):
-      raise argparse.ArgumentTypeError(f'{item} is not a budget in (0, 1]')
-    out.append(b)
-  return out
-
-
-def _positive_float(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'{text!r} is not a number') from None
-  if not (math.isfinite(value) and value > 0):
-    raise argparse.ArgumentTypeError(f'must be > 0, got {value}')
-  return value
-
-
-def _one_of_each(choices: Sequence[str], empty_ok: bool):
-  """A comma-separated list of names from `choices`."""
-  def parse(text: str) -> List[str]:
-    out = _items(text)
-    for item in out:
-      if item not in choices:
-        raise argparse.ArgumentTypeError(f'{item!r} is not one of {list(choices)}')
-    if not out and not empty_ok:
-      raise argparse.ArgumentTypeError(f'names none of {list(choices)}')
-    return out
-  return parse
-
-
-def _at_least_one(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'{text!r} is not an integer') from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f'must be >= 1, got {value}')
-  return value
-
-
-def _writable_file(flag: str, path: str) -> None:
-  directory = os.path.dirname(os.path.abspath(path))
-  if not os.path.isdir(directory):
-    raise ValueError(f'{flag} {path}: directory {directory} does not exist')
-  if not os.access(directory, os.W_OK):
-    raise ValueError(f'{flag} {path}: directory {directory} is not writable')
-
-
 def png_path(args: argparse.Namespace) -> str:
   """The plot's path ('' for none): --png, else --out with .png."""
   if args.png is not None:
@@ -536,7 +418,7 @@ def check_args(args: argparse.Namespace) -> None:
       raise ValueError(f'--checkpoint: {e}') from e
   for flag, path in (('--out', args.out), ('--png', png_path(args))):
     if path:
-      _writable_file(flag, path)
+      flags.check_writable_file(flag, path)
 
 
 def _resolve_tasks(args) -> List[Tuple[str, int, int]]:
@@ -658,37 +540,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g.add_argument('--dtype', default=None, choices=checkpoints.DTYPE_NAMES,
                  help='activation and parameter dtype (default: float32 on CPU, '
                  'bfloat16 otherwise)')
-  g.add_argument('--adapter_dim', type=_at_least_one, default=CodaConfig.adapter_dim)
+  g.add_argument('--adapter_dim', type=flags.at_least_one, default=CodaConfig.adapter_dim)
   g.add_argument('--soft_topk_method', default=SoftTopKConfig.method,
                  choices=soft_topk_lib.METHODS)
   g = parser.add_argument_group('shapes')
-  g.add_argument('--tasks', default='boolq', type=_one_of_each(sorted(TASK_SHAPES), False),
+  g.add_argument('--tasks', default='boolq', type=flags.one_of_each(sorted(TASK_SHAPES), False),
                  help=f'comma-separated task shapes from {sorted(TASK_SHAPES)} '
                  f'(input, output tokens: {TASK_SHAPES})')
-  g.add_argument('--input_length', type=_at_least_one, default=None,
+  g.add_argument('--input_length', type=flags.at_least_one, default=None,
                  help='custom input length (with --output_length; replaces --tasks)')
-  g.add_argument('--output_length', type=_at_least_one, default=None,
+  g.add_argument('--output_length', type=flags.at_least_one, default=None,
                  help='custom number of decoded tokens')
-  g.add_argument('--batch_size', type=_at_least_one, default=None,
+  g.add_argument('--batch_size', type=flags.at_least_one, default=None,
                  help=f'sequences per batch (default: {CPU_BATCH} on CPU, '
                  f'{ACCELERATOR_BATCH} on an accelerator, the paper\'s per-chip batch)')
   g = parser.add_argument_group('variants')
-  g.add_argument('--reduction_factors', default='1,3,5', type=_reduction_factors,
+  g.add_argument('--reduction_factors', default='1,3,5', type=flags.reduction_factors,
                  help='comma-separated CoDA reduction factors r >= 1 (empty: none)')
   g.add_argument('--attention', default='k_to_all,k_to_k',
-                 type=_one_of_each(ATTENTION_VARIANTS, True),
+                 type=flags.one_of_each(ATTENTION_VARIANTS, True),
                  help=f'comma-separated CoDA attention variants from {ATTENTION_VARIANTS} '
                  '(empty: the baseline alone)')
   g.add_argument('--acm_budgets', default=','.join(f'{b:g}' for b in ACM_BUDGETS),
-                 type=_budgets,
+                 type=flags.budgets,
                  help='comma-separated ACM budgets β in (0, 1]: the dense T5 and an ACM '
                  'model at each β, timed against it (empty: none)')
-  g.add_argument('--acm_learners', type=_at_least_one, default=AcmConfig.num_learners,
+  g.add_argument('--acm_learners', type=flags.at_least_one, default=AcmConfig.num_learners,
                  help='learners per ACM (must divide the FFN width)')
-  g.add_argument('--acm_capacity_factor', type=_positive_float, default=1.0,
+  g.add_argument('--acm_capacity_factor', type=flags.positive_float, default=1.0,
                  help="'gather' capacity of each learner: ceil(factor * β * tokens)")
   g.add_argument('--decoding', default='greedy', choices=('greedy', 'beam'))
-  g.add_argument('--num_beams', type=_at_least_one, default=4)
+  g.add_argument('--num_beams', type=flags.at_least_one, default=4)
   g.add_argument('--alpha', type=float, default=0.6, help='beam search length penalty')
   g = parser.add_argument_group('cross-attention K/V row (not in the default run)')
   g.add_argument('--cross_kv', dest='cross_kv', action='store_true', default=False,
@@ -698,11 +580,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g.add_argument('--no_cross_kv', dest='cross_kv', action='store_false',
                  help='(the default) no cross-attention K/V row')
   g.add_argument('--cross_kv_task', default=CROSS_KV_TASK, choices=sorted(TASK_SHAPES))
-  g.add_argument('--cross_kv_batch_size', type=_at_least_one, default=None,
+  g.add_argument('--cross_kv_batch_size', type=flags.at_least_one, default=None,
                  help=f'(default: {CPU_CROSS_KV_BATCH} on CPU, --batch_size otherwise)')
-  g.add_argument('--cross_kv_repeats', type=_at_least_one, default=2)
+  g.add_argument('--cross_kv_repeats', type=flags.at_least_one, default=2)
   g = parser.add_argument_group('run and output')
-  g.add_argument('--repeats', type=_at_least_one, default=7,
+  g.add_argument('--repeats', type=flags.at_least_one, default=7,
                  help='timed calls per function')
   g.add_argument('--seed', type=int, default=0)
   g.add_argument('--compilation_cache_dir', default=None,
@@ -733,10 +615,7 @@ def run(args: argparse.Namespace) -> int:
   png = png_path(args)
   if png:
     result['meta']['png'] = report.plot(result, png)
-  text = json.dumps(result, indent=1)
-  if args.out:
-    with open(args.out, 'w') as f:
-      f.write(text + '\n')
+  text = report.write_json(result, args.out)
   human = sys.stderr if args.json else sys.stdout
   print(report.format_table(result), file=human)
   written = [os.path.abspath(p) for p in (args.out, png) if p]

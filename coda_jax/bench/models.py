@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +120,23 @@ def random_params(model: network.Transformer, rng: jax.Array) -> Dict[str, Any]:
   return jax.jit(lambda key: jax.tree.map(lambda x: x.astype(dtype), init(key)))(rng)
 
 
+def _params_on_device(model: network.Transformer, seed: int,
+                      from_pretrained: Optional[Callable[[jax.Array], Tuple[Any, Dict]]]
+                      ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+  """`random_params(model)`, or `from_pretrained(rng)` cast to the model's
+  dtype on the host and put on the device one transfer per leaf (no
+  per-shape convert programs); with a summary of where they came from."""
+  rng = jax.random.PRNGKey(seed)
+  dtype = jnp.dtype(model.config.dtype)
+  info: Dict[str, Any] = {'seed': seed, 'dtype': dtype.name}
+  if from_pretrained is None:
+    return random_params(model, rng), {'source': 'random_init', **info}
+  params, source = from_pretrained(rng)
+  params = jax.device_put(jax.tree.map(
+      lambda x: np.asarray(x).astype(dtype, copy=False), params))
+  return params, {**info, **source}
+
+
 def coda_params(config: T5Config, coda: CodaConfig,
                 pretrained: Optional[Mapping[str, Any]] = None, seed: int = 0
                 ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -131,18 +148,14 @@ def coda_params(config: T5Config, coda: CodaConfig,
   routers and adapters fresh.
   """
   model = network.Transformer(config, coda=coda)
-  rng = jax.random.PRNGKey(seed)
-  dtype = jnp.dtype(config.dtype)
-  info: Dict[str, Any] = {'seed': seed, 'dtype': dtype.name}
-  if pretrained is None:
-    return random_params(model, rng), {'source': 'random_init', **info}
-  params = checkpoints.init_coda_from_t5(pretrained, model, rng)
-  # Cast on the host, then one transfer per leaf (no per-shape convert programs).
-  params = jax.device_put(jax.tree.map(
-      lambda x: np.asarray(x).astype(dtype, copy=False), params))
-  taken = len(params_lib.flatten(pretrained))
-  return params, {'source': 'checkpoint', **info, 'pretrained_leaves': taken,
-                  'fresh_leaves': len(params_lib.flatten(params)) - taken}
+
+  def from_pretrained(rng):
+    params = checkpoints.init_coda_from_t5(pretrained, model, rng)
+    taken = len(params_lib.flatten(pretrained))
+    return params, {'source': 'checkpoint', 'pretrained_leaves': taken,
+                    'fresh_leaves': len(params_lib.flatten(params)) - taken}
+
+  return _params_on_device(model, seed, None if pretrained is None else from_pretrained)
 
 
 def acm_name(budget: float) -> str:
@@ -162,21 +175,17 @@ def acm_params(config: T5Config, template: AcmConfig,
   """Parameters of an ACM model (every budget shares them) and a summary.
 
   In `config.dtype`, on the device. Random (`random_params`); with `pretrained`
-  (a T5 'params' tree), `acm.acmize`: the pretrained leaves as they are, the
+  (a T5 'params' tree), `acmize.acmize`: the pretrained leaves as they are, the
   learners split from the pretrained FFNs, fresh gates. The tree holds the
   dense model's leaves too (`restrict_params` gives them).
   """
   model = acm_model(config, template, template.budget)
-  rng = jax.random.PRNGKey(seed)
-  dtype = jnp.dtype(config.dtype)
-  info: Dict[str, Any] = {'seed': seed, 'dtype': dtype.name}
-  if pretrained is None:
-    return random_params(model, rng), {'source': 'random_init', **info}
-  from coda_jax import acm as acm_lib  # pylint: disable=g-import-not-at-top
-  params = acm_lib.acmize(pretrained, model, rng)
-  params = jax.device_put(jax.tree.map(
-      lambda x: np.asarray(x).astype(dtype, copy=False), params))
-  return params, {'source': 'checkpoint (acm.acmize)', **info}
+
+  def from_pretrained(rng):
+    from coda_jax import acmize  # pylint: disable=g-import-not-at-top
+    return acmize.acmize(pretrained, model, rng), {'source': 'checkpoint (acmize.acmize)'}
+
+  return _params_on_device(model, seed, None if pretrained is None else from_pretrained)
 
 
 def random_tokens(batch: int, length: int, vocab_size: int, seed: int = 0) -> jax.Array:

@@ -1,8 +1,18 @@
 """The decoding-latency result as people read it: a table and a Figure 7a-style plot."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+import json
+from typing import Any, Mapping, Optional
 
+
+
+def write_json(result: Mapping[str, Any], path: Optional[str], indent: int = 1) -> str:
+  """`result` as JSON text, also written to `path` (with a final newline) when given."""
+  text = json.dumps(result, indent=indent)
+  if path:
+    with open(path, 'w') as f:
+      f.write(text + '\n')
+  return text
 
 def _compilation_line(compilation: Mapping[str, Any]) -> str:
   cached = (f', {compilation["persistent_cache_hits"]} from the cache in '

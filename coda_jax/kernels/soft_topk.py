@@ -80,11 +80,9 @@ this module imports no other of the package but `config`),
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
-import time
 from typing import Any, Callable, Optional
 
 import jax

@@ -31,19 +31,22 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import gin
 import jax
 import numpy as np
 
 from coda_jax import acm as acm_lib
+from coda_jax import acmize as acmize_lib
 from coda_jax import checkpoints
 from coda_jax.checkpoints import coda as coda_checkpoints
 from coda_jax import config as config_lib
 from coda_jax import network
 from coda_jax import partitioning
 from coda_jax.training import data as data_lib
+# The errors `train` raises, named here for its callers (train.py, infer.py, tests).
+from coda_jax.training.errors import ConfigError, NonFiniteLossError, PreemptedError  # pylint: disable=unused-import
 from coda_jax.training import k_annealing
 from coda_jax.training import metrics as metrics_lib
 from coda_jax.training import optimizer as optimizer_lib
@@ -52,30 +55,6 @@ from coda_jax.training import trainer as trainer_lib
 
 CHECKPOINT_SUBDIR = 'checkpoints'
 ADAPTERS_SUBDIR = 'adapters'
-
-
-class UserFacingError(Exception):
-  """An error whose message is for the user as written.
-
-  gin appends "In call to configurable ..." to exceptions raised inside a
-  configurable; `message` keeps the original text for the command line.
-  """
-
-  def __init__(self, message: str):
-    super().__init__(message)
-    self.message = message
-
-
-class ConfigError(UserFacingError, ValueError):
-  """A configuration that cannot run (found before any computation)."""
-
-
-class NonFiniteLossError(UserFacingError, FloatingPointError):
-  """The loss (or a trained parameter) became NaN or infinite."""
-
-
-class PreemptedError(UserFacingError):
-  """A multi-process run stopped at a preemption notice, after a checkpoint."""
 
 
 @dataclasses.dataclass
@@ -90,109 +69,6 @@ class TrainResult:
   start_step: int
   setup: Optional['RunSetup'] = None
   dry_run_batch_shapes: Optional[Dict[str, List[int]]] = None
-
-
-# Multi-process: JAX's own runtime (`jax.distributed`), one process per host.
-
-_CLUSTER_ENV = ('JAX_COORDINATOR_ADDRESS', 'COORDINATOR_ADDRESS')
-PROCESS_COUNT_ENV = 'JAX_NUM_PROCESSES'
-PROCESS_INDEX_ENV = 'JAX_PROCESS_ID'
-
-
-def _multiprocess_launch_detected(env: Mapping[str, str]) -> bool:
-  if any(env.get(k) for k in _CLUSTER_ENV):
-    return True
-  for key in ('SLURM_NTASKS', 'OMPI_COMM_WORLD_SIZE', PROCESS_COUNT_ENV):
-    try:
-      if int(env.get(key, '1')) > 1:
-        return True
-    except ValueError:
-      continue
-  return ',' in env.get('TPU_WORKER_HOSTNAMES', '')
-
-
-def _int_option(flag: str, value: Union[int, str, None], env_key: str,
-                env: Mapping[str, str], minimum: int) -> Optional[int]:
-  """`value` (a flag) or else `env[env_key]`, as an int >= `minimum`; None when neither."""
-  source = flag
-  if value is None:
-    value, source = env.get(env_key) or None, env_key
-  if value is None:
-    return None
-  try:
-    number = int(value)
-  except (TypeError, ValueError):
-    number = None
-  if number is None or number < minimum or isinstance(value, bool):
-    raise ConfigError(f'{source} must be an integer >= {minimum}, got {value!r}')
-  return number
-
-
-def distributed_options(env: Mapping[str, str], coordinator_address: Optional[str] = None,
-                        process_count: Union[int, str, None] = None,
-                        process_index: Union[int, str, None] = None
-                        ) -> Tuple[Optional[str], Optional[int], Optional[int]]:
-  """(coordinator address, process count, process index): the flags, else the
-  environment (JAX_COORDINATOR_ADDRESS or COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
-  JAX_PROCESS_ID); None where neither says (JAX's cluster detection may)."""
-  source = '--coordinator_address'
-  if not coordinator_address:
-    source, coordinator_address = next(
-        ((k, env[k]) for k in _CLUSTER_ENV if env.get(k)), (None, None))
-  if coordinator_address is not None:
-    host, _, port = coordinator_address.rpartition(':')
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-      raise ConfigError(f'{source} must be HOST:PORT (the address of process 0 and a '
-                        f'free port), got {coordinator_address!r}')
-  count = _int_option('--process_count', process_count, PROCESS_COUNT_ENV, env, 1)
-  index = _int_option('--process_index', process_index, PROCESS_INDEX_ENV, env, 0)
-  if count is not None and index is not None and index >= count:
-    raise ConfigError(f'process index {index} is not below the process count {count}')
-  return coordinator_address, count, index
-
-
-def maybe_initialize_distributed(mode: str = 'auto',
-                                 env: Optional[Mapping[str, str]] = None, *,
-                                 coordinator_address: Optional[str] = None,
-                                 process_count: Union[int, str, None] = None,
-                                 process_index: Union[int, str, None] = None) -> bool:
-  """Calls `jax.distributed.initialize` for multi-process launches.
-
-  The coordinator (process 0's HOST:PORT), the number of processes and this
-  process's index come from the arguments (the command line's
-  --coordinator_address, --process_count, --process_index), else the
-  environment (`distributed_options`); what is still unknown is left to JAX's
-  cluster detection (TPU VM slices, SLURM, Open MPI). `mode`: 'on' always,
-  'off' never, 'auto' when the arguments or the environment show several
-  processes (a coordinator, a process count above 1, SLURM / Open MPI with
-  more than one task, a multi-host TPU slice). Must run before any JAX
-  computation. Returns whether it initialised.
-  """
-  if mode not in ('auto', 'on', 'off'):
-    raise ConfigError(f'multiprocess must be auto, on or off, got {mode!r}')
-  env = os.environ if env is None else env
-  if mode == 'off':
-    return False
-  coordinator, count, index = distributed_options(env, coordinator_address, process_count,
-                                                  process_index)
-  launched = (coordinator is not None or (count or 1) > 1
-              or _multiprocess_launch_detected(env))
-  if mode == 'auto' and not launched:
-    return False
-  try:
-    jax.distributed.initialize(coordinator, count, index)
-  except ValueError as e:  # what neither we nor JAX's cluster detection found
-    known = ', '.join(f'{name} {value if value is not None else "unknown"}' for name, value in
-                      (('coordinator', coordinator), ('process count', count),
-                       ('process index', index)))
-    raise ConfigError(
-        f'cannot start the multi-process run: {e} ({known}); give --coordinator_address, '
-        f'--process_count and --process_index (or set JAX_COORDINATOR_ADDRESS, '
-        f'{PROCESS_COUNT_ENV} and {PROCESS_INDEX_ENV}), or launch under SLURM, Open MPI '
-        'or on a TPU VM slice, where JAX finds them') from e
-  logging.info('process %d of %d (coordinator %s)', jax.process_index(),
-               jax.process_count(), coordinator or 'found by JAX')
-  return True
 
 
 # Setup (no computation).
@@ -396,7 +272,7 @@ def _initial_params(run: RunSetup, initial_checkpoint_path: Optional[str], rng):
   """The parameters a fresh run starts from (`restore_or_initialize`).
 
   From a T5 v1.1 checkpoint: its leaves, CoDA's new ones initialised, an
-  ACM's learners from the pretrained FFNs / projections (`acm.acmize`). From a trained run
+  ACM's learners from the pretrained FFNs / projections (`acmize.acmize`). From a trained run
   (a MODEL_DIR of this trainer, e.g. the previous phase of an ACM
   conversion): every leaf it has, only the missing new ones initialised.
   """
@@ -410,7 +286,7 @@ def _initial_params(run: RunSetup, initial_checkpoint_path: Optional[str], rng):
   if getattr(run.model, 'acm', None) is not None:
     # The ACM leaves `given` lacks from the pretrained modules; those it has
     # (a previous phase's) as they are.
-    params = acm_lib.acmize(given, run.model, rng)
+    params = acmize_lib.acmize(given, run.model, rng)
   elif run.model.coda is not None:
     params = checkpoints.init_coda_from_t5(given, run.model, rng)
   else:
@@ -583,6 +459,50 @@ def train_loop(run: RunSetup, progress: Progress, batches, *, ckpt, ckpt_dir: st
     collect(*pending)
 
 
+def save_run_config(model_dir: str, model, trainable_params: str, **extra: Any) -> str:
+  """``MODEL_DIR/run_config.json`` of `model` (its T5, CoDA and ACM configs)."""
+  acm = getattr(model, 'acm', None)
+  return checkpoints.save_run_config(
+      model_dir, model.config, model.coda, trainable_params,
+      acm_config=None if acm is None else config_lib.to_dict(acm), **extra)
+
+
+def record_learner_usage(run: RunSetup, progress: Progress, batches, model_dir: str,
+                         trainable_params: str, num_batches: int,
+                         lead: bool) -> Optional[Tuple[float, ...]]:
+  """After an ACM 'finetune' run: u_n = P(k >= n) of the trained gates.
+
+  Measured in evaluation mode (argmax gates) on the next `num_batches`
+  training batches (`Trainer.learner_usage_fn`; the largest over the ACMs,
+  `acm.learner_usage`) and written into run_config.json: as
+  ``acm_config.learner_usage`` (unless the run's `AcmConfig` sets one), so a
+  model loaded from this MODEL_DIR sizes its 'gather' capacities from what
+  its gates do rather than from the budget alone, and in full as
+  ``acm_measured_learner_usage``. Returns the usage (None: not an ACM
+  fine-tuning run, or `num_batches` 0).
+  """
+  model = run.trainer.models[-1]
+  acm = getattr(model, 'acm', None)
+  if acm is None or acm.phase != 'finetune' or num_batches < 1:
+    return None
+  usage_fn = run.trainer.learner_usage_fn()
+  counts = sum(np.asarray(usage_fn(progress.state['params'], run.trainer.shard_batch(
+      next(batches), run.train_cfg.batch_size))) for _ in range(num_batches))
+  usage = acm_lib.learner_usage(counts)
+  if lead:
+    recorded = model.clone(acm=dataclasses.replace(
+        acm, learner_usage=usage if acm.learner_usage is None else acm.learner_usage))
+    save_run_config(model_dir, recorded, trainable_params, acm_measured_learner_usage={
+        'learner_usage': list(usage), 'step': progress.step, 'batches': num_batches,
+        'modules': int(counts.shape[0]), 'tokens_per_module': float(counts[:, 0].max()),
+        'how': 'P(k >= n) in evaluation mode (argmax gates), the largest over the ACMs'})
+    print(f"ACM learner usage P(k >= n), n = 1..{acm.num_learners}: "
+          f"{', '.join(f'{u:.3f}' for u in usage)} (mean {np.mean(usage):.3f}, budget "
+          f"{acm.budget}); 'gather' inference sizes its capacities from it "
+          f"({os.path.join(model_dir, checkpoints.trained.RUN_CONFIG)})", flush=True)
+  return usage
+
+
 _TRAIN_CALLS = 0
 
 
@@ -622,6 +542,7 @@ def train(*,
           progress_bar: Optional[bool] = None,
           callbacks: Sequence[Callable[[int, Dict[str, float]], None]] = (),
           dry_run: bool = False,
+          acm_usage_batches: int = 8,
           ) -> TrainResult:
   """Trains `model` on `train_dataset_cfg` for `total_steps` steps (see module doc).
 
@@ -653,6 +574,11 @@ def train(*,
     callbacks: called as `fn(step, metrics)` after each step's metrics arrive.
     dry_run: only check the configuration, build the model, task, mesh and
       train step's shardings and read one batch (no parameters, no training).
+    acm_usage_batches: after an ACM 'finetune' run, the learners' usage
+      u_n = P(k >= n) is measured in evaluation mode on that many more
+      training batches (`record_learner_usage`) and written into
+      run_config.json, where 'gather' inference takes its capacities from
+      (0: not measured).
   """
   global _TRAIN_CALLS
   _TRAIN_CALLS += 1
@@ -665,11 +591,10 @@ def train(*,
     return dry_run_result(run, model_dir)
   check_shared_model_dir(model_dir)
   lead = jax.process_index() == 0
+  if acm_usage_batches < 0:
+    raise ConfigError(f'acm_usage_batches must be >= 0, got {acm_usage_batches}')
   if lead:
-    acm = getattr(model, 'acm', None)
-    checkpoints.save_run_config(
-        model_dir, model.config, model.coda, trainable_params,
-        acm_config=None if acm is None else config_lib.to_dict(acm))
+    save_run_config(model_dir, model, trainable_params)
   writer = metrics_lib.MetricsWriter(model_dir, tensorboard=tensorboard, enabled=lead)
   ckpt_dir = os.path.join(model_dir, CHECKPOINT_SUBDIR)
   ckpt = checkpoints.TrainStateCheckpointer(ckpt_dir, max_to_keep=keep_checkpoints)
@@ -699,5 +624,7 @@ def train(*,
   finally:
     log.close()
     ckpt.close()
+  record_learner_usage(run, progress, batches, model_dir, trainable_params,
+                       acm_usage_batches, lead)
   return TrainResult(progress.state, progress.step, run.trainer, model_dir, ckpt_dir,
                      log.train_history, log.eval_history, start, setup=run)

@@ -19,6 +19,7 @@ jitted step, traced and compiled once (`trace_counts` counts the traces).
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import jax
@@ -101,6 +102,7 @@ class Trainer:
     self._steps: Dict[int, Callable] = {}
     self._predict: Dict[Tuple[int, int], Callable] = {}
     self._all_finite: Optional[Callable] = None
+    self._learner_usage: Optional[Callable] = None
 
     variables = params_lib.abstract_variables(self.models[-1])
     self.param_shapes = variables['params']
@@ -287,6 +289,31 @@ class Trainer:
           lambda ls: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in ls])),
           out_shardings=self.replicated)
     return bool(self._all_finite(leaves))
+
+  def learner_usage_fn(self) -> Callable:
+    """Jitted `(params, batch) -> [modules, N + 1]` counts of an ACM model's
+    learners in evaluation mode (argmax gates; `acm.learner_usage_counts`),
+    over the global batch, replicated. 'masked' inference: every token's
+    choice is counted whatever the capacities."""
+    if self._learner_usage is None:
+      model = self.models[-1]
+      if getattr(model, 'acm', None) is None:
+        raise ValueError('learner_usage_fn needs an ACM model (Transformer(acm=...))')
+      model = model.clone(acm=dataclasses.replace(model.acm, inference='masked'))
+
+      def counts(params, batch):
+        extra = {k: batch[k] for k in _OPTIONAL_FEATURES if k in batch}
+        with partitioning.axis_rules(self.rules):
+          _, aux = model.apply(
+              {'params': params}, batch['encoder_input_tokens'],
+              batch['decoder_input_tokens'], batch['decoder_target_tokens'], **extra,
+              enable_dropout=False, mutable=['intermediates'])
+          return acm_lib.learner_usage_counts(aux['intermediates'], model.acm.num_learners)
+
+      self._learner_usage = jax.jit(counts,
+                                    in_shardings=(self.params_shardings, self.batch_sharding),
+                                    out_shardings=self.replicated)
+    return self._learner_usage
 
   def predict_fn(self, max_decode_length: int, rung: int = -1) -> Callable:
     """Jitted greedy decoding `(params, encoder_input_tokens) -> tokens` (replicated)."""
