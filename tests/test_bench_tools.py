@@ -37,3 +37,6 @@ def test_bench_acm_reports_the_bound_of_each_budget():
   assert rows['gather_b0.25']['flop_bound'] > rows['gather_b0.5']['flop_bound'] > 1
   assert rows['gather_b0.5']['fraction_of_bound'] == pytest.approx(
       rows['gather_b0.5']['speedup'] / rows['gather_b0.5']['flop_bound'])
+  for bad in (['--budgets', '0.5,1.5'], ['--repeats', '0']):  # argparse's error, no work
+    with pytest.raises(SystemExit):
+      _tool('bench_acm').main(bad)

@@ -22,6 +22,7 @@ import sys
 import jax
 
 from coda_jax import flops
+from coda_jax.bench import flags
 from coda_jax.bench import report as bench_report
 from coda_jax.bench import models
 from coda_jax.bench import timing
@@ -33,20 +34,15 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--model', default='small', choices=models.MODEL_PRESETS)
   parser.add_argument('--dtype', default=None)
-  parser.add_argument('--batch_size', type=int, default=4)
-  parser.add_argument('--length', type=int, default=512)
-  parser.add_argument('--budgets', default='0.25,0.5,0.75')
-  parser.add_argument('--num_learners', type=int, default=4)
-  parser.add_argument('--repeats', type=int, default=7)
+  parser.add_argument('--batch_size', type=flags.at_least_one, default=4)
+  parser.add_argument('--length', type=flags.at_least_one, default=512)
+  parser.add_argument('--budgets', type=flags.budgets, default='0.25,0.5,0.75',
+                      help='comma-separated budgets β in (0, 1]')
+  parser.add_argument('--num_learners', type=flags.at_least_one, default=4)
+  parser.add_argument('--repeats', type=flags.at_least_one, default=7)
   parser.add_argument('--out', default=None)
   args = parser.parse_args(argv)
-  budgets = [float(b) for b in args.budgets.split(',') if b]
-  for name, value in (('--batch_size', args.batch_size), ('--length', args.length),
-                      ('--repeats', args.repeats), ('--num_learners', args.num_learners)):
-    if value < 1:
-      parser.error(f'{name} must be >= 1, got {value}')
-  if not all(0 < b <= 1 for b in budgets):
-    parser.error(f'--budgets must be in (0, 1], got {args.budgets}')
+  budgets = args.budgets
   dtype = args.dtype or timing.default_dtype()
   config = models.make_config(args.model, dtype)
   tokens = models.random_tokens(args.batch_size, args.length, config.vocab_size)
