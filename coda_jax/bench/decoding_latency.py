@@ -277,8 +277,8 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
       row['acm'] = None
       row['flop_bound'] = {t: 1.0 for t in TIMED}
     else:
-      bounds = flops.acm_decoding_speedup_bounds(config, model.acm, input_length, output_length, batch_size,
-                               beams)
+      bounds = flops.acm_decoding_speedup_bounds(config, model.acm, input_length,
+                                                 output_length, batch_size, beams)
       row['acm'] = {
           'num_learners': model.acm.num_learners, 'inference': model.acm.inference,
           'capacity_factor': model.acm.capacity_factor,

@@ -46,7 +46,8 @@ from coda_jax import network
 from coda_jax import partitioning
 from coda_jax.training import data as data_lib
 # The errors `train` raises, named here for its callers (train.py, infer.py, tests).
-from coda_jax.training.errors import ConfigError, NonFiniteLossError, PreemptedError  # pylint: disable=unused-import
+from coda_jax.training.errors import (  # pylint: disable=unused-import
+    ConfigError, NonFiniteLossError, PreemptedError)
 from coda_jax.training import k_annealing
 from coda_jax.training import metrics as metrics_lib
 from coda_jax.training import optimizer as optimizer_lib
