@@ -126,8 +126,8 @@ def test_writes_a_bar_chart(ablation):
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['--steps', '0'], r'--steps: expected an integer >= 1, got 0'),
-    (['--seeds', 'two'], r"--seeds: expected an integer >= 1, got 'two'"),
+    (['--steps', '0'], r'--steps: must be >= 1, got 0'),
+    (['--seeds', 'two'], r"--seeds: 'two' is not an integer"),
     (['--routers', 'soft_topk,top2'], r"--routers: unknown router 'top2'; expected some "
      'of soft_topk,sigmoid,truncation'),
     (['--routers', 'sigmoid,sigmoid'], r"--routers: router 'sigmoid' is given twice"),

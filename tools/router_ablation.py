@@ -61,6 +61,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from coda_jax import quiet
+from coda_jax.bench import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS_GIN_DIR = os.path.join(REPO, 'gin_configs', 'runs')
@@ -94,16 +95,6 @@ COLORS = {'soft_topk': '#1f77b4', 'sigmoid': '#ff7f0e', 'truncation': '#7f7f7f'}
 # ----------------------------------------------------------------------------
 # Command line.
 # ----------------------------------------------------------------------------
-
-
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f'expected an integer >= 1, got {text!r}') from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f'expected an integer >= 1, got {value}')
-  return value
 
 
 def _reduction_factors(text: str) -> Tuple[float, ...]:
@@ -142,10 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
       'sigmoid and truncation routers trained alike; table, JSON and bar chart.',
       epilog='Any number of --gin.NAME=VALUE overrides apply to every run (not the '
       f'macros the tool sets: {", ".join(TOOL_MACROS)}).')
-  parser.add_argument('--steps', type=_positive_int, default=None,
+  parser.add_argument('--steps', type=flags.at_least_one, default=None,
                       help='fine-tuning steps of every run (default: TRAIN_STEPS of '
                       'gin_configs/runs/router_ablation.gin)')
-  parser.add_argument('--seeds', type=_positive_int, default=NUM_SEEDS,
+  parser.add_argument('--seeds', type=flags.at_least_one, default=NUM_SEEDS,
                       help=f'number of seeds, 0..N-1, per router and r (default {NUM_SEEDS})')
   parser.add_argument('--reduction_factors', type=_reduction_factors,
                       default=REDUCTION_FACTORS,
@@ -153,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                       f'{",".join(f"{r:g}" for r in REDUCTION_FACTORS)})')
   parser.add_argument('--routers', type=_routers, default=ROUTERS,
                       help=f'comma-separated routers (default {",".join(ROUTERS)})')
-  parser.add_argument('--backbone_steps', type=_positive_int, default=None,
+  parser.add_argument('--backbone_steps', type=flags.at_least_one, default=None,
                       help='training steps of the dense backbone (default: TRAIN_STEPS '
                       'of gin_configs/runs/router_ablation_backbone.gin)')
   parser.add_argument('--out_dir', default=DEFAULT_OUT_DIR,
