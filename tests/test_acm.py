@@ -19,7 +19,7 @@ from coda_jax.training import optimizer as optimizer_lib
 from coda_jax.training import trainer as trainer_lib
 from coda_jax.config import AcmConfig
 from coda_jax.network import Transformer
-from tiny_models import tiny_config
+from tiny_models import decode_step_by_step, tiny_config
 
 N = 4
 
@@ -46,9 +46,9 @@ def _logits(model, params, enable_dropout=False, rng=None):
                      rngs=None if rng is None else {'dropout': rng})
 
 
-def test_all_learners_are_the_dense_model_and_fewer_are_not():
-  """On the real target positions (padding runs no learner: k = 0)."""
-  cfg, t5, model, params = _acmized(force_learners=N)
+def _check_all_learners_are_dense_and_fewer_are_not(cfg, t5, model, params):
+  """`model` (force_learners=N) equals the dense T5 on the real target
+  positions; k = 3, 1, 0 learners differ from it, more and more."""
   real = np.asarray(_tokens()[1] > 0)
   dense = np.asarray(_logits(Transformer(cfg), t5))[real]
   np.testing.assert_allclose(np.asarray(_logits(model, params))[real], dense,
@@ -58,6 +58,12 @@ def test_all_learners_are_the_dense_model_and_fewer_are_not():
     fewer = model.clone(acm=dataclasses.replace(model.acm, force_learners=k))
     errors.append(float(np.abs(np.asarray(_logits(fewer, params))[real] - dense).max()))
   assert errors[0] > 1e-3 and errors[0] < errors[1] < errors[2]
+
+
+def test_all_learners_are_the_dense_model_and_fewer_are_not():
+  """On the real target positions (padding runs no learner: k = 0)."""
+  cfg, t5, model, params = _acmized(force_learners=N)
+  _check_all_learners_are_dense_and_fewer_are_not(cfg, t5, model, params)
   # Encoder or decoder only.
   for stack in ('encoder', 'decoder'):
     one = model.clone(acm=dataclasses.replace(model.acm, force_learners=0, **{stack: False}))
@@ -80,9 +86,8 @@ def test_acmize_orders_units_by_importance_and_keeps_the_teacher():
   assert np.all(np.diff(got) <= 0)
 
 
-def test_gate_gets_gradient_from_the_task_loss_alone():
-  """The official code's bug: its gate's choice never multiplies the output."""
-  _, _, model, params = _acmized()
+def _task_loss_grads(model, params):
+  """Flat gradients of a task loss alone (training mode: Gumbel gates)."""
   enc, dec = _tokens()
 
   def task_loss(p):
@@ -90,7 +95,13 @@ def test_gate_gets_gradient_from_the_task_loss_alone():
                          rngs={'dropout': jax.random.PRNGKey(3)})
     return jnp.mean(jax.nn.log_softmax(logits)[..., 5])
 
-  grads = params_lib.flatten(jax.grad(task_loss)(params))
+  return params_lib.flatten(jax.grad(task_loss)(params))
+
+
+def test_gate_gets_gradient_from_the_task_loss_alone():
+  """The official code's bug: its gate's choice never multiplies the output."""
+  _, _, model, params = _acmized()
+  grads = _task_loss_grads(model, params)
   gate = [np.abs(np.asarray(g)).max() for n, g in grads.items() if '/gate/' in n]
   assert len(gate) == 6 * (tiny_config().num_encoder_layers + tiny_config().num_decoder_layers)
   assert max(gate) > 0 and all(np.isfinite(gate))
@@ -339,15 +350,7 @@ def _attention_stacks(cfg):
 @pytest.mark.parametrize('modules', [BOTH, ('attention',)])
 def test_attention_learners_all_are_the_dense_model_and_fewer_are_not(modules):
   cfg, t5, model, params = _acmized(force_learners=N, modules=modules)
-  real = np.asarray(_tokens()[1] > 0)
-  dense = np.asarray(_logits(Transformer(cfg), t5))[real]
-  np.testing.assert_allclose(np.asarray(_logits(model, params))[real], dense,
-                             atol=1e-5, rtol=0)
-  errors = []
-  for k in (3, 1, 0):
-    fewer = model.clone(acm=dataclasses.replace(model.acm, force_learners=k))
-    errors.append(float(np.abs(np.asarray(_logits(fewer, params))[real] - dense).max()))
-  assert errors[0] > 1e-3 and errors[0] < errors[1] < errors[2]
+  _check_all_learners_are_dense_and_fewer_are_not(cfg, t5, model, params)
   flat = params_lib.flatten(params)
   assert sum('acm_mlp' in n for n in flat) == (0 if modules == ('attention',) else
                                               3 * (cfg.num_encoder_layers
@@ -401,14 +404,7 @@ def test_truncated_rank_is_the_top_singular_directions():
 
 def test_attention_gates_get_gradient_from_the_task_loss_in_finetune():
   cfg, _, model, params = _acmized(modules=BOTH)
-  enc, dec = _tokens()
-
-  def task_loss(p):
-    logits = model.apply({'params': p}, enc, dec, dec, enable_dropout=True,
-                         rngs={'dropout': jax.random.PRNGKey(3)})
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 5])
-
-  grads = params_lib.flatten(jax.grad(task_loss)(params))
+  grads = _task_loss_grads(model, params)
   for prefix in _attention_stacks(cfg):
     for proj in PROJECTIONS:
       gate = [np.abs(np.asarray(grads[f'{prefix}/{proj}/gate/{leaf}'])).max()
@@ -501,12 +497,8 @@ def test_cached_decoding_with_attention_learners_equals_teacher_forcing(inferenc
                              decode=True)['cache'])
   real = np.asarray(dec > 0)
   for cache in caches:
-    logits = []
-    for i in range(length):
-      step_logits, cache = step(dec[:, i:i + 1], cache)
-      logits.append(step_logits)
-    np.testing.assert_allclose(np.asarray(jnp.stack(logits, 1))[real],
-                               np.asarray(full)[real], atol=1e-5)
+    logits, _ = decode_step_by_step(step, dec, cache)
+    np.testing.assert_allclose(np.asarray(logits)[real], np.asarray(full)[real], atol=1e-5)
 
 
 def test_gather_inference_with_attention_learners_equals_masked_with_enough_capacity():

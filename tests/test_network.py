@@ -14,7 +14,7 @@ from coda_jax import layers
 from coda_jax.config import T5Config, t5_1_1
 from coda_jax.network import Transformer
 
-from tiny_models import tiny_config
+from tiny_models import decode_step_by_step, tiny_config
 
 
 def batch(seed=0, b=3, n=9, m=6, vocab=64):
@@ -135,11 +135,7 @@ def test_cached_decoding_equals_teacher_forcing(kv_heads, cache_cross_kv):
   length = tgt.shape[1]
   cache = decoding.init_decode_cache(model, params, encoded, enc, length)
   step = jax.jit(decoding.make_tokens_to_logits(model, params, encoded, enc, length))
-  logits = []
-  for i in range(length):
-    step_logits, cache = step(dec_in[:, i:i + 1], cache)
-    logits.append(step_logits)
-  stepped = jnp.stack(logits, 1)
+  stepped, cache = decode_step_by_step(step, dec_in, cache)
   real = np.asarray(tgt > 0)
   np.testing.assert_allclose(np.asarray(stepped)[real], np.asarray(full)[real], atol=1e-5)
   flat_cache = flatten_dict(flax.core.unfreeze(cache))
@@ -157,11 +153,8 @@ def test_cached_decoding_equals_teacher_forcing(kv_heads, cache_cross_kv):
                            decode=True)['cache']
     assert not bool(flatten_dict(flax.core.unfreeze(t5x_cache))[
         ('decoder', 'layers_0', 'encoder_decoder_attention', 'cross_kv_ready')])
-    t5x_logits = []
-    for i in range(length):
-      step_logits, t5x_cache = step(dec_in[:, i:i + 1], t5x_cache)
-      t5x_logits.append(step_logits)
-    np.testing.assert_allclose(np.asarray(jnp.stack(t5x_logits, 1))[real],
+    t5x_logits, _ = decode_step_by_step(step, dec_in, t5x_cache)
+    np.testing.assert_allclose(np.asarray(t5x_logits)[real],
                                np.asarray(full)[real], atol=1e-5)
 
 
