@@ -36,6 +36,7 @@ generators are plain numpy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import numpy as np
@@ -216,8 +217,8 @@ def is_capital(piece: str) -> bool:
   return len(piece) == 1 and 'A' <= piece <= 'Z'
 
 
-def ordered_capitals(rng: np.random.Generator) -> Example:
-  """"order: " + `ORDER_LENGTH` letters -> its `ORDER_NEEDLES` capitals in order.
+def ordered_capitals(rng: np.random.Generator, needles: int = ORDER_NEEDLES) -> Example:
+  """"order: " + `ORDER_LENGTH` letters -> its `needles` capitals in order.
 
   The capitals (distinct, A-Z) stand at uniformly random positions among
   lowercase distractors: "order: qwkeJxz..Pl..Dm..Xa" -> "JPDX". A token's
@@ -228,16 +229,23 @@ def ordered_capitals(rng: np.random.Generator) -> Example:
   learned router can tell them by their byte); truncation routes the first
   k = ceil(n / r) tokens, the prefix and the first k - 7 letters, so it holds
   each capital with probability (k - 7) / `ORDER_LENGTH` (15/56 at n = 64,
-  r = 3; 6/56 at r = 5) and has to guess the order of the others.
+  r = 3; 6/56 at r = 5) and has to guess the order of the others. The more
+  needles, the closer their number comes to k: the capacity binds.
   """
+  if not 1 <= needles <= 26:
+    raise ValueError(f'ordered_capitals: needles must be in [1, 26] (distinct capitals), '
+                     f'got {needles}')
   letters = rng.integers(ord('a'), ord('z') + 1, ORDER_LENGTH)
-  positions = np.sort(rng.choice(ORDER_LENGTH, ORDER_NEEDLES, replace=False))
-  capitals = rng.choice(26, ORDER_NEEDLES, replace=False) + ord('A')
+  positions = np.sort(rng.choice(ORDER_LENGTH, needles, replace=False))
+  capitals = rng.choice(26, needles, replace=False) + ord('A')
   letters[positions] = capitals
   return {'inputs': ORDER_PREFIX + ''.join(map(chr, letters)),
           'targets': ''.join(map(chr, capitals))}
 
 
-offline_task('coda_routing_order', ordered_capitals,
-             f'the {ORDER_NEEDLES} capitals among {ORDER_LENGTH} letters, in order '
-             '(a task where routing matters)', informative=is_capital)
+# The family: coda_routing_order (4 capitals) and coda_routing_order_<m> (m).
+ORDER_FAMILY = {'coda_routing_order': ORDER_NEEDLES, 'coda_routing_order_8': 8}
+for _name, _needles in ORDER_FAMILY.items():
+  offline_task(_name, functools.partial(ordered_capitals, needles=_needles),
+               f'the {_needles} capitals among {ORDER_LENGTH} letters, in order '
+               '(a task where routing matters)', informative=is_capital)

@@ -1,5 +1,6 @@
 """Offline tasks generated on the fly (`coda_jax.offline_tasks`)."""
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -94,19 +95,35 @@ def test_a_new_task_is_a_generator_and_one_call():
 
 
 ORDER = offline_tasks.OFFLINE_TASKS['coda_routing_order']
+ORDER_FAMILY = sorted(offline_tasks.ORDER_FAMILY.items())
 
 
-def test_order_examples_ask_for_their_capitals_in_order():
-  for example in _take(ORDER.train_examples(seed=2), 200):
+@pytest.mark.parametrize('name, needles', ORDER_FAMILY)
+def test_order_examples_ask_for_their_capitals_in_order(name, needles):
+  task = offline_tasks.OFFLINE_TASKS[name]
+  assert task.informative is offline_tasks.is_capital
+  for example in _take(task.train_examples(seed=2), 200):
     text = example['inputs']
     assert text.startswith(offline_tasks.ORDER_PREFIX)
     letters = text[len(offline_tasks.ORDER_PREFIX):]
     assert len(letters) == offline_tasks.ORDER_LENGTH and letters.isalpha()
     capitals = ''.join(c for c in letters if offline_tasks.is_capital(c))
     assert example['targets'] == capitals
-    assert len(set(capitals)) == offline_tasks.ORDER_NEEDLES
+    assert len(set(capitals)) == needles
   # With the EOS, an input fills the ablation's 64 encoder tokens exactly.
   assert len(offline_tasks.ORDER_PREFIX) + offline_tasks.ORDER_LENGTH + 1 == 64
+
+
+def test_order_family_names_and_bad_needles():
+  assert offline_tasks.ORDER_FAMILY == {'coda_routing_order': 4, 'coda_routing_order_8': 8}
+  # The 4-capital task draws exactly what it drew before the family existed.
+  example = ORDER.generate(np.random.default_rng(0))
+  assert example == {'inputs': 'order: wqnhibbaevqxnpzsqooyIvrakwoatswecwaoVPmkkaadarnqgqtjDzuz',
+                     'targets': 'IVPD'}
+  for bad in (0, 27):
+    with pytest.raises(ValueError, match=rf'needles must be in \[1, 26\] \(distinct '
+                       rf'capitals\), got {bad}'):
+      offline_tasks.ordered_capitals(np.random.default_rng(0), needles=bad)
 
 
 def test_order_marks_capitals_as_its_informative_tokens():
@@ -116,19 +133,26 @@ def test_order_marks_capitals_as_its_informative_tokens():
   assert QUICKSTART.informative is None
 
 
+@pytest.mark.parametrize('name, needles', ORDER_FAMILY)
 @pytest.mark.parametrize('reduction_factor', [3, 5])
-def test_order_capitals_are_spread_over_the_whole_input(reduction_factor):
+def test_order_capitals_are_spread_over_the_whole_input(name, needles, reduction_factor):
   # Truncation routes the first k = ceil(n / r) tokens: most capitals stand
   # after them, and every stretch of the input holds some.
   n = 64
   k = -(-n // reduction_factor)
+  task = offline_tasks.OFFLINE_TASKS[name]
   positions = np.array([[i for i, c in enumerate(e['inputs']) if offline_tasks.is_capital(c)]
-                        for e in ORDER.validation_examples()])
+                        for e in task.validation_examples()])
+  assert positions.shape == (task.num_validation, needles)
   prefix = len(offline_tasks.ORDER_PREFIX)
   assert positions.min() >= prefix and positions.max() < n - 1
   within = (positions < k).mean()
-  expected = (k - prefix) / offline_tasks.ORDER_LENGTH  # uniform over the letters
+  visible = k - prefix  # letters truncation routes
+  expected = visible / offline_tasks.ORDER_LENGTH  # uniform over the letters
   assert abs(within - expected) < 0.05
-  assert (positions >= k).all(axis=1).mean() > 0.2   # rows truncation sees none of
+  # Rows truncation sees none of: C(56 - visible, m) / C(56, m) of them.
+  none_seen = (positions >= k).all(axis=1).mean()
+  assert abs(none_seen - math.comb(offline_tasks.ORDER_LENGTH - visible, needles)
+             / math.comb(offline_tasks.ORDER_LENGTH, needles)) < 0.08
   counts = np.histogram(positions, bins=8, range=(prefix, n - 1))[0]
   assert counts.min() > 0.5 * counts.mean()

@@ -128,13 +128,17 @@ def test_writes_a_bar_chart(ablation):
 @pytest.mark.parametrize('argv, message', [
     (['--steps', '0'], r'--steps: must be >= 1, got 0'),
     (['--seeds', 'two'], r"--seeds: 'two' is not an integer"),
-    (['--routers', 'soft_topk,top2'], r"--routers: unknown router 'top2'; expected some "
-     'of soft_topk,sigmoid,truncation'),
+    (['--routers', 'soft_topk,top2'], r"--routers: 'top2' is not one of \['soft_topk', "
+     r"'sigmoid', 'truncation'\]"),
     (['--routers', 'sigmoid,sigmoid'], r"--routers: router 'sigmoid' is given twice"),
-    (['--reduction_factors', '3,0.5'], r'--reduction_factors: a reduction factor must be '
-     r"a finite number >= 1, got '0.5'"),
-    (['--reduction_factors', '3,x'], r'--reduction_factors: expected comma-separated '
-     r"numbers >= 1 \(e.g. 3,5\), got 'x'"),
+    (['--routers', ','], r"--routers: names none of \['soft_topk', 'sigmoid', "
+     r"'truncation'\]"),
+    (['--reduction_factors', '3,0.5'], r'--reduction_factors: 0.5 is not a reduction '
+     r'factor r >= 1'),
+    (['--reduction_factors', '3,x'], r"--reduction_factors: 'x' is not a number"),
+    (['--reduction_factors', '3,5,3.0'], r'--reduction_factors: reduction factor 3.0 is '
+     r'given twice'),
+    (['--reduction_factors', ''], r'--reduction_factors: names no reduction factor'),
     (['--gin.ROUTER=sigmoid'], r'--gin.ROUTER is set by the tool for each run \(use '
      r'--routers\)'),
     (['--frobnicate'], r'unrecognized arguments: --frobnicate'),

@@ -215,13 +215,14 @@ def test_only_trainable_leaves_train_and_loss_falls(runs):
 
 def test_k_annealing_ladder_compiles_each_rung_once(runs):
   # n = 48 routed down to k = 24 over the first 30% of 20 steps, 3 rungs.
-  assert runs['ladder'] == [[0, 48], [3, 36], [6, 24]]
+  # Each rung is the ramp's value in the middle of its 3 steps (42 and 30).
+  assert runs['ladder'] == [[0, 42], [3, 30], [6, 24]]
   assert runs['trace_counts'] == {'0': 1, '1': 1, '2': 1}
   # The run says so first, with the staircase's distance to the linear ramp
-  # (4 tokens per step: 8 tokens and 2 steps behind at steps 2 and 5).
+  # (4 tokens per step: 6 tokens and 1.5 steps ahead of it at steps 0 and 3).
   assert runs['first_line'] == (
-      'k annealing: 3 rungs (k = 48, 36, 24 from steps 0, 3, 6), 3 compiled train steps; '
-      'staircase vs linear: max 8.0 tokens, max 2 steps')
+      'k annealing: 3 rungs (k = 42, 30, 24 from steps 0, 3, 6), 3 compiled train steps; '
+      'staircase vs linear: max 6.0 tokens, max 2 steps')
 
 
 def test_checkpoints_metrics_and_eval_written(runs):
@@ -230,7 +231,7 @@ def test_checkpoints_metrics_and_eval_written(runs):
   records = [json.loads(line) for line in open(os.path.join(full, 'metrics.jsonl'))]
   train = [r for r in records if r['split'] == 'train']
   assert [r['step'] for r in train] == list(range(1, TOTAL + 1))
-  assert [r['k'] for r in train[:8]] == [48, 48, 48, 36, 36, 36, 24, 24]
+  assert [r['k'] for r in train[:8]] == [42, 42, 42, 30, 30, 30, 24, 24]
   evals = [r for r in records if r['split'] == 'eval']
   assert len(evals) == 1 and evals[0]['step'] == TOTAL
   assert evals[0]['num_examples'] == 8 and 0.0 <= evals[0]['accuracy'] <= 100.0

@@ -15,27 +15,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------
 # k annealing: k falls linearly from n to ceil(n / r) over the first 10-20% of
-# the steps, as a ladder of at most 5 k values (one compilation each).
+# the steps, as a ladder of at most 5 k values (one compilation each), each the
+# ramp's value in the middle of its segment.
 # ----------------------------------------------------------------------------
 
 
 def test_mnli_ladder_by_hand():
   # n = 128, r = 3 -> k = 43; 10% of 300K = 30000 steps in 4 segments of 7500:
-  # k_j = round(128 - 85 j / 4) = 128, 106.75 -> 107, 85.5 -> 86, 64.25 -> 64.
+  # k_j = round(128 - 85 (j + 1/2) / 4) = 117.375 -> 117, 96.125 -> 96,
+  # 74.875 -> 75, 53.625 -> 54; no rung routes every token.
   s = k_annealing.k_schedule(128, 3.0, 300000, fraction=0.1, max_rungs=5)
-  assert s.describe() == [(0, 128), (7500, 107), (15000, 86), (22500, 64), (30000, 43)]
+  assert s.describe() == [(0, 117), (7500, 96), (15000, 75), (22500, 54), (30000, 43)]
   assert s.num_rungs == 5
-  # Each rung starts at the linear ramp's value there.
+  # Each rung is the linear ramp's value at its segment's middle step.
   for start, k in s.describe()[:-1]:
-    assert k == round(128 - 85 * start / 30000)
+    assert k == round(128 - 85 * (start + 3750) / 30000)
 
 
 def test_twenty_percent_ladder_and_lookup():
   # n = 512, r = 5 -> k = 103; 20% of 1000 = 200 steps.
   s = k_annealing.k_schedule(512, 5.0, 1000, fraction=0.2)
-  assert s.describe() == [(0, 512), (50, 410), (100, 308), (150, 205), (200, 103)]
+  # k_j = round(512 - 409 (2j + 1) / 8) = 460.875, 358.625, 256.375, 154.125.
+  assert s.describe() == [(0, 461), (50, 359), (100, 256), (150, 154), (200, 103)]
   assert [s.k(t) for t in (0, 49, 50, 99, 100, 199, 200, 999, 10**6)] == [
-      512, 512, 410, 410, 308, 205, 103, 103, 103]
+      461, 461, 359, 359, 256, 154, 103, 103, 103]
   assert [s.rung(t) for t in (0, 50, 150, 200, 5000)] == [0, 1, 3, 4, 4]
   # Every rung is the same model routing exactly its k.
   coda = CodaConfig(reduction_factor=5.0)
@@ -43,13 +46,19 @@ def test_twenty_percent_ladder_and_lookup():
 
 
 def test_fewer_rungs_when_there_is_little_to_anneal():
-  # r = 1.25 on n = 10: k goes 10 -> 8, at most 3 distinct values.
+  # r = 1.25 on n = 10: k goes 10 -> 8, at most 3 distinct values (the ramp's
+  # 9.5 and 8.5 in the middle of the two segments round half up).
   assert k_annealing.k_schedule(10, 1.25, 100, 0.2).describe() == [(0, 10), (10, 9), (20, 8)]
-  # A 3-step run: one annealing step, then the target.
-  assert k_annealing.k_schedule(64, 2.0, 3, 0.1).describe() == [(0, 64), (1, 32)]
-  # max_rungs = 2: dense, then the target.
+  # r = 1.5 on n = 10 -> k = 7 in 3 segments: 9.5, 8.5 and 7.5 give 10, 9, 8.
+  # n = 10 -> k = 9: the one segment's 9.5 rounds to 10, then the target.
+  assert k_annealing.k_schedule(10, 1.5, 100, 0.3).describe() == [
+      (0, 10), (10, 9), (20, 8), (30, 7)]
+  assert k_annealing.k_schedule(10, 10 / 9, 100, 0.2).describe() == [(0, 10), (20, 9)]
+  # A 3-step run: one annealing step (the ramp's middle: 48), then the target.
+  assert k_annealing.k_schedule(64, 2.0, 3, 0.1).describe() == [(0, 48), (1, 32)]
+  # max_rungs = 2: the ramp's middle value, then the target.
   assert k_annealing.k_schedule(64, 4.0, 100, 0.1, max_rungs=2).describe() == [
-      (0, 64), (10, 16)]
+      (0, 40), (10, 16)]
 
 
 def test_no_annealing():
@@ -66,10 +75,16 @@ def test_ladder_invariants(n, r, fraction):
   total = 300000
   s = k_annealing.k_schedule(n, r, total, fraction)
   assert 1 <= s.num_rungs <= k_annealing.MAX_RUNGS
-  assert s.ks[0] == (n if s.num_rungs > 1 else coda_k(n, r)) and s.ks[-1] == coda_k(n, r)
+  target, anneal = coda_k(n, r), math.ceil(fraction * total)
+  assert s.ks[0] <= n and s.ks[-1] == target
   assert all(a > b for a, b in zip(s.ks, s.ks[1:]))          # k only falls
   assert all(a < b for a, b in zip(s.starts, s.starts[1:]))  # rungs in order
-  assert s.starts[0] == 0 and s.starts[-1] == math.ceil(fraction * total)
+  assert s.starts[0] == 0 and s.starts[-1] == anneal
+  # Each annealing rung is within half a token of the linear ramp at the
+  # middle of its segment.
+  for j, k in enumerate(s.ks[:-1]):
+    middle = (s.starts[j] + s.starts[j + 1]) / 2
+    assert abs(k - (n - (n - target) * middle / anneal)) <= 0.5 + 1e-9, (j, k)
 
 
 def test_fixed_k_for_every_k():
@@ -112,22 +127,22 @@ def _brute_force_distance(s):
 
 def test_distance_to_linear_by_hand():
   # The quickstart: n = 48 -> k = 24 over 20% of 2000 steps (A = 400), 3 rungs
-  # k = 48, 36, 24 from steps 0, 200, 400. The ramp falls 24 / 400 = 0.06
-  # tokens per step: at step 199 it is at 48 - 11.94 = 36.06 while the
-  # staircase still routes 48 (11.94 tokens, and 199 steps behind the ramp's
-  # k = 48 at step 0); the same at step 399 against k = 36 (reached at 200).
+  # k = 42, 30, 24 from steps 0, 200, 400. The ramp falls 24 / 400 = 0.06
+  # tokens per step and is at 42 at step 100: at step 0 the staircase routes
+  # 6 tokens fewer than the ramp's 48 (100 steps ahead of it), at step 199
+  # 5.94 more than the ramp's 36.06 (99 steps behind); the same around 30.
   s = k_annealing.k_schedule(48, 2.0, 2000, fraction=0.2, max_rungs=3)
-  assert s.describe() == [(0, 48), (200, 36), (400, 24)]
+  assert s.describe() == [(0, 42), (200, 30), (400, 24)]
   d = k_annealing.linear_distance(s)
   assert d.anneal_steps == 400
-  assert d.max_tokens == pytest.approx(11.94) and d.max_tokens_step == 199
-  assert d.max_lag_steps == pytest.approx(199.0) and d.max_lag_step == 199
+  assert d.max_tokens == pytest.approx(6.0) and d.max_tokens_step == 0
+  assert d.max_lag_steps == pytest.approx(100.0) and d.max_lag_step == 0
   # The paper's setting (App. A): n = 512 -> k = 192 over 10% of 100K steps,
-  # 5 rungs of 2500 steps: 320 / 4 = 80 tokens per rung, less one step's 0.032.
+  # 5 rungs of 2500 steps: 320 / 4 = 80 tokens per rung, half of it either side.
   p = k_annealing.k_schedule(512, 512 / 192, 100000, fraction=0.1, max_rungs=5)
-  assert p.ks == (512, 432, 352, 272, 192)
+  assert p.ks == (472, 392, 312, 232, 192)
   d = k_annealing.linear_distance(p)
-  assert d.max_tokens == pytest.approx(79.968) and d.max_lag_steps == pytest.approx(2499)
+  assert d.max_tokens == pytest.approx(40.0) and d.max_lag_steps == pytest.approx(1250)
   # Rounded rungs (k = 54, 32 for the ramp's 53.5, 32.5) are off the ramp at
   # their first step too; the two-points-per-rung maxima equal every step's.
   for args in [(64, 3.0, 70, 0.1, 5), (10, 1.25, 100, 0.2, 5), (128, 3.0, 3000, 0.1, 5),
@@ -145,9 +160,9 @@ def test_more_rungs_are_closer_to_linear():
     lags = [d.max_lag_steps for d in distances]
     assert all(a > b for a, b in zip(tokens, tokens[1:])), tokens
     assert all(a > b for a, b in zip(lags, lags[1:])), lags
-  # Two rungs: dense until the end of the ramp, then the target.
+  # Two rungs: the ramp's middle value (36) until its end, then the target.
   d = k_annealing.linear_distance(k_annealing.k_schedule(48, 2.0, 2000, 0.2, max_rungs=2))
-  assert d.max_tokens == pytest.approx(24 - 0.06) and d.max_lag_steps == 399
+  assert d.max_tokens == pytest.approx(12.0) and d.max_lag_steps == 200
   # No annealing: nothing to compare.
   assert k_annealing.linear_distance(
       k_annealing.k_schedule(48, 2.0, 2000, fraction=0.0)).max_tokens == 0.0
@@ -156,12 +171,12 @@ def test_more_rungs_are_closer_to_linear():
 def test_the_line_the_trainer_logs():
   s = k_annealing.k_schedule(48, 2.0, 2000, fraction=0.2, max_rungs=3)
   assert k_annealing.describe_schedule(s, 3) == (
-      'k annealing: 3 rungs (k = 48, 36, 24 from steps 0, 200, 400), 3 compiled train '
-      'steps; staircase vs linear: max 11.9 tokens, max 199 steps')
+      'k annealing: 3 rungs (k = 42, 30, 24 from steps 0, 200, 400), 3 compiled train '
+      'steps; staircase vs linear: max 6.0 tokens, max 100 steps')
   # Fewer rungs than allowed (a 3-step run anneals for 1 step): the cap is named.
   assert k_annealing.describe_schedule(k_annealing.k_schedule(64, 2.0, 3, 0.1), 5) == (
-      'k annealing: 2 rungs of at most 5 (k = 64, 32 from steps 0, 1), 2 compiled train '
-      'steps; staircase vs linear: max 0.0 tokens, max 0 steps')
+      'k annealing: 2 rungs of at most 5 (k = 48, 32 from steps 0, 1), 2 compiled train '
+      'steps; staircase vs linear: max 16.0 tokens, max 0 steps')
   assert k_annealing.describe_schedule(k_annealing.k_schedule(64, 2.0, 100, 0.0), 5) == (
       'k annealing: off (k = 32 from step 0), 1 compiled train step')
 
@@ -243,12 +258,13 @@ def test_rungs_macro_reaches_the_schedule(tmp_path, capsys):
         f'>= 2, got {bad} (an integer: the number of k values, each one compiled train '
         'step)']
     assert not model_dir.exists()
-  # 5 rungs over the quickstart's 400 annealing steps: 100 steps each.
+  # 5 rungs over the quickstart's 400 annealing steps: 100 steps each, at the
+  # ramp's 45, 39, 33, 27 in their middles.
   train_cli.parse_gin([quickstart], [('MODEL_DIR', repr(str(tmp_path / 'run'))),
                                      ('K_ANNEAL_MAX_RUNGS', '5'), ('BATCH_SIZE', '2')])
   summary = train_cli.check_config()
   assert [tuple(r) for r in summary['k_ladder']] == [
-      (0, 48), (100, 42), (200, 36), (300, 30), (400, 24)]
+      (0, 45), (100, 39), (200, 33), (300, 27), (400, 24)]
   assert summary['k_annealing'] == (
-      'k annealing: 5 rungs (k = 48, 42, 36, 30, 24 from steps 0, 100, 200, 300, 400), 5 '
-      'compiled train steps; staircase vs linear: max 5.9 tokens, max 99 steps')
+      'k annealing: 5 rungs (k = 45, 39, 33, 27, 24 from steps 0, 100, 200, 300, 400), 5 '
+      'compiled train steps; staircase vs linear: max 3.0 tokens, max 50 steps')

@@ -97,33 +97,8 @@ COLORS = {'soft_topk': '#1f77b4', 'sigmoid': '#ff7f0e', 'truncation': '#7f7f7f'}
 # ----------------------------------------------------------------------------
 
 
-def _reduction_factors(text: str) -> Tuple[float, ...]:
-  values = []
-  for item in text.split(','):
-    try:
-      r = float(item)
-    except ValueError:
-      raise argparse.ArgumentTypeError(
-          f'expected comma-separated numbers >= 1 (e.g. 3,5), got {item!r}') from None
-    if not math.isfinite(r) or r < 1:
-      raise argparse.ArgumentTypeError(f'a reduction factor must be a finite number >= 1, '
-                                       f'got {item!r}')
-    if r in values:
-      raise argparse.ArgumentTypeError(f'reduction factor {item} is given twice')
-    values.append(r)
-  return tuple(values)
-
-
-def _routers(text: str) -> Tuple[str, ...]:
-  names = []
-  for name in text.split(','):
-    if name not in ROUTERS:
-      raise argparse.ArgumentTypeError(f'unknown router {name!r}; expected some of '
-                                       f'{",".join(ROUTERS)}')
-    if name in names:
-      raise argparse.ArgumentTypeError(f'router {name!r} is given twice')
-    names.append(name)
-  return tuple(names)
+_reduction_factors = flags.distinct(flags.reduction_factors, 'reduction factor')
+_routers = flags.distinct(flags.one_of_each(ROUTERS, empty_ok=False), 'router')
 
 
 def build_parser() -> argparse.ArgumentParser:

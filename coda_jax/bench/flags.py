@@ -75,6 +75,20 @@ def one_of_each(choices: Sequence[str], empty_ok: bool) -> Callable[[str], List[
   return parse
 
 
+def distinct(parse: Callable[[str], Sequence], what: str) -> Callable[[str], tuple]:
+  """`parse`'s values as a tuple, refusing none ('names no `what`') and any
+  given twice ('`what` {value!r} is given twice')."""
+  def parse_distinct(text: str) -> tuple:
+    values = tuple(parse(text))
+    if not values:
+      raise argparse.ArgumentTypeError(f'names no {what}')
+    for i, value in enumerate(values):
+      if value in values[:i]:
+        raise argparse.ArgumentTypeError(f'{what} {value!r} is given twice')
+    return values
+  return parse_distinct
+
+
 def check_writable_file(flag: str, path: str) -> None:
   """ValueError naming `flag` unless `path`'s directory exists and is writable."""
   directory = os.path.dirname(os.path.abspath(path))

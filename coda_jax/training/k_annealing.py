@@ -4,13 +4,18 @@
 n/r using the first 10% to 20% of the finetuning steps." Shapes are static
 under jit, so the linear ramp is approximated by a short ladder of k values,
 each compiled once: the annealing phase (the first ``fraction`` of the steps)
-is cut into ``rungs - 1`` equal segments; segment j routes
+is cut into S = ``rungs - 1`` equal segments; segment j routes the ramp's value
+in its middle,
 
-    k_j = round(n - (n - k_target) * j / (rungs - 1))     (k_0 = n: dense)
+    k_j = round(n - (n - k_target) * (j + 1/2) / S)     (j = 0 .. S - 1),
 
-tokens, and every step after the phase routes k_target = ceil(n / r). Each
-rung is the same CoDA model with k set directly (`CodaConfig.num_routed_tokens
-= k_j`); all rungs share one parameter tree.
+tokens (rounded half up), and every step after the phase routes k_target =
+ceil(n / r). Taking each segment's middle rather than its start halves the
+staircase's largest distance to the ramp (in tokens and in steps) at the same
+number of compilations, and no rung routes every token: a k = n step would
+be the dense model, where the soft top-k gates are all 1 and no gradient
+reaches the router. Each rung is the same CoDA model with k set directly
+(`CodaConfig.num_routed_tokens = k_j`); all rungs share one parameter tree.
 
 The number of rungs is the run's ``K_ANNEAL_MAX_RUNGS`` (gin macro ->
 `train_lib.train(k_anneal_max_rungs=...)` -> `k_schedule(max_rungs=...)`):
@@ -98,10 +103,12 @@ def k_schedule(length: int, reduction_factor: float, total_steps: int,
   anneal_steps = int(math.ceil(fraction * int(total_steps)))
   if target >= n or anneal_steps < 1:
     return KSchedule(n, (0,), (target,))
+  # At most n - target segments: each then falls >= 1 token, so the last
+  # middle value, target + (n - target) / (2 S) + 1/2 rounded down, is above it.
   segments = min(max_rungs - 1, anneal_steps, n - target)
   starts, ks = [], []
   for j in range(segments):
-    k = int(round(n - (n - target) * j / segments))
+    k = int(math.floor(n - (n - target) * (j + 0.5) / segments + 0.5))  # half up
     start = (anneal_steps * j) // segments
     if ks and k == ks[-1]:
       continue
@@ -176,8 +183,8 @@ def describe_schedule(schedule: KSchedule, max_rungs: Optional[int] = None) -> s
   """One line for the run's log: the rungs, their compile count, and the
   distance to the linear ramp (`linear_distance`).
 
-  E.g. "k annealing: 3 rungs (k = 48, 36, 24 from steps 0, 200, 400), 3
-  compiled train steps; staircase vs linear: max 11.9 tokens, max 199 steps".
+  E.g. "k annealing: 3 rungs (k = 42, 30, 24 from steps 0, 200, 400), 3
+  compiled train steps; staircase vs linear: max 6.0 tokens, max 100 steps".
   `max_rungs` (the configured cap) is named when the ladder has fewer rungs.
   """
   ks = ', '.join(str(k) for k in schedule.ks)
