@@ -28,6 +28,10 @@ attention, so the answer needs the capitals routed: a learned router can find
 them by their byte, truncation keeps the first k tokens wherever the capitals
 are. Each run also reports, per routed encoder layer, the share of the
 capitals of the validation inputs its router selects (``routed_informative``).
+Its sibling ``coda_routing_order_8`` hides 8 capitals, so that they fill a
+good part of k already at r = 3 (``--gin.MIXTURE_OR_TASK_NAME=
+"'coda_routing_order_8'" --gin.TASK_FEATURE_LENGTHS="{'inputs': 64,
+'targets': 16}"``; benchmarks/router_ablation/README.md).
 
 Runs happen in this process, one after the other, through the trainer's
 python API (`coda_jax.training.train_lib.train`, gin cleared between runs);
