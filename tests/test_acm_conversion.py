@@ -108,3 +108,22 @@ def test_open_training_streams_are_closed_at_exit():
   data_lib.close_open_streams()  # what atexit runs
   with pytest.raises(StopIteration):
     next(stream)
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--budgets', '0.5,1'], r'--budgets: 1 is not a budget in \(0, 1\)'),
+    (['--budgets', '0.5,half'], r"--budgets: 'half' is not a number"),
+    (['--budgets', '0.25,0.25'], r'--budgets: budget 0.25 is given twice'),
+    (['--budgets', ','], r'--budgets: names no budget'),
+    (['--gate_steps', '0'], r'--gate_steps: must be >= 1, got 0'),
+    (['--dense_steps', 'many'], r"--dense_steps: 'many' is not an integer"),
+    (['--eval_examples', '-3'], r'--eval_examples: must be >= 1, got -3'),
+])
+def test_bad_flags_stop_before_any_work(argv, message, tmp_path, capsys):
+  work = tmp_path / 'work'
+  with pytest.raises(SystemExit) as exit_info:
+    acm_conversion.main(['--workdir', str(work)] + argv)
+  assert exit_info.value.code == 2
+  import re  # pylint: disable=g-import-not-at-top
+  assert re.search(message, capsys.readouterr().err)
+  assert not work.exists()

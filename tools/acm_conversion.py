@@ -61,6 +61,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from coda_jax.bench import flags
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DENSE_GIN = 'gin_configs/runs/quickstart.gin'
 ACM_GIN = 'gin_configs/runs/acm_quickstart.gin'
@@ -492,12 +494,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   parser.add_argument('--workdir', default='/tmp/acm_conversion')
   parser.add_argument('--out', default=None, help='directory for acm_conversion.json and '
                       'acm_conversion.png (default: --workdir)')
-  parser.add_argument('--budgets', default='0.25,0.5,0.75')
-  parser.add_argument('--dense_steps', type=int, default=2000)
-  parser.add_argument('--distill_steps', type=int, default=500)
-  parser.add_argument('--gate_steps', type=int, default=500)
-  parser.add_argument('--finetune_steps', type=int, default=500)
-  parser.add_argument('--eval_examples', type=int, default=None,
+  parser.add_argument('--budgets', default=(0.25, 0.5, 0.75), type=flags.distinct(
+      flags.number_list(lambda b: 0 < b < 1, 'a budget in (0, 1)'), 'budget'),
+                      help='comma-separated ACM budgets β in (0, 1) (default 0.25,0.5,0.75)')
+  for phase, steps in (('dense', 2000), ('distill', 500), ('gate', 500), ('finetune', 500)):
+    parser.add_argument(f'--{phase}_steps', type=flags.at_least_one, default=steps,
+                        help=f'training steps of the {phase} phase (default {steps})')
+  parser.add_argument('--eval_examples', type=flags.at_least_one, default=None,
                       help='validation examples (default: all 256)')
   parser.add_argument('--model_gin', action='append', default=[],
                       help='NAME=VALUE for every phase, the dense one included '
@@ -517,12 +520,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                       help='NAME=VALUE for every ACM phase (repeatable), e.g. '
                       'config.AcmConfig.budget_loss_weight=0.5')
   args = parser.parse_args(argv)
-  budgets = [float(b) for b in args.budgets.split(',') if b]
-  if not budgets or not all(0 < b < 1 for b in budgets):
-    parser.error(f'--budgets must be fractions in (0, 1), got {args.budgets!r}')
-  for name in ('dense_steps', 'distill_steps', 'gate_steps', 'finetune_steps'):
-    if getattr(args, name) < 1:
-      parser.error(f'--{name} must be >= 1')
+  budgets = list(args.budgets)
   out_dir = args.out or args.workdir
   os.makedirs(args.workdir, exist_ok=True)
   os.makedirs(out_dir, exist_ok=True)
