@@ -244,8 +244,11 @@ def ordered_capitals(rng: np.random.Generator, needles: int = ORDER_NEEDLES) -> 
 
 
 # The family: coda_routing_order (4 capitals) and coda_routing_order_<m> (m).
+# Targets are m + 1 tokens with the EOS: 'targets' >= 9 in TASK_FEATURE_LENGTHS
+# for 8 (seqio trims longer ones).
 ORDER_FAMILY = {'coda_routing_order': ORDER_NEEDLES, 'coda_routing_order_8': 8}
 for _name, _needles in ORDER_FAMILY.items():
   offline_task(_name, functools.partial(ordered_capitals, needles=_needles),
                f'the {_needles} capitals among {ORDER_LENGTH} letters, in order '
-               '(a task where routing matters)', informative=is_capital)
+               f'(a task where routing matters; targets of {_needles + 1} tokens)',
+               informative=is_capital)
