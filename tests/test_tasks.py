@@ -444,6 +444,33 @@ def test_evaluator_scores_oracle_predictions(name, metric, mocked_tfds):
   assert half[metric] == pytest.approx(50.0)
 
 
+def test_evaluator_counts_targets_longer_than_the_decode(caplog):
+  # coda_routing_order_8's targets are 8 capitals + EOS = 9 tokens.
+  tasks.register_tasks(seqio.ByteVocabulary(extra_ids=100))
+  try:
+    with caplog.at_level('WARNING'):
+      short = data_lib.TaskEvaluator('coda_routing_order_8', {'inputs': 64, 'targets': 8},
+                                     num_examples=16)
+    assert short.long_targets == {'coda_routing_order_8': 16}
+    assert ("coda_routing_order_8: 16 of 16 validation targets need more than "
+            "TASK_FEATURE_LENGTHS['targets'] = 8 tokens (with the EOS)") in caplog.text
+    caplog.clear()
+    with caplog.at_level('WARNING'):
+      enough = data_lib.TaskEvaluator('coda_routing_order_8', {'inputs': 64, 'targets': 9},
+                                      num_examples=16)
+    assert enough.long_targets == {} and 'targets need more' not in caplog.text
+    # Some but not all: "reverse: w1 .. wm" targets are 3 to 24 bytes + EOS.
+    vocab = seqio.ByteVocabulary(extra_ids=100)
+    reverse = data_lib.TaskEvaluator('coda_quickstart_reverse', {'inputs': 48, 'targets': 12},
+                                     num_examples=64)
+    [(_, examples)] = reverse.tasks
+    expected = sum(len(vocab.encode(ex['targets_pretokenized'].decode())) + 1 > 12
+                   for ex in examples)
+    assert 0 < expected < 64 and reverse.long_targets == {'coda_quickstart_reverse': expected}
+  finally:
+    tasks.register_tasks()
+
+
 def test_evaluator_on_the_offline_task():
   tasks.register_tasks(seqio.ByteVocabulary(extra_ids=100))
   try:

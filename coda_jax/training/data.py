@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib
+import logging
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -226,6 +227,11 @@ class TaskEvaluator:
   decodes; every `predict_metric_fns` entry is run. Tasks of a mixture are
   evaluated one by one and reported as `<task>/<metric>`. `examples`
   (given for one task, e.g. read from a file) replaces the split.
+
+  `long_targets` counts, per task, the examples whose target text needs more
+  tokens (with the EOS) than ``task_feature_lengths['targets']``: a decode of
+  that length cannot produce them, and training trims them the same way; the
+  evaluator logs a warning naming the count when there are any.
   """
 
   def __init__(self, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
@@ -256,6 +262,23 @@ class TaskEvaluator:
       if examples:
         self.tasks.append((task, examples))
     self.prefix = len(self.tasks) > 1
+    self.long_targets: Dict[str, int] = {}
+    for task, examples in self.tasks:
+      count = self._count_long_targets(task, examples)
+      if count:
+        self.long_targets[task.name] = count
+        logging.warning(
+            "%s: %d of %d %s targets need more than TASK_FEATURE_LENGTHS['targets'] = %d "
+            'tokens (with the EOS): decoding cannot produce them and training trims them',
+            task.name, count, len(examples), split, self.lengths['targets'])
+
+  def _count_long_targets(self, task, examples) -> int:
+    feature = task.output_features.get('targets')
+    if feature is None:
+      return 0
+    limit = self.lengths['targets'] - int(feature.add_eos)
+    return sum(len(feature.vocabulary.encode(_text(ex['targets_pretokenized']))) > limit
+               for ex in examples if 'targets_pretokenized' in ex)
 
   @property
   def num_examples(self) -> int:
