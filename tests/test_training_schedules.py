@@ -143,8 +143,9 @@ def test_distance_to_linear_by_hand():
   assert p.ks == (472, 392, 312, 232, 192)
   d = k_annealing.linear_distance(p)
   assert d.max_tokens == pytest.approx(40.0) and d.max_lag_steps == pytest.approx(1250)
-  # Rounded rungs (k = 54, 32 for the ramp's 53.5, 32.5) are off the ramp at
-  # their first step too; the two-points-per-rung maxima equal every step's.
+  # Rounded rungs (k = 59, 48, 38, 27 for the ramp's 58.75, 48.25, 37.75,
+  # 27.25) are off the ramp in their middle too; the two-points-per-rung maxima
+  # equal every step's.
   for args in [(64, 3.0, 70, 0.1, 5), (10, 1.25, 100, 0.2, 5), (128, 3.0, 3000, 0.1, 5),
                (48, 2.0, 2000, 0.2, 3), (37, 1.7, 900, 0.15, 4)]:
     s = k_annealing.k_schedule(*args)
