@@ -277,7 +277,7 @@ def test_acm_flags():
   assert args.acm_capacity_factor == 1.0
   assert parser.parse_args(['--acm_budgets', '']).acm_budgets == []
   assert parser.parse_args(['--acm_budgets', '0.5']).acm_budgets == [0.5]
-  for bad in ('0', '1.5', 'x'):
+  for bad in ('0', '1.5', 'x', '0.5,0.25,0.5'):
     with pytest.raises(SystemExit):
       parser.parse_args(['--acm_budgets', bad])
   with pytest.raises(SystemExit):

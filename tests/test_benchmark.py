@@ -245,6 +245,8 @@ BAD_FLAGS = [
      "argument --reduction_factors: 'three' is not a number"),
     (['--reduction_factors', '1,0'],
      'argument --reduction_factors: 0 is not a reduction factor r >= 1'),
+    (['--reduction_factors', '3,5,3'],
+     'argument --reduction_factors: reduction factor 3.0 is given twice'),
     (['--attention', 'k_to_none'], "argument --attention: 'k_to_none' is not one of"),
     (['--tasks', 'boolq,glue'], "argument --tasks: 'glue' is not one of"),
     (['--repeats', '0'], 'argument --repeats: must be >= 1, got 0'),

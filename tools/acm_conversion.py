@@ -494,8 +494,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   parser.add_argument('--workdir', default='/tmp/acm_conversion')
   parser.add_argument('--out', default=None, help='directory for acm_conversion.json and '
                       'acm_conversion.png (default: --workdir)')
-  parser.add_argument('--budgets', default=(0.25, 0.5, 0.75), type=flags.distinct(
-      flags.number_list(lambda b: 0 < b < 1, 'a budget in (0, 1)'), 'budget'),
+  parser.add_argument('--budgets', default=(0.25, 0.5, 0.75), type=flags.required(flags.distinct(
+      flags.number_list(lambda b: 0 < b < 1, 'a budget in (0, 1)'), 'budget'), 'budget'),
                       help='comma-separated ACM budgets β in (0, 1) (default 0.25,0.5,0.75)')
   for phase, steps in (('dense', 2000), ('distill', 500), ('gate', 500), ('finetune', 500)):
     parser.add_argument(f'--{phase}_steps', type=flags.at_least_one, default=steps,

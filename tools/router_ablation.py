@@ -101,7 +101,7 @@ COLORS = {'soft_topk': '#1f77b4', 'sigmoid': '#ff7f0e', 'truncation': '#7f7f7f'}
 # ----------------------------------------------------------------------------
 
 
-_reduction_factors = flags.distinct(flags.reduction_factors, 'reduction factor')
+_reduction_factors = flags.required(flags.reduction_factors, 'reduction factor')
 _routers = flags.distinct(flags.one_of_each(ROUTERS, empty_ok=False), 'router')
 
 

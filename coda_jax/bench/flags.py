@@ -39,10 +39,32 @@ def number_list(valid: Callable[[float], bool], what: str) -> Callable[[str], Li
   return parse
 
 
-# '1,3,5' -> [1.0, 3.0, 5.0]: CoDA reduction factors r (finite, >= 1).
-reduction_factors = number_list(lambda r: r >= 1, 'a reduction factor r >= 1')
-# '0.25,0.5' -> [0.25, 0.5]: ACM budgets β in (0, 1].
-budgets = number_list(lambda b: 0 < b <= 1, 'a budget in (0, 1]')
+def distinct(parse: Callable[[str], list], what: str) -> Callable[[str], list]:
+  """`parse`, refusing a value given twice ('`what` {value!r} is given twice')."""
+  def parse_distinct(text: str) -> list:
+    values = parse(text)
+    for i, value in enumerate(values):
+      if value in values[:i]:
+        raise argparse.ArgumentTypeError(f'{what} {value!r} is given twice')
+    return values
+  return parse_distinct
+
+
+def required(parse: Callable[[str], list], what: str) -> Callable[[str], list]:
+  """`parse`, refusing an empty list ('names no `what`')."""
+  def parse_required(text: str) -> list:
+    values = parse(text)
+    if not values:
+      raise argparse.ArgumentTypeError(f'names no {what}')
+    return values
+  return parse_required
+
+
+# '1,3,5' -> [1.0, 3.0, 5.0]: CoDA reduction factors r (finite, >= 1, distinct).
+reduction_factors = distinct(number_list(lambda r: r >= 1, 'a reduction factor r >= 1'),
+                             'reduction factor')
+# '0.25,0.5' -> [0.25, 0.5]: ACM budgets β in (0, 1] (distinct).
+budgets = distinct(number_list(lambda b: 0 < b <= 1, 'a budget in (0, 1]'), 'budget')
 
 
 def positive_float(text: str) -> float:
@@ -73,20 +95,6 @@ def one_of_each(choices: Sequence[str], empty_ok: bool) -> Callable[[str], List[
       raise argparse.ArgumentTypeError(f'names none of {list(choices)}')
     return out
   return parse
-
-
-def distinct(parse: Callable[[str], Sequence], what: str) -> Callable[[str], tuple]:
-  """`parse`'s values as a tuple, refusing none ('names no `what`') and any
-  given twice ('`what` {value!r} is given twice')."""
-  def parse_distinct(text: str) -> tuple:
-    values = tuple(parse(text))
-    if not values:
-      raise argparse.ArgumentTypeError(f'names no {what}')
-    for i, value in enumerate(values):
-      if value in values[:i]:
-        raise argparse.ArgumentTypeError(f'{what} {value!r} is given twice')
-    return values
-  return parse_distinct
 
 
 def check_writable_file(flag: str, path: str) -> None:
