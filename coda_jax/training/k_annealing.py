@@ -103,19 +103,14 @@ def k_schedule(length: int, reduction_factor: float, total_steps: int,
   anneal_steps = int(math.ceil(fraction * int(total_steps)))
   if target >= n or anneal_steps < 1:
     return KSchedule(n, (0,), (target,))
-  # At most n - target segments: each then falls >= 1 token, so the last
-  # middle value, target + (n - target) / (2 S) + 1/2 rounded down, is above it.
+  # At most n - target segments: the middle values then fall >= 1 token apart,
+  # so rounded (half up) they are distinct, and the last, target + (n -
+  # target) / (2 S) + 1/2 rounded down, is above the target. At most
+  # anneal_steps segments: every rung gets a step.
   segments = min(max_rungs - 1, anneal_steps, n - target)
-  starts, ks = [], []
-  for j in range(segments):
-    k = int(math.floor(n - (n - target) * (j + 0.5) / segments + 0.5))  # half up
-    start = (anneal_steps * j) // segments
-    if ks and k == ks[-1]:
-      continue
-    starts.append(start)
-    ks.append(k)
-  starts.append(anneal_steps)
-  ks.append(target)
+  ks = [int(math.floor(n - (n - target) * (j + 0.5) / segments + 0.5))
+        for j in range(segments)] + [target]
+  starts = [(anneal_steps * j) // segments for j in range(segments)] + [anneal_steps]
   return KSchedule(n, tuple(starts), tuple(ks))
 
 
