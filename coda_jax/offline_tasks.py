@@ -23,7 +23,8 @@ to the TFDS tasks. Each task has two splits:
   (the trainer counts them), so the stream depends only on the seed.
 
 Metrics: exact match of the decoded text, as a percentage (`tasks.accuracy`,
-named ``accuracy`` as T5 names it), unless the task gives its own.
+named ``accuracy`` as T5 names it), and any the task adds (the routing-order
+family: `position_accuracy`, the share of the answer's places right).
 A generator may return more fields than ``inputs`` and ``targets`` (strings,
 ints or floats); they travel with the example (a postprocessor or metric of
 the task may read them). A task where routing matters may say which input
@@ -64,8 +65,9 @@ class OfflineTask:
     generate: `rng -> example` (``inputs`` and ``targets`` strings at least).
     description: one line, for listings.
     num_validation: the size of the validation split (distinct inputs).
-    metric_fns: seqio metric functions `(targets, predictions) -> {name: value}`;
-      empty: exact match (`tasks.accuracy`, in %).
+    metric_fns: seqio metric functions `(targets, predictions) -> {name: value}`
+      the task reports besides exact match (`tasks.accuracy`, in %, which
+      every offline task reports).
     informative: `piece -> bool`, whether an input token (its decoded text)
       carries the answer; None: the task does not say.
   """
@@ -75,6 +77,12 @@ class OfflineTask:
   num_validation: int = 256
   metric_fns: Sequence[Callable[..., Mapping[str, float]]] = ()
   informative: Optional[Callable[[str], bool]] = None
+
+  def all_metric_fns(self, default_metric_fn: Callable[..., Mapping[str, float]]
+                     ) -> List[Callable[..., Mapping[str, float]]]:
+    """The task's seqio metric functions: exact match (`default_metric_fn`,
+    the caller's `tasks.accuracy`), then its own `metric_fns`."""
+    return [default_metric_fn, *self.metric_fns]
 
   def validation_examples(self) -> List[Example]:
     """The validation split: `num_validation` examples with distinct inputs."""
@@ -171,8 +179,9 @@ def task_specs(vocabulary, postprocess_fn: Callable[..., Any],
                ) -> Dict[str, Dict[str, Any]]:
   """Keyword arguments of `seqio.Task` for each offline task.
 
-  `postprocess_fn` and `default_metric_fn` (for tasks that name no metric)
-  come from the caller (`coda_jax.tasks`), so no import runs back up.
+  `postprocess_fn` and `default_metric_fn` (exact match: every task reports
+  it, then its own `metric_fns`) come from the caller (`coda_jax.tasks`), so
+  no import runs back up.
   """
   import seqio  # pylint: disable=g-import-not-at-top
   features = {key: seqio.Feature(vocabulary, add_eos=True) for key in ('inputs', 'targets')}
@@ -182,7 +191,7 @@ def task_specs(vocabulary, postprocess_fn: Callable[..., Any],
                  preprocessors=[seqio.preprocessors.tokenize,
                                 seqio.preprocessors.append_eos_after_trim],
                  postprocess_fn=postprocess_fn,
-                 metric_fns=list(task.metric_fns) or [default_metric_fn])
+                 metric_fns=task.all_metric_fns(default_metric_fn))
       for name, task in OFFLINE_TASKS.items()}
 
 
@@ -243,12 +252,34 @@ def ordered_capitals(rng: np.random.Generator, needles: int = ORDER_NEEDLES) -> 
           'targets': ''.join(map(chr, capitals))}
 
 
-# The family: coda_routing_order (4 capitals) and coda_routing_order_<m> (m).
-# Targets are m + 1 tokens with the EOS: 'targets' >= 9 in TASK_FEATURE_LENGTHS
-# for 8 (seqio trims longer ones).
+def position_accuracy(targets: Sequence[str], predictions: Sequence[str]
+                      ) -> Dict[str, float]:
+  """Percentage of the answer's places that are right, averaged over examples.
+
+  Per example: the characters equal at the same index, over the length of the
+  longer of target and prediction (a missing or extra character is a wrong
+  place; two empty strings score 100%). For `ordered_capitals` each place is
+  one capital: a classification accuracy per capital, graded where exact match
+  is all or nothing ("JPDX" -> "JPXD" is 50%, exact match 0).
+  """
+  if len(targets) != len(predictions):
+    raise ValueError(f'position_accuracy: {len(targets)} targets but {len(predictions)} '
+                     f'predictions')
+  if not targets:
+    return {'position_accuracy': 0.0}
+  total = 0.0
+  for target, prediction in zip(targets, predictions):
+    places = max(len(target), len(prediction))
+    total += (sum(t == p for t, p in zip(target, prediction)) / places) if places else 1.0
+  return {'position_accuracy': 100.0 * total / len(targets)}
+
+
+# The family: coda_routing_order (4 capitals) and coda_routing_order_<m> (m),
+# scored by exact match and `position_accuracy`. Targets are m + 1 tokens with
+# the EOS: 'targets' >= 9 in TASK_FEATURE_LENGTHS for 8 (seqio trims longer ones).
 ORDER_FAMILY = {'coda_routing_order': ORDER_NEEDLES, 'coda_routing_order_8': 8}
 for _name, _needles in ORDER_FAMILY.items():
   offline_task(_name, functools.partial(ordered_capitals, needles=_needles),
                f'the {_needles} capitals among {ORDER_LENGTH} letters, in order '
                f'(a task where routing matters; targets of {_needles + 1} tokens)',
-               informative=is_capital)
+               metric_fns=(position_accuracy,), informative=is_capital)

@@ -126,6 +126,39 @@ def test_order_family_names_and_bad_needles():
       offline_tasks.ordered_capitals(np.random.default_rng(0), needles=bad)
 
 
+def test_position_accuracy_scores_each_place_of_the_answer():
+  score = offline_tasks.position_accuracy
+  # A swap of two capitals: 2 of 4 places right; exact match would give 0.
+  assert score(['JPDX'], ['JPXD']) == {'position_accuracy': 50.0}
+  assert score(['JPDX'], ['JPDX']) == {'position_accuracy': 100.0}
+  # A missing or extra character is a wrong place (over the longer string).
+  assert score(['JPDX'], ['JPD']) == {'position_accuracy': 75.0}
+  assert score(['JPD'], ['JPDX']) == {'position_accuracy': 75.0}
+  assert score(['JPDX'], ['']) == {'position_accuracy': 0.0}
+  assert score([''], ['']) == {'position_accuracy': 100.0}
+  # Averaged over examples, each example weighing the same: (100 + 50 + 0) / 3.
+  assert score(['AB', 'ABCD', 'A'], ['AB', 'ABDC', 'B'])['position_accuracy'] == (
+      pytest.approx(50.0))
+  assert score([], []) == {'position_accuracy': 0.0}
+  with pytest.raises(ValueError, match='position_accuracy: 2 targets but 1 predictions'):
+    score(['A', 'B'], ['A'])
+
+
+@pytest.mark.parametrize('name', sorted(offline_tasks.ORDER_FAMILY))
+def test_order_tasks_report_exact_match_and_position_accuracy(name):
+  seqio = pytest.importorskip('seqio')
+  from coda_jax import tasks  # pylint: disable=g-import-not-at-top,unused-import
+  task = seqio.get_mixture_or_task(name)  # registered at import
+  found = {}
+  for metric_fn in task.predict_metric_fns:
+    found.update(metric_fn(['JPDX', 'ABCD'], ['JPXD', 'ABCD']))
+  assert found == {'accuracy': 50.0, 'position_accuracy': 75.0}
+  # A task that names no metric of its own reports exact match alone.
+  quickstart = seqio.get_mixture_or_task('coda_quickstart_reverse')
+  assert [fn(['a b'], ['a b']) for fn in quickstart.predict_metric_fns] == [
+      {'accuracy': 100.0}]
+
+
 def test_order_marks_capitals_as_its_informative_tokens():
   assert ORDER.informative is offline_tasks.is_capital
   assert [offline_tasks.is_capital(p) for p in ('A', 'Z', 'a', ':', ' ', 'AB', '')] == [

@@ -58,12 +58,16 @@ def test_prints_a_table_and_the_json_it_writes(ablation):
   with open(os.path.join(out_dir, 'router_ablation.json')) as f:
     assert json.load(f) == report
   k = config_lib.coda_k(LENGTH, FACTOR)
+  assert table.startswith('coda_routing_order_8: position accuracy (%), mean ± std over 1 '
+                          'seed(s), 4 fine-tuning steps')
   assert f'| router | r = 3 (k = {k}) |' in table
+  # The report's metric first, then exact match in a table of its own.
+  first, exact = table.split('\nexact match (%):\n')
   for router in ROUTERS:
-    row = next(line for line in table.splitlines() if line.startswith(f'| {router} |'))
-    value = float(row.split('|')[2])
-    assert value == pytest.approx(next(s['mean'] for s in report['summary']
-                                       if s['router'] == router), abs=0.05)
+    s = next(s for s in report['summary'] if s['router'] == router)
+    for part, value in ((first, s['mean']), (exact, s['metrics']['accuracy']['mean'])):
+      row = next(line for line in part.splitlines() if line.startswith(f'| {router} |'))
+      assert float(row.split('|')[2]) == pytest.approx(value, abs=0.05)
   assert 'sigmoid' not in table
   assert report['command'].startswith('python tools/router_ablation.py --steps 4')
   assert report['cpu'] and report['cpu_count'] >= 1 and report['wall_s'] > 0
@@ -82,7 +86,12 @@ def test_one_run_per_router_r_and_seed_with_real_numbers(ablation):
   assert sorted((r['router'], r['reduction_factor'], r['seed']) for r in runs) == sorted(
       (router, FACTOR, 0) for router in ROUTERS)
   for run in runs + [report['backbone']]:
-    assert math.isfinite(run['accuracy']) and 0 <= run['accuracy'] <= 100
+    # Every metric of the task's evaluation: exact match and position accuracy.
+    assert sorted(run['metrics']) == ['accuracy', 'position_accuracy']
+    for value in run['metrics'].values():
+      assert math.isfinite(value) and 0 <= value <= 100
+    # A right answer has all its places right: exact match <= position accuracy.
+    assert run['metrics']['accuracy'] <= run['metrics']['position_accuracy']
     assert math.isfinite(run['train_loss']) and run['train_loss'] > 0
     assert run['seconds'] > 0
     assert os.path.isdir(os.path.join(run['model_dir'], 'checkpoints'))
@@ -94,10 +103,13 @@ def test_one_run_per_router_r_and_seed_with_real_numbers(ablation):
       report['backbone']['seconds'] + sum(r['seconds'] for r in runs), abs=0.2)
   summary = {s['router']: s for s in report['summary']}
   assert sorted(summary) == sorted(ROUTERS)
+  assert report['metric'] == 'position_accuracy'
   for router, s in summary.items():
     run = next(r for r in runs if r['router'] == router)
-    assert s['values'] == [run['accuracy']] and s['mean'] == run['accuracy']
+    value = run['metrics']['position_accuracy']
+    assert s['values'] == [value] and s['mean'] == value
     assert s['std'] is None  # one seed: no spread
+    assert s['metrics']['accuracy']['values'] == [run['metrics']['accuracy']]
   entry = report['checks']['per_r']['3']
   assert entry['soft_topk_minus_truncation'] == pytest.approx(
       summary['soft_topk']['mean'] - summary['truncation']['mean'])
@@ -108,7 +120,8 @@ def test_truncation_routes_the_capitals_of_the_first_k_tokens(ablation):
   _, stdout, _ = ablation
   _, report = _stdout_json(stdout)
   k = config_lib.coda_k(LENGTH, FACTOR)
-  task = offline_tasks.OFFLINE_TASKS['coda_routing_order']
+  assert report['task'] == 'coda_routing_order_8'  # the default
+  task = offline_tasks.OFFLINE_TASKS[report['task']]
   inputs = [e['inputs'] for e in task.validation_examples()]
   capitals = np.array([[offline_tasks.is_capital(c) for c in text] for text in inputs])
   expected = capitals[:, :k].sum() / capitals.sum()
@@ -164,6 +177,7 @@ def test_defaults_are_the_papers_ablation():
   assert args.routers == config_lib.NORMALIZERS
   assert args.reduction_factors == (3.0, 5.0) and args.seeds == 3
   assert args.steps is None and args.gin_overrides == []
+  assert args.metric == 'position_accuracy'
 
 
 def test_checks_read_the_issue_benchmark_off_the_numbers():
@@ -175,8 +189,16 @@ def test_checks_read_the_issue_benchmark_off_the_numbers():
   for (r, router), values in means.items():
     for seed, value in enumerate(values):
       runs.append({'router': router, 'reduction_factor': r, 'k': 1, 'seed': seed,
-                   'accuracy': value, 'routed_informative': {'l': 1.0}})
-  found = tool.checks(tool.summarize(runs))
+                   'metrics': {'accuracy': value / 2, 'position_accuracy': value},
+                   'routed_informative': {'l': 1.0}})
+  summary = tool.summarize(runs)
+  soft = next(s for s in summary if (s['reduction_factor'], s['router']) == (3.0, 'soft_topk'))
+  assert soft['values'] == [80, 84] and soft['mean'] == 82
+  assert soft['metrics']['accuracy']['values'] == [40, 42]
+  # The checks read the summary's metric: on exact match, here half of each value.
+  halved = tool.checks(tool.summarize(runs, 'accuracy'))
+  assert halved['per_r']['3']['soft_topk_minus_truncation'] == pytest.approx(38)
+  found = tool.checks(summary)
   assert found['per_r']['3']['soft_topk_ge_sigmoid']
   # 45 - 6 = 39 > std(40, 50) + std(5, 7) = 7.07 + 1.41
   assert found['per_r']['3']['sigmoid_above_truncation_beyond_spread']
@@ -185,3 +207,53 @@ def test_checks_read_the_issue_benchmark_off_the_numbers():
   assert found['per_r']['5']['sigmoid_minus_truncation'] == pytest.approx(18)
   # gap 82 - 6 = 76 at r = 3, 72 - 2 = 70 at r = 5: it does not grow.
   assert found['gap_grows'] == {'from_r': 3.0, 'to_r': 5.0, 'value': False}
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--metric', 'bleu'], r"--metric 'bleu' is not a metric of 'coda_routing_order_8'; its "
+     r"evaluation reports \['accuracy', 'position_accuracy'\]"),
+    (["--gin.MIXTURE_OR_TASK_NAME='coda_quickstart_reverse'"],
+     r"MIXTURE_OR_TASK_NAME 'coda_quickstart_reverse' is not an offline task that marks its "
+     r"informative tokens \(the tool counts how many each router routes\): one of "
+     r"\['coda_routing_order', 'coda_routing_order_8'\]"),
+])
+def test_task_and_metric_are_checked_before_any_training(argv, message, tmp_path):
+  pytest.importorskip('seqio')
+  tool = _tool()
+  args = tool.parse_args(argv + ['--out_dir', str(tmp_path / 'out')])
+  with pytest.raises(tool.AblationError, match=message):
+    tool.run_ablation(args, argv, 0.0)
+  assert not (tmp_path / 'out').exists()  # nothing trained, nothing written
+
+
+def test_a_bad_metric_exits_2_naming_it(tmp_path):
+  proc = subprocess.run([sys.executable, TOOL, '--metric', 'bleu', '--out_dir',
+                         str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2
+  assert ("python tools/router_ablation.py: error: --metric 'bleu' is not a metric of "
+          "'coda_routing_order_8'") in proc.stderr
+  assert proc.stdout == ''
+
+
+def test_the_gin_lengths_fit_the_default_task():
+  # seqio would trim a longer target without a word (and exact match drop to 0).
+  seqio = pytest.importorskip('seqio')
+  import gin  # pylint: disable=g-import-not-at-top
+  from coda_jax import tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
+  tool = _tool()
+  gin_utils.parse_gin([tool.GIN_FILE], [('MODEL_DIR', "'unused'"),
+                                        ('INITIAL_CHECKPOINT_PATH', 'None')])
+  try:
+    task = gin.query_parameter('%MIXTURE_OR_TASK_NAME')
+    lengths = dict(gin.query_parameter('%TASK_FEATURE_LENGTHS'))
+  finally:
+    gin.clear_config()
+  assert task == 'coda_routing_order_8' and lengths == {'inputs': 64, 'targets': 16}
+  tasks.register_tasks(seqio.ByteVocabulary(extra_ids=100))
+  evaluator = data_lib.TaskEvaluator(task, lengths)
+  assert evaluator.num_examples == 256 and evaluator.long_targets == {}
+  # Every input is exactly the 64 encoder tokens (the prefix, 56 letters, the EOS).
+  [(_, examples)] = evaluator.tasks
+  assert {len(ex['inputs_pretokenized']) + 1 for ex in examples} == {lengths['inputs']}
