@@ -18,6 +18,10 @@
       [--gin.MODEL_DIR=D] [--gin.INPUT_FILE=F] [--gin.DECODING=beam] ...
       a trained model's predictions (JSONL) and, for eval, the task's metrics
       (`coda_jax.infer`).
+  coda-jax compile --gin_file=RUN --topology=v5e-16 [--gin.MACRO=VALUE ...]
+      the run's train steps and decoding program compiled for a TPU pod on this
+      machine: HBM per chip, flops, bytes, roofline, collectives
+      (`coda_jax.compile`).
 
 Each subcommand is one entry of `SUBCOMMANDS`: (help, add_arguments, run),
 where ``run(args) -> exit code``; add a subcommand by adding an entry.
@@ -166,7 +170,8 @@ SUBCOMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None],
 # Subcommands with their own flag parsing (gin's --gin.NAME=VALUE flags),
 # handed the rest of the command line as is: (module, its main function).
 PASSTHROUGH = {'train': ('coda_jax.train', 'main'), 'infer': ('coda_jax.infer', 'main'),
-               'eval': ('coda_jax.infer', 'main_eval')}
+               'eval': ('coda_jax.infer', 'main_eval'),
+               'compile': ('coda_jax.compile.command', 'main')}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -111,6 +111,12 @@ def t5_1_1(size: str, **overrides) -> T5Config:
 ATTENTION_VARIANTS = ('k_to_all', 'k_to_k')
 # Router normalisers f(s) (paper §3 and Table 3's baselines).
 NORMALIZERS = ('soft_topk', 'sigmoid', 'truncation')
+# How a routed layer moves its k tokens out of and back into the sequence
+# (`coda_jax.routing`), with identical results: 'gather' (row gathers with
+# gather VJPs, MaxText's MoE permute), 'one_hot' (matmuls with a [k, n]
+# one-hot, GShard / flaxformer: TPUs charge a row gather whole tiles), or
+# 'auto' (one-hot on TPU, gathers elsewhere).
+DISPATCHES = ('auto', 'gather', 'one_hot')
 # Soft top-k solvers (`coda_jax.soft_topk`) and their implementations: 'xla'
 # (the reference, the CPU/TPU default), 'pallas' (a fused kernel,
 # `coda_jax.kernels`), 'auto' (the kernel on GPU, XLA elsewhere).
@@ -261,12 +267,15 @@ class CodaConfig:
   # A fixed number of routed tokens k, overriding ceil(n / reduction_factor)
   # (the rungs of k annealing set k directly); None: k from the factor.
   num_routed_tokens: Optional[int] = None
+  # How routed tokens move (`DISPATCHES`): 'auto', 'gather' or 'one_hot'.
+  dispatch: str = 'auto'
 
   def __post_init__(self):
     r = self.reduction_factor
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 1:
       raise ValueError(f'reduction_factor must be >= 1, got {r}')
-    for name, choices in (('attention', ATTENTION_VARIANTS), ('normalizer', NORMALIZERS)):
+    for name, choices in (('attention', ATTENTION_VARIANTS), ('normalizer', NORMALIZERS),
+                          ('dispatch', DISPATCHES)):
       if getattr(self, name) not in choices:
         raise ValueError(f'CodaConfig.{name} must be one of {choices}, '
                          f'got {getattr(self, name)!r}')

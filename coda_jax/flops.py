@@ -74,13 +74,15 @@ def _with_total(macs: Dict[str, int]) -> Dict[str, int]:
 
 def encoder_layer_macs(config: T5Config, n: int, *, variant: str = DENSE,
                        reduction_factor: float = 1.0,
-                       adapter_dim: int = DEFAULT_ADAPTER_DIM) -> Dict[str, int]:
+                       adapter_dim: int = DEFAULT_ADAPTER_DIM,
+                       num_routed_tokens: Optional[int] = None) -> Dict[str, int]:
   """MACs of one encoder layer on `n` real tokens.
 
   Args:
     variant: 'dense' | 'parallel_adapter' | 'coda_k_to_all' | 'coda_k_to_k'.
     reduction_factor: r of the CoDA variants (k = ceil(n / r)); must be 1 for
       the dense and parallel adapter variants.
+    num_routed_tokens: k itself (a rung of k annealing), instead of r.
 
   Returns:
     MACs per component (`ENCODER_COMPONENTS`) and their 'total'.
@@ -89,6 +91,8 @@ def encoder_layer_macs(config: T5Config, n: int, *, variant: str = DENSE,
     raise ValueError(f'unknown variant {variant!r}; expected one of {VARIANTS}')
   n = _check_positive_int('n', n)
   k = coda_k(n, reduction_factor)
+  if num_routed_tokens is not None:
+    k = min(n, _check_positive_int('num_routed_tokens', num_routed_tokens))
   adapter_dim = _check_positive_int('adapter_dim', adapter_dim)
   if variant in (DENSE, PARALLEL_ADAPTER) and reduction_factor != 1:
     raise ValueError(f'variant {variant!r} processes every token; reduction_factor '
@@ -249,6 +253,44 @@ def cross_kv_speedup_bound(config: T5Config, n_in: int, n_out: int,
                            adapter_dim=adapter_dim, cross_kv_cached=cross_kv_cached)
     return macs['cross_kv'] + macs['decoder']
   return decoder(False) / decoder(True)
+
+
+def teacher_forced_decoder_macs(config: T5Config, n_in: int, n_out: int, *,
+                                adapter_dim: int = DEFAULT_ADAPTER_DIM,
+                                decoder_adapters: bool = True) -> int:
+  """MACs of the decoder on `n_out` target tokens at once (training and
+  scoring): causal self-attention over the n_out positions (the full n_out x
+  n_out logits, as they are computed), cross-attention over `n_in` encoder
+  tokens (their key/value projections included), the MLPs and the logits."""
+  n_in = _check_positive_int('n_in', n_in)
+  n_out = _check_positive_int('n_out', n_out)
+  d = config.emb_dim
+  self_att = _attention_mlp_macs(config, q=n_out, s=n_out, kv_proj_tokens=n_out)
+  cross = _attention_mlp_macs(config, q=n_out, s=n_in, kv_proj_tokens=n_in)
+  per_layer = (sum(v for k, v in self_att.items() if k != 'mlp')
+               + sum(v for k, v in cross.items() if k != 'mlp') + self_att['mlp']
+               + (2 * n_out * d * adapter_dim if decoder_adapters else 0))
+  return config.num_decoder_layers * per_layer + n_out * d * config.vocab_size
+
+
+def train_step_flops(config: T5Config, n_in: int, n_out: int, batch_size: int, *,
+                     variant: str, num_routed_tokens: Optional[int] = None,
+                     adapter_dim: int = DEFAULT_ADAPTER_DIM,
+                     trains_backbone: bool = False) -> float:
+  """FLOPs of one training step on a global batch: the forward pass (encoder
+  at `num_routed_tokens` for a CoDA variant, teacher-forced decoder) times 2
+  when the backbone is frozen (forward + the gradients of the activations;
+  frozen weights get none) or 3 when every weight is trained (+ the weight
+  gradients): the usual model-FLOPs convention, 2 FLOPs a MAC."""
+  k = n_in if num_routed_tokens is None else int(num_routed_tokens)
+  routed = variant in (CODA_K_TO_ALL, CODA_K_TO_K)
+  encoder = config.num_encoder_layers * encoder_layer_macs(
+      config, n_in, variant=variant, reduction_factor=n_in / k if routed else 1.0,
+      adapter_dim=adapter_dim, num_routed_tokens=k if routed else None)['total']
+  decoder = teacher_forced_decoder_macs(config, n_in, n_out, adapter_dim=adapter_dim,
+                                        decoder_adapters=variant != DENSE)
+  passes = 3 if trains_backbone else 2
+  return 2.0 * passes * batch_size * (encoder + decoder)
 
 
 # ----------------------------------------------------------------------------

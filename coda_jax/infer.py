@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -176,33 +177,90 @@ def read_input_file(path: str, vocabulary, input_length: int) -> List[Dict[str, 
 
 class Predictor:
   """Jitted decoding of `model` with sharded `params`: `(tokens) -> (tokens, scores)`
-  on numpy arrays, the batch split over the mesh's `data` axis."""
+  on numpy arrays, the batch split over the mesh's `data` axis.
+
+  With `params=None` nothing is placed: the program can still be lowered for
+  the mesh (`lower`, and its two pieces `lower_encode` / `lower_decode_step`,
+  what `coda-jax compile` costs, since a compiler counts a loop's body once).
+  """
 
   def __init__(self, model, params, mesh, rules, max_decode_length: int,
                method: str = 'greedy', num_beams: int = 4, alpha: float = 0.6):
     # The trainer's placement (shardings by logical axes, shape checks).
     self.trainer = trainer_lib.Trainer(model, optax.identity(), mesh, rules=rules)
-    self.params = self.trainer.place_params(params)
-    rules = self.trainer.rules
+    self.model, self.mesh = model, mesh
+    self.max_decode_length, self.method = int(max_decode_length), method
+    self.num_beams, self.alpha = int(num_beams), alpha
+    self.params = None if params is None else self.trainer.place_params(params)
+    shardings = (self.trainer.params_shardings, self.trainer.batch_sharding)
+    self._predict = partitioning.on_mesh(
+        jax.jit(self._predict_fn, in_shardings=shardings,
+                out_shardings=self.trainer.replicated), mesh)
 
-    def predict(params, tokens):
-      with partitioning.axis_rules(rules):
-        seqs, scores = decoding_lib.predict_batch(
-            model, params, tokens, max_decode_length=int(max_decode_length),
-            method=method, num_beams=num_beams, alpha=alpha)
-      if method == 'beam':  # the best beam
-        seqs, scores = seqs[:, 0], scores[:, 0]
-      return seqs, scores
-
-    self._predict = jax.jit(predict, in_shardings=(self.trainer.params_shardings,
-                                                   self.trainer.batch_sharding),
-                            out_shardings=self.trainer.replicated)
+  def _predict_fn(self, params, tokens):
+    with partitioning.axis_rules(self.trainer.rules):
+      seqs, scores = decoding_lib.predict_batch(
+          self.model, params, tokens, max_decode_length=self.max_decode_length,
+          method=self.method, num_beams=self.num_beams, alpha=self.alpha)
+    if self.method == 'beam':  # the best beam
+      seqs, scores = seqs[:, 0], scores[:, 0]
+    return seqs, scores
 
   def __call__(self, tokens: np.ndarray):
     arr = jax.make_array_from_callback(tokens.shape, self.trainer.batch_sharding,
                                        lambda idx: tokens[idx])
     seqs, scores = self._predict(self.params, arr)
     return np.asarray(seqs), np.asarray(scores)
+
+  # -- ahead of time ------------------------------------------------------------------
+
+  def abstract_params(self) -> Any:
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        self.trainer.param_shapes, self.trainer.params_shardings)
+
+  def _rows(self, shape, dtype) -> jax.ShapeDtypeStruct:
+    """An array split over `data` on its leading (batch) dimension."""
+    sharding = self.trainer.batch_sharding if len(shape) else self.trainer.replicated
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+  def lower(self, batch_size: int, input_length: int):
+    """The decoding program `__call__` runs, for `[batch_size, input_length]` inputs."""
+    return self._predict.lower(self.abstract_params(),
+                               self._rows((batch_size, input_length), jnp.int32))
+
+  def _encode_fn(self, params, tokens):
+    with partitioning.axis_rules(self.trainer.rules):
+      return self.model.apply({'params': params}, tokens, enable_dropout=False,
+                              method=self.model.encode)
+
+  def lower_encode(self, batch_size: int, input_length: int):
+    """The encoder of the decoding program, on its own."""
+    jitted = partitioning.on_mesh(jax.jit(self._encode_fn), self.mesh)
+    return jitted.lower(self.abstract_params(),
+                        self._rows((batch_size, input_length), jnp.int32))
+
+  def _decode_step_fn(self, params, encoded, tokens, token, cache):
+    with partitioning.axis_rules(self.trainer.rules):
+      step = decoding_lib.make_tokens_to_logits(self.model, params, encoded, tokens,
+                                                self.max_decode_length)
+      return step(token, cache)
+
+  def lower_decode_step(self, batch_size: int, input_length: int):
+    """One step of the decoding loop (`decoding.make_tokens_to_logits`) on its
+    own: the decoder for one token of every row (`num_beams` rows per example
+    with beam search), with the cache and encoder output as inputs."""
+    rows = batch_size * (self.num_beams if self.method == 'beam' else 1)
+    tokens = jax.ShapeDtypeStruct((rows, input_length), jnp.int32)
+    params = self.trainer.param_shapes
+    encoded = jax.eval_shape(self._encode_fn, params, tokens)
+    cache = jax.eval_shape(
+        lambda p, e, t: decoding_lib.init_decode_cache(self.model, p, e, t,
+                                                       self.max_decode_length),
+        params, encoded, tokens)
+    as_rows = lambda s: self._rows(s.shape, s.dtype)
+    jitted = partitioning.on_mesh(jax.jit(self._decode_step_fn), self.mesh)
+    return jitted.lower(self.abstract_params(), as_rows(encoded), as_rows(tokens),
+                        self._rows((rows, 1), jnp.int32), jax.tree.map(as_rows, cache))
 
 
 def _records(decoded: Sequence[data_lib.Decoded]) -> List[Dict[str, Any]]:

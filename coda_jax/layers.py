@@ -518,6 +518,33 @@ def relative_position_bucket(relative_position: Array,
   return ret + jnp.where(is_small, n, val_if_large)
 
 
+def select_by_index(table: Array, index: Array) -> Array:
+  """`table[:, index]` moved to `[..., rows, *index.shape[-2:]]` by a binary
+  tree of selects on the bits of `index` (no gather).
+
+  Args:
+    table: `[rows, size]`, e.g. a relative position table `[heads, buckets]`.
+    index: int `[..., q, k]` in [0, size).
+
+  Returns:
+    `[..., rows, q, k]`: element-wise work that XLA fuses into its consumer
+    (the attention logits), so a per-example `[batch, heads, q, k]` bias is
+    never written to memory; a gather would write it (and TPU charges a row
+    gather whole tiles).
+  """
+  rows, size = table.shape
+  levels = max(1, (size - 1).bit_length())
+  values = [table[:, j].reshape((rows, 1, 1)) if j < size else jnp.zeros((rows, 1, 1),
+                                                                       table.dtype)
+            for j in range(2 ** levels)]
+  index = jnp.expand_dims(index, -3)                             # [..., 1, q, k]
+  for bit in range(levels):
+    odd = (jnp.right_shift(index, bit) & 1) == 1
+    values = [jnp.where(odd, values[2 * i + 1], values[2 * i])
+              for i in range(len(values) // 2)]
+  return jnp.broadcast_to(values[0], index.shape[:-3] + (rows,) + index.shape[-2:])
+
+
 class RelativePositionBiases(nn.Module):
   """T5's relative position bias, one `rel_embedding [heads, buckets]` per stack.
 
@@ -535,10 +562,13 @@ class RelativePositionBiases(nn.Module):
                bidirectional: bool = True) -> Array:
     """Bias for attention logits.
 
-    Buckets saturate at `max_distance`, so the bias is a function of the
-    relative position clipped to [-max_distance, max_distance]: it is looked
-    up per distance (2 max_distance + 1 buckets, [heads, distances]) and then
-    gathered per (query, key), with no per-pair bucket arithmetic.
+    Positions shared by the batch (`[q_len]`, `[kv_len]`: the dense layers)
+    give one `[1, heads, q, k]` bias: the table looked up per distance (its
+    buckets saturate at `max_distance`: 2 max_distance + 1 of them) and then
+    per (query, key). Positions per example (`[batch, q_len]`: routed tokens
+    at their original places) give the bias element-wise from the positions
+    and the table (`select_by_index` on T5's buckets), which the attention
+    fuses into its logits instead of reading a per-example array.
 
     Args:
       query_positions: int `[q_len]` or `[batch, q_len]`.
@@ -549,21 +579,24 @@ class RelativePositionBiases(nn.Module):
     """
     query_positions = jnp.asarray(query_positions)
     key_positions = jnp.asarray(key_positions)
-    if query_positions.ndim == 1:
-      query_positions = query_positions[None]
-    if key_positions.ndim == 1:
-      key_positions = key_positions[None]
     table = param_with_axes('rel_embedding', self.embedding_init,
                             (self.num_heads, self.num_buckets), jnp.float32,
                             axes=('heads', 'relpos_buckets'))
+    table = jnp.asarray(table, self.dtype)
     m = self.max_distance
+    if query_positions.ndim == 2 or key_positions.ndim == 2:
+      query_positions = jnp.atleast_2d(query_positions)
+      key_positions = jnp.atleast_2d(key_positions)
+      relative = key_positions[:, None, :] - query_positions[:, :, None]     # [b, q, k]
+      buckets = relative_position_bucket(relative, bidirectional=bidirectional,
+                                         num_buckets=self.num_buckets, max_distance=m)
+      return select_by_index(table, buckets)
     distances = jnp.arange(-m, m + 1)
     buckets = relative_position_bucket(distances, bidirectional=bidirectional,
                                        num_buckets=self.num_buckets, max_distance=m)
-    by_distance = jnp.take(jnp.asarray(table, self.dtype), buckets, axis=1)  # [h, 2m+1]
-    relative = key_positions[:, None, :] - query_positions[:, :, None]       # [b, q, k]
-    values = jnp.take(by_distance, jnp.clip(relative, -m, m) + m, axis=1)    # [h, b, q, k]
-    return jnp.transpose(values, (1, 0, 2, 3))
+    by_distance = jnp.take(table, buckets, axis=1)                            # [h, 2m+1]
+    relative = key_positions[None, :] - query_positions[:, None]              # [q, k]
+    return jnp.take(by_distance, jnp.clip(relative, -m, m) + m, axis=1)[None]
 
 
 def make_attention_mask(query_input: Array, key_input: Array,

@@ -133,14 +133,16 @@ class EncoderLayer(nn.Module):
         padding mask; default: every token is real).
     """
     cfg, coda = self.config, self.coda
-    xn = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')(inputs)
+    norm = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')
+    xn = norm(inputs)
     if not self.routed:
       att, ffn = self._pretrained_update(inputs, xn, xn, encoder_mask, deterministic,
                                          token_mask=input_mask)
       y = inputs + att
       y = y + ffn
     else:
-      y = inputs + self._routed_update(inputs, xn, encoder_mask, input_mask, deterministic)
+      y = inputs + self._routed_update(inputs, norm, xn, encoder_mask, input_mask,
+                                       deterministic)
     if coda is not None and coda.adapter == PARALLEL:
       y = y + _adapter(cfg, coda, 'adapter')(xn)
     return layers.with_sharding_constraint(y, ('batch', 'length', 'embed'))
@@ -176,9 +178,13 @@ class EncoderLayer(nn.Module):
       ffn = _adapter(cfg, coda, 'adapter_mlp', sequential=True)(ffn)
     return att, ffn
 
-  def _routed_update(self, x: Array, xn: Array, encoder_mask: Optional[Array],
-                     input_mask: Optional[Array], deterministic: bool) -> Array:
-    """`unroute(gate * (att + ffn))` of the routed tokens, `[batch, n, emb]`."""
+  def _routed_update(self, x: Array, norm: nn.Module, xn: Array,
+                     encoder_mask: Optional[Array], input_mask: Optional[Array],
+                     deterministic: bool) -> Array:
+    """`unroute(gate * (att + ffn))` of the routed tokens, `[batch, n, emb]`.
+
+    Only `x` is routed; the routed tokens' norm is `norm` applied to them
+    (the same per-token function as `xn = norm(x)`, so the same values)."""
     cfg, coda = self.config, self.coda
     batch, length = x.shape[:2]
     k = coda.num_selected(length)
@@ -195,12 +201,12 @@ class EncoderLayer(nn.Module):
       att, ffn = self._pretrained_update(x, xn, xn, encoder_mask, deterministic,
                                          token_mask=input_mask)
       return (att + ffn) * gate
-    idx, slots = decision.indices, decision.slots                # [b, k], [b, n]
+    idx = decision.indices                                       # [b, k]
     real = jnp.ones((batch, length), bool) if input_mask is None else input_mask
     with jax.named_scope('route'):
-      xr = routing.gather_tokens(x, idx, slots)                  # [b, k, emb]
-      xrn = routing.gather_tokens(xn, idx, slots)
+      xr = routing.route(x, decision, coda.dispatch)             # [b, k, emb]
       query_real = routing.gather_tokens(real, idx)              # [b, k]
+    xrn = norm(xr)
     if coda.attention == 'k_to_all':
       kv, key_real, key_positions = xn, real, None
     else:
@@ -211,7 +217,7 @@ class EncoderLayer(nn.Module):
                                        query_positions=idx, key_positions=key_positions,
                                        token_mask=query_real, kv_token_mask=key_real)
     with jax.named_scope('unroute'):
-      return routing.ungather_tokens((att + ffn) * gate, idx, slots)
+      return routing.unroute((att + ffn) * gate, decision, length, coda.dispatch)
 
 
 class DecoderLayer(nn.Module):

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from coda_jax import params as params_lib
+from coda_jax import target
 from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_RANK_AXIS,
                              ADAPTER_AXIS, LORA_AXIS)
 
@@ -200,3 +201,28 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def axis_rules(rules: Optional[LogicalRules] = None):
   """Context in which the model's logical activation constraints apply."""
   return nn_partitioning.axis_rules(standard_logical_axis_rules() if rules is None else rules)
+
+
+class OnMesh:
+  """A jitted function traced, called and lowered with `mesh` set
+  (`jax.set_mesh`): the model's logical activation constraints
+  (`with_sharding_constraint` under `axis_rules`) then constrain its
+  activations on that mesh, as t5x's partitioner does; without a mesh they
+  are dropped. The mesh's platform is the one the model formulates its
+  steps for (`target.targeting`). `lower` is the same program, ahead of time."""
+
+  def __init__(self, jitted, mesh: Mesh):
+    self.jitted, self.mesh = jitted, mesh
+
+  def __call__(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh), target.targeting(target.platform_of(self.mesh.devices.flat)):
+      return self.jitted(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    with jax.set_mesh(self.mesh), target.targeting(target.platform_of(self.mesh.devices.flat)):
+      return self.jitted.lower(*args, **kwargs)
+
+
+def on_mesh(jitted, mesh: Mesh) -> OnMesh:
+  """`jitted` that runs with `mesh` set (`OnMesh`)."""
+  return OnMesh(jitted, mesh)

@@ -18,10 +18,21 @@ TensorFlow (``python -m coda_jax.train`` should call it first thing in
   accelerators, TensorFlow must not reserve their memory), with the process's
   stderr captured meanwhile; every captured line but the chatter above is then
   written back, so a real error printed there still shows.
+
+`quiet_libtpu()` runs when `coda_jax` is imported. libtpu (the TPU compiler
+that ``coda-jax compile`` uses) may be installed on a machine with no TPU; JAX
+then still tries to start a TPU client in every process, and libtpu prints a
+page of warnings about the Cloud TPU metadata it cannot find. On such a
+machine (no Google TPU on the PCI bus) it tells libtpu so, through the
+environment variables a TPU VM would set, unless they are set already. The
+client then fails quietly and JAX goes on with the CPU or GPU; compiling for
+a TPU topology (`jax.experimental.topologies`) is not affected. On a TPU VM
+nothing is changed.
 """
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import os
 import re
@@ -75,6 +86,33 @@ def stderr_without(patterns: Sequence[re.Pattern]) -> Iterator[None]:
       if kept:
         sys.stderr.write(''.join(kept))
         sys.stderr.flush()
+
+
+# PCI vendor id of Google's TPUs (what JAX's own hardware check looks for).
+_GOOGLE_PCI_VENDOR = '0x1ae0'
+# What libtpu reads instead of asking the Cloud TPU metadata server.
+_LIBTPU_NO_TPU_ENV = {'TPU_SKIP_MDS_QUERY': '1', 'TPU_ACCELERATOR_TYPE': 'v5litepod-4',
+                      'TPU_WORKER_HOSTNAMES': 'localhost'}
+
+
+def has_tpu() -> bool:
+  """Whether a Google TPU is on this machine's PCI bus."""
+  for vendor in glob.glob('/sys/bus/pci/devices/*/vendor'):
+    try:
+      with open(vendor) as f:
+        if f.read().strip() == _GOOGLE_PCI_VENDOR:
+          return True
+    except OSError:
+      continue
+  return False
+
+
+def quiet_libtpu() -> None:
+  """See the module docstring. Safe to call more than once."""
+  if importlib.util.find_spec('libtpu') is None or has_tpu():
+    return
+  for name, value in _LIBTPU_NO_TPU_ENV.items():
+    os.environ.setdefault(name, value)
 
 
 def quiet_start(tensorflow: bool = False) -> None:

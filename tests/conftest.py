@@ -1,4 +1,5 @@
 """Shared test set-up: tests run in any order, so no gin binding outlives its test."""
+import coda_jax  # noqa: F401  (first: a libtpu installed without a TPU stays quiet)
 import gin
 import pytest
 

@@ -123,9 +123,9 @@ class OneLayer(nn.Module):
         x, mask, True, input_mask)
 
 
-def _layer_setup(attention, seed=0):
+def _layer_setup(attention, seed=0, dispatch='auto'):
   cfg = tiny()
-  coda = CodaConfig(reduction_factor=3.0, attention=attention)
+  coda = CodaConfig(reduction_factor=3.0, attention=attention, dispatch=dispatch)
   rng = np.random.RandomState(seed)
   b, n = 3, 12
   x = jnp.asarray(rng.randn(b, n, cfg.emb_dim).astype(np.float32))
@@ -140,9 +140,11 @@ def _layer_setup(attention, seed=0):
   return cfg, coda, x, mask, input_mask, params, out, routing
 
 
+@pytest.mark.parametrize('dispatch', ['gather', 'one_hot'])
 @pytest.mark.parametrize('attention', ['k_to_all', 'k_to_k'])
-def test_routed_layer_against_the_dense_layer(attention):
-  cfg, coda, x, mask, input_mask, params, out, routing = _layer_setup(attention)
+def test_routed_layer_against_the_dense_layer(attention, dispatch):
+  cfg, coda, x, mask, input_mask, params, out, routing = _layer_setup(attention,
+                                                                       dispatch=dispatch)
   idx = np.asarray(routing['indices'])
   gate = np.asarray(routing['gate'])
   assert idx.shape == (3, 4)  # k = ceil(12 / 3)
@@ -178,6 +180,34 @@ def test_routed_layer_against_the_dense_layer(attention):
       expect = base[b, idx[b]] + gate[b][:, None] * (sub_out - x_np[b, idx[b]])
       np.testing.assert_allclose(out_np[b, idx[b]][real], expect[real], atol=1e-5)
   assert np.all(gate > 0) and np.all(gate <= 1)
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('attention', ['k_to_all', 'k_to_k'])
+def test_one_hot_and_gather_dispatch_give_the_same_model(attention, dtype):
+  """The two token movements (gathers; one-hot matmuls, TPU's) route the same
+  tokens and give the same encoder output and gradients."""
+  enc, dec_in, tgt = batch()
+  cfg = tiny(dtype=dtype)
+  models = {d: Transformer(cfg, coda=CodaConfig(reduction_factor=3.0, attention=attention,
+                                                dispatch=d))
+            for d in ('gather', 'one_hot')}
+  params = randomize(init_params(models['gather'], enc, dec_in, tgt), ['adapter', 'router'],
+                     scale=0.5)
+
+  def loss(p, model):
+    return jnp.sum(logits(model, p, enc, dec_in, tgt).astype(jnp.float32) ** 2)
+
+  out = {d: encode(m, params, enc) for d, m in models.items()}
+  grads = {d: jax.grad(loss)(params, m) for d, m in models.items()}
+  tol = 1e-6 if dtype == jnp.float32 else 2e-2
+  np.testing.assert_allclose(np.asarray(out['one_hot'], np.float32),
+                             np.asarray(out['gather'], np.float32), atol=tol, rtol=tol)
+  for (path, a), b in zip(flatten_dict(grads['one_hot']).items(),
+                          flatten_dict(grads['gather']).values()):
+    scale = float(np.abs(np.asarray(b, np.float32)).max()) + 1e-6
+    np.testing.assert_allclose(np.asarray(a, np.float32) / scale,
+                               np.asarray(b, np.float32) / scale, atol=tol, err_msg=str(path))
 
 
 def test_padding_is_never_routed_while_real_tokens_are_left():

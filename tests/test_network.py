@@ -310,3 +310,28 @@ def test_relative_position_bias_per_distance_equals_per_pair_buckets(
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   with pytest.raises(ValueError, match='relative_attention_max_distance'):
     T5Config(relative_attention_num_buckets=32, relative_attention_max_distance=16)
+
+
+@pytest.mark.parametrize('size', [32, 20, 5, 1])
+def test_select_by_index_is_a_table_lookup(size):
+  """The select tree on an index's bits equals `table[:, index]`, for tables
+  whose size is not a power of two too."""
+  rng = np.random.RandomState(size)
+  table = jnp.asarray(rng.randn(3, size).astype(np.float32))
+  index = jnp.asarray(rng.randint(0, size, (2, 4, 6)))
+  got = layers.select_by_index(table, index)
+  assert got.shape == (2, 3, 4, 6)
+  want = np.moveaxis(np.asarray(table)[:, np.asarray(index)], 0, 1)
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_relative_position_bias_per_row_equals_the_shared_one():
+  """Positions given per row (routed tokens) and the same positions shared by
+  the batch (dense layers) give the same bias."""
+  rel = layers.RelativePositionBiases(32, 128, num_heads=3)
+  q, kv = jnp.arange(40), jnp.arange(300)
+  variables = rel.init(jax.random.PRNGKey(0), q, kv)
+  shared = rel.apply(variables, q, kv)
+  per_row = rel.apply(variables, jnp.stack([q, q]), kv)
+  assert shared.shape == (1, 3, 40, 300) and per_row.shape == (2, 3, 40, 300)
+  np.testing.assert_array_equal(np.asarray(per_row), np.broadcast_to(shared, per_row.shape))

@@ -233,3 +233,39 @@ def test_gather_scatter_gradients():
       jnp.zeros((2, 4, 3)), idx, v) * x))(v)
   np.testing.assert_allclose(np.asarray(gv),
                              np.asarray(routing.gather_tokens(x, idx)))
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_one_hot_dispatch_moves_the_same_values_as_gathers(dtype):
+  """`route` / `unroute` by one-hot matmuls equal the gathers to the bit,
+  float32 included (TPU's default matmul would round it to bfloat16), and so
+  do their gradients."""
+  x, mask = _inputs()
+  x = (x * 1e3 + 1 / 3).astype(dtype)                 # bits a bfloat16 pass would drop
+  weights = jax.random.uniform(jax.random.PRNGKey(3), mask.shape)
+  d = routing.select_top_k(weights, K, mask)
+  y = jax.random.normal(jax.random.PRNGKey(4), (B, K, D)).astype(dtype)
+  for fn, arg in ((lambda v, m: routing.route(v, d, m), x),
+                  (lambda v, m: routing.unroute(v, d, N, m), y)):
+    a, b = fn(arg, 'one_hot'), fn(arg, 'gather')
+    assert a.dtype == b.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    ga = jax.grad(lambda v: jnp.sum(fn(v, 'one_hot').astype(jnp.float32) ** 2))(arg)
+    gb = jax.grad(lambda v: jnp.sum(fn(v, 'gather').astype(jnp.float32) ** 2))(arg)
+    np.testing.assert_array_equal(np.asarray(ga, np.float32), np.asarray(gb, np.float32))
+  # A bool mask moves by a gather whatever the dispatch.
+  np.testing.assert_array_equal(routing.route(mask, d, 'one_hot'),
+                                np.take_along_axis(np.asarray(mask), np.asarray(d.indices), 1))
+
+
+def test_dispatch_auto_is_one_hot_on_tpu_and_gathers_elsewhere():
+  from coda_jax import target
+  assert routing.resolve_dispatch('auto') == 'gather'  # these tests run on a CPU
+  with target.targeting('tpu'):
+    assert routing.resolve_dispatch('auto') == 'one_hot'
+    assert routing.resolve_dispatch('gather') == 'gather'
+    with target.targeting('cuda'):
+      assert target.platform() == 'gpu' and routing.resolve_dispatch('auto') == 'gather'
+  assert target.platform() == jax.default_backend()
+  with pytest.raises(ValueError, match="unknown dispatch 'scatter'"):
+    routing.resolve_dispatch('scatter')

@@ -107,6 +107,21 @@ def output_vocabulary(task):
   return task.output_features['targets'].vocabulary
 
 
+def batch_spec(lengths: Mapping[str, int], batch_size: int, pack: bool = False
+               ) -> Dict[str, Tuple[Tuple[int, ...], Any]]:
+  """{feature: (shape, dtype)} of the global batches `train_batches` yields:
+  what seqio's `EncDecFeatureConverter` makes of `{'inputs': n, 'targets': m}`
+  (with `pack`, the segment ids and positions too). For lowering a train step
+  ahead of time, without reading data."""
+  n, m = int(lengths['inputs']), int(lengths['targets'])
+  spec = {'encoder_input_tokens': n, 'decoder_target_tokens': m, 'decoder_input_tokens': m,
+          'decoder_loss_weights': m}
+  if pack:
+    spec.update({'encoder_segment_ids': n, 'encoder_positions': n,
+                 'decoder_segment_ids': m, 'decoder_positions': m})
+  return {name: ((int(batch_size), length), np.int32) for name, length in spec.items()}
+
+
 def train_batches(cfg: DatasetConfig, shard_index: int = 0, num_shards: int = 1,
                   start_batch: int = 0, *, rows: Optional[Tuple[int, int]] = None,
                   start_example: Optional[int] = None) -> Iterator[Dict[str, np.ndarray]]:

@@ -104,9 +104,14 @@ def referenced_macros() -> Set[str]:
 
 
 def parse_gin(gin_files: Sequence[str], overrides: Sequence[Tuple[str, str]] = (),
-              bindings: Sequence[str] = (), search_paths: Iterable[str] = ()) -> None:
+              bindings: Sequence[str] = (), search_paths: Iterable[str] = (),
+              unneeded: Sequence[str] = ()) -> None:
   """Parses the gin files, then the bindings and `--gin.` overrides, and checks
-  that every overridden macro is used by the configuration."""
+  that every overridden macro is used by the configuration.
+
+  `unneeded`: macros the command does not read (``coda-jax compile`` reads no
+  MODEL_DIR): still ``%gin.REQUIRED`` after parsing, they are bound to None.
+  """
   gin.clear_config()
   paths = list(dict.fromkeys([p for p in search_paths if p] + [os.getcwd(), REPO_ROOT]))
   for path in paths:
@@ -128,7 +133,22 @@ def parse_gin(gin_files: Sequence[str], overrides: Sequence[Tuple[str, str]] = (
     # dynamic registration (`from coda_jax import network`) that does not resolve.
     raise GinError(f'gin configuration error: {e}{_parameter_hint(str(e))}') from e
   flags = {name: f'--gin.{name}={value}' for name, value in overrides}
+  bound = _macro_bindings()
+  for name in unneeded:
+    if _is_required(bound.get(name)):
+      gin.bind_parameter(f'{name}/gin.macro.value', None)
   check_macros(flags, gin_files, paths, bindings)
+
+
+def call_arguments(fn) -> Dict[str, Any]:
+  """The keyword arguments gin would call the configurable `fn` with: its
+  defaults, replaced by the parsed configuration's bindings (references and
+  macros evaluated, e.g. the `@network.Transformer()` model built)."""
+  fn = getattr(fn, '__wrapped__', fn)
+  out = {name: p.default for name, p in inspect.signature(fn).parameters.items()
+         if p.default is not inspect.Parameter.empty}
+  out.update(gin.get_bindings(fn))
+  return out
 
 
 def _macro_bindings() -> Dict[str, Any]:

@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import gin
 import jax
@@ -106,12 +106,11 @@ def _check_dataset_cfg(cfg, what: str) -> data_lib.DatasetConfig:
   return cfg
 
 
-def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
-          mesh_shape: Sequence[int], logical_axis_rules, learning_rate_fn,
-          optimizer_fn, trainable_params: str, k_anneal_fraction: float,
-          k_anneal_max_rungs: int, z_loss: float, vocabulary, register_tasks: bool,
-          initial_checkpoint_path: Optional[str]) -> RunSetup:
-  """Validates the configuration and builds the model, task, mesh and trainer."""
+def check_run(model, train_dataset_cfg, total_steps: int, trainable_params: str
+              ) -> Tuple[data_lib.DatasetConfig, Dict[str, int]]:
+  """The run's own settings (no data read): a model, the step count, the
+  train dataset's name and lengths, unpacked rows for a routed encoder, the
+  trainable leaves. Returns the train dataset config and its lengths."""
   if model is None:
     raise ConfigError('no model configured (bind train.model, e.g. '
                       '@network.Transformer())')
@@ -125,13 +124,13 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
   if trainable_params not in optimizer_lib.TRAINABLE_CHOICES:
     raise ConfigError(f'trainable_params must be one of {optimizer_lib.TRAINABLE_CHOICES}, '
                       f'got {trainable_params!r}')
-  if initial_checkpoint_path is not None:
-    try:
-      checkpoints.detect_format(initial_checkpoint_path)
-    except checkpoints.CheckpointError as e:
-      raise ConfigError(f'INITIAL_CHECKPOINT_PATH: {e}') from e
+  return train_cfg, lengths
 
-  # Tasks (imports seqio; registers ours with the run's vocabulary).
+
+def _prepare_tasks(train_cfg, infer_eval_dataset_cfg, vocabulary, register_tasks: bool,
+                   model) -> Tuple[Any, Optional[data_lib.DatasetConfig]]:
+  """Registers and finds the train (and eval) task and checks that the
+  vocabulary can be read and fits the model. Returns (task, eval config)."""
   try:
     task = data_lib.prepare_task(
         train_cfg.mixture_or_task_name, vocabulary, register_tasks,
@@ -159,22 +158,28 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
   if vocab_size > model.config.vocab_size:
     raise ConfigError(f'the task\'s vocabulary has {vocab_size} ids but the model '
                       f'only {model.config.vocab_size} embeddings')
+  return task, eval_cfg
 
-  # Mesh and batch split.
+
+def make_mesh(mesh_shape: Sequence[int], batch_size: int, devices=None):
+  """The `(data, model)` mesh of `mesh_shape` over `devices` (default: every
+  device), checked to split a batch of `batch_size` over its data axis."""
   try:
-    mesh = partitioning.create_mesh(tuple(mesh_shape))
+    mesh = partitioning.create_mesh(tuple(mesh_shape), devices)
   except ValueError as e:
     raise ConfigError(str(e)) from e
-  data_size = mesh.shape['data']
-  if train_cfg.batch_size % data_size:
-    raise ConfigError(f'BATCH_SIZE {train_cfg.batch_size} is not divisible by the mesh '
-                      f'data axis ({data_size}) of MESH_SHAPE {tuple(mesh_shape)}')
-  if train_cfg.shuffle and train_cfg.seed is None and jax.process_count() > 1:
-    raise ConfigError(f'the train dataset has no shuffling seed (DATA_SEED = None): the '
-                      f'{jax.process_count()} processes would read different orders; '
-                      'set DATA_SEED')
+  if batch_size % mesh.shape['data']:
+    raise ConfigError(f'BATCH_SIZE {batch_size} is not divisible by the mesh data axis '
+                      f'({mesh.shape["data"]}) of MESH_SHAPE {tuple(mesh_shape)}')
+  return mesh
 
-  # Schedules and optimizer.
+
+def build_trainer(model, lengths: Mapping[str, int], total_steps: int, mesh,
+                  logical_axis_rules, learning_rate_fn, optimizer_fn, trainable_params: str,
+                  k_anneal_fraction: float, k_anneal_max_rungs: int, z_loss: float
+                  ) -> Tuple[trainer_lib.Trainer, Optional[k_annealing.KSchedule], Callable]:
+  """The optimizer, the k ladder and the `Trainer` of a run on `mesh`.
+  Returns (trainer, k schedule or None, learning-rate schedule)."""
   if learning_rate_fn is None:
     learning_rate_fn = schedules.constant()
   optimizer = optimizer_lib.create_optimizer(learning_rate_fn, optimizer_fn,
@@ -187,6 +192,31 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
       model, optimizer, mesh, k_schedule=schedule, rules=logical_axis_rules,
       learning_rate_fn=learning_rate_fn, z_loss=z_loss,
       trainable_params=trainable_params)
+  return trainer, schedule, learning_rate_fn
+
+
+def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
+          mesh_shape: Sequence[int], logical_axis_rules, learning_rate_fn,
+          optimizer_fn, trainable_params: str, k_anneal_fraction: float,
+          k_anneal_max_rungs: int, z_loss: float, vocabulary, register_tasks: bool,
+          initial_checkpoint_path: Optional[str]) -> RunSetup:
+  """Validates the configuration and builds the model, task, mesh and trainer."""
+  train_cfg, lengths = check_run(model, train_dataset_cfg, total_steps, trainable_params)
+  if initial_checkpoint_path is not None:
+    try:
+      checkpoints.detect_format(initial_checkpoint_path)
+    except checkpoints.CheckpointError as e:
+      raise ConfigError(f'INITIAL_CHECKPOINT_PATH: {e}') from e
+  task, eval_cfg = _prepare_tasks(train_cfg, infer_eval_dataset_cfg, vocabulary,
+                                  register_tasks, model)
+  mesh = make_mesh(mesh_shape, train_cfg.batch_size)
+  if train_cfg.shuffle and train_cfg.seed is None and jax.process_count() > 1:
+    raise ConfigError(f'the train dataset has no shuffling seed (DATA_SEED = None): the '
+                      f'{jax.process_count()} processes would read different orders; '
+                      'set DATA_SEED')
+  trainer, schedule, learning_rate_fn = build_trainer(
+      model, lengths, total_steps, mesh, logical_axis_rules, learning_rate_fn, optimizer_fn,
+      trainable_params, k_anneal_fraction, k_anneal_max_rungs, z_loss)
   return RunSetup(model=model, train_cfg=train_cfg, eval_cfg=eval_cfg, lengths=lengths,
                   mesh=mesh, trainer=trainer, k_schedule=schedule,
                   learning_rate_fn=learning_rate_fn, task=task)
@@ -548,69 +578,77 @@ def train(*,
   """Trains `model` on `train_dataset_cfg` for `total_steps` steps (see module doc).
 
   Args:
-    model: a `network.Transformer` (dense T5, or CoDA with a `CodaConfig`).
-    model_dir: where checkpoints (``checkpoints/<step>``), ``metrics.jsonl`` and
-      TensorBoard events go; a run resumes from its newest checkpoint.
+    model: a `network.Transformer` (dense T5, CoDA with a `CodaConfig`, ACM).
+    model_dir: checkpoints (``checkpoints/<step>``), ``metrics.jsonl``, TensorBoard
+      events; a run resumes from its newest checkpoint.
     train_dataset_cfg / infer_eval_dataset_cfg: `data.DatasetConfig`s; the
-      evaluation decodes ``infer_eval_dataset_cfg``'s split greedily and runs
-      the task's metrics (None: no evaluation).
-    total_steps: steps of the whole run (a resumed run stops there too).
-    eval_period / checkpoint_period: every that many steps (and at the end).
-    eval_num_examples: evaluate on at most that many examples.
-    initial_checkpoint_path: a T5 v1.1 checkpoint (T5X legacy/orbax or Hugging
-      Face) to start a new run from; None: random initialisation.
-    mesh_shape: (data, model); one entry may be -1.
-    logical_axis_rules: default `partitioning.standard_logical_axis_rules()`.
-    learning_rate_fn: schedule (update count -> rate); default constant 1e-3.
-    optimizer_fn: `learning_rate= -> optax transformation`; default t5x's Adafactor.
+      evaluation decodes the latter's split greedily (None: no evaluation).
+    total_steps / eval_period / checkpoint_period / eval_num_examples: steps of
+      the whole run; evaluate and checkpoint every that many (and at the end),
+      on at most that many examples.
+    initial_checkpoint_path: a T5 v1.1 checkpoint (T5X, Hugging Face) or a
+      trained MODEL_DIR to start a new run from; None: random initialisation.
+    mesh_shape / logical_axis_rules: (data, model), one entry may be -1; the
+      rules (default `partitioning.standard_logical_axis_rules()`).
+    learning_rate_fn / optimizer_fn: the schedule (default constant 1e-3) and
+      `learning_rate= -> optax transformation` (default t5x's Adafactor).
     trainable_params: 'coda' (adapters, routers, layer norms, LoRA) or 'all'.
-    k_anneal_fraction / k_anneal_max_rungs: the k-annealing ladder (App. A): k
-      falls from n to n / r over that fraction of the steps in at most that
-      many rungs, each one compiled train step; when k anneals, the run's
-      first line says how, and how far the staircase is from the linear ramp.
-    z_loss: t5x's z-loss coefficient.
-    vocabulary: the seqio vocabulary our tasks are registered with (default
-      T5's SentencePiece); `register_tasks=False` leaves the registry alone.
-    progress_bar: None (on a terminal), True or False.
-    callbacks: called as `fn(step, metrics)` after each step's metrics arrive.
-    dry_run: only check the configuration, build the model, task, mesh and
-      train step's shardings and read one batch (no parameters, no training).
-    acm_usage_batches: after an ACM 'finetune' run, the learners' usage
-      u_n = P(k >= n) is measured in evaluation mode on that many more
-      training batches (`record_learner_usage`) and written into
-      run_config.json, where 'gather' inference takes its capacities from
-      (0: not measured).
+    k_anneal_fraction / k_anneal_max_rungs: k falls from n to n / r over that
+      fraction of the steps in at most that many rungs, one compiled step each.
+    z_loss / random_seed / log_period: t5x's z-loss; the seed of new leaves and
+      dropout; steps between logged lines.
+    vocabulary / register_tasks: the seqio vocabulary our tasks are registered
+      with (default T5's SentencePiece); False leaves the registry alone.
+    tensorboard / progress_bar / callbacks: event files; a bar (None: on a
+      terminal); `fn(step, metrics)` after each step's metrics arrive.
+    dry_run: check the configuration and read one batch (no training).
+    acm_usage_batches: after an ACM 'finetune' run, measure the learners' usage
+      u_n = P(k >= n) on that many batches into run_config.json, where 'gather'
+      inference takes its capacities from (0: not measured).
   """
   global _TRAIN_CALLS
   _TRAIN_CALLS += 1
   check_options(model_dir, k_anneal_max_rungs, checkpoint_period)
+  if acm_usage_batches < 0:
+    raise ConfigError(f'acm_usage_batches must be >= 0, got {acm_usage_batches}')
   run = setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps, mesh_shape,
               logical_axis_rules, learning_rate_fn, optimizer_fn, trainable_params,
               k_anneal_fraction, k_anneal_max_rungs, z_loss, vocabulary, register_tasks,
               initial_checkpoint_path)
   if dry_run:
     return dry_run_result(run, model_dir)
+  return run_training(
+      run, model_dir=model_dir, total_steps=total_steps, eval_period=eval_period,
+      eval_num_examples=eval_num_examples, eval_batch_size=eval_batch_size,
+      checkpoint_period=checkpoint_period, keep_checkpoints=keep_checkpoints,
+      initial_checkpoint_path=initial_checkpoint_path, trainable_params=trainable_params,
+      k_anneal_max_rungs=k_anneal_max_rungs, random_seed=random_seed, log_period=log_period,
+      tensorboard=tensorboard, progress_bar=progress_bar, callbacks=callbacks,
+      acm_usage_batches=acm_usage_batches)
+
+
+def run_training(run: RunSetup, *, model_dir: str, total_steps: int,
+                 eval_period: Optional[int], eval_num_examples: Optional[int],
+                 eval_batch_size: int, checkpoint_period: int, keep_checkpoints: Optional[int],
+                 initial_checkpoint_path: Optional[str], trainable_params: str,
+                 k_anneal_max_rungs: int, random_seed: int, log_period: int,
+                 tensorboard: bool, progress_bar: Optional[bool], callbacks,
+                 acm_usage_batches: int) -> TrainResult:
+  """`train` after its checks: restore or initialise, train, checkpoint,
+  evaluate, record an ACM's learner usage (arguments as `train`'s)."""
   check_shared_model_dir(model_dir)
   lead = jax.process_index() == 0
-  if acm_usage_batches < 0:
-    raise ConfigError(f'acm_usage_batches must be >= 0, got {acm_usage_batches}')
   if lead:
-    save_run_config(model_dir, model, trainable_params)
+    save_run_config(model_dir, run.model, trainable_params)
   writer = metrics_lib.MetricsWriter(model_dir, tensorboard=tensorboard, enabled=lead)
   ckpt_dir = os.path.join(model_dir, CHECKPOINT_SUBDIR)
   ckpt = checkpoints.TrainStateCheckpointer(ckpt_dir, max_to_keep=keep_checkpoints)
   progress = restore_or_initialize(run, ckpt, ckpt_dir, initial_checkpoint_path,
                                    random_seed)
+  if progress.step >= total_steps:
+    return finished_result(run, progress, ckpt, writer, model_dir, ckpt_dir)
   start = progress.step
   evaluator = make_evaluator(run, eval_period, eval_num_examples, eval_batch_size)
-  if start >= total_steps:
-    ckpt.close()
-    writer.close()
-    evals = [{k: v for k, v in r.items() if k not in ('split', 'time')}
-             for r in metrics_lib.read_metrics(model_dir, split='eval', missing_ok=True)]
-    return TrainResult(progress.state, start, run.trainer, model_dir, ckpt_dir, [],
-                       evals[-1:], start, setup=run)
-
   if lead and run.k_schedule is not None and run.k_schedule.num_rungs > 1:
     print(k_annealing.describe_schedule(run.k_schedule, k_anneal_max_rungs), flush=True)
   batches = train_batches(run, start_example=progress.examples)
@@ -629,3 +667,15 @@ def train(*,
                        acm_usage_batches, lead)
   return TrainResult(progress.state, progress.step, run.trainer, model_dir, ckpt_dir,
                      log.train_history, log.eval_history, start, setup=run)
+
+
+def finished_result(run: RunSetup, progress: Progress, ckpt, writer, model_dir: str,
+                    ckpt_dir: str) -> TrainResult:
+  """The result of a run resumed at or past its last step: nothing to train;
+  its newest evaluation (from metrics.jsonl) as the last one."""
+  ckpt.close()
+  writer.close()
+  evals = [{k: v for k, v in r.items() if k not in ('split', 'time')}
+           for r in metrics_lib.read_metrics(model_dir, split='eval', missing_ok=True)]
+  return TrainResult(progress.state, progress.step, run.trainer, model_dir, ckpt_dir, [],
+                     evals[-1:], progress.step, setup=run)

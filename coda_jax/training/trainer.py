@@ -134,7 +134,8 @@ class Trainer:
   def init_params(self, rng: jax.Array) -> PyTree:
     """Random parameters, created directly on their shards."""
     with partitioning.axis_rules(self.rules):
-      return jax.jit(self._init_fn, out_shardings=self.params_shardings)(rng)
+      return partitioning.on_mesh(jax.jit(self._init_fn, out_shardings=self.params_shardings),
+                                  self.mesh)(rng)
 
   def place_params(self, params: PyTree) -> PyTree:
     """Host parameters (numpy, identical on every process) -> sharded arrays."""
@@ -261,9 +262,10 @@ class Trainer:
                      'step': state['step'] + 1, 'rng': state['rng']}
       return new_state, metrics
 
-    return jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
-                   out_shardings=(self.state_shardings, self.replicated),
-                   donate_argnums=(0,))
+    return partitioning.on_mesh(
+        jax.jit(step_fn, in_shardings=(self.state_shardings, self.batch_sharding),
+                out_shardings=(self.state_shardings, self.replicated), donate_argnums=(0,)),
+        self.mesh)
 
   def step_fn(self, step: int) -> Callable:
     """The jitted step of the rung that step `step` (0-based) uses."""
@@ -275,6 +277,21 @@ class Trainer:
   def train_step(self, state: PyTree, batch: Mapping[str, jax.Array], step: int):
     """One update; `step` is the host's count of updates already applied."""
     return self.step_fn(step)(state, batch)
+
+  def abstract_batch(self, shapes: Mapping[str, Tuple[Tuple[int, ...], Any]]
+                     ) -> Dict[str, jax.ShapeDtypeStruct]:
+    """`{feature: (shape, dtype)}` (`data.batch_spec`) as `ShapeDtypeStruct`s
+    split over the `data` axis as `shard_batch` splits real batches."""
+    return {name: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=self.batch_sharding)
+            for name, (shape, dtype) in shapes.items()}
+
+  def lower_step(self, rung: int, batch: Mapping[str, Tuple[Tuple[int, ...], Any]]):
+    """The jitted step of `rung` (the one `train_step` runs, with its
+    shardings and donation) lowered for the abstract state and a batch of
+    these shapes: ahead-of-time compilation (`coda-jax compile`), no arrays."""
+    if rung not in self._steps:
+      self._steps[rung] = self._make_step(rung)
+    return self._steps[rung].lower(self.abstract_state(), self.abstract_batch(batch))
 
   # -- checks and prediction -----------------------------------------------------------
 
@@ -310,9 +327,9 @@ class Trainer:
               enable_dropout=False, mutable=['intermediates'])
           return acm_lib.learner_usage_counts(aux['intermediates'], model.acm.num_learners)
 
-      self._learner_usage = jax.jit(counts,
-                                    in_shardings=(self.params_shardings, self.batch_sharding),
-                                    out_shardings=self.replicated)
+      self._learner_usage = partitioning.on_mesh(
+          jax.jit(counts, in_shardings=(self.params_shardings, self.batch_sharding),
+                  out_shardings=self.replicated), self.mesh)
     return self._learner_usage
 
   def predict_fn(self, max_decode_length: int, rung: int = -1) -> Callable:
@@ -330,7 +347,7 @@ class Trainer:
                                            method='greedy')
         return seqs
 
-      self._predict[key] = jax.jit(predict,
-                                   in_shardings=(self.params_shardings, self.batch_sharding),
-                                   out_shardings=self.replicated)
+      self._predict[key] = partitioning.on_mesh(
+          jax.jit(predict, in_shardings=(self.params_shardings, self.batch_sharding),
+                  out_shardings=self.replicated), self.mesh)
     return self._predict[key]

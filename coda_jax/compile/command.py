@@ -1,0 +1,305 @@
+"""``coda-jax compile``: will this run fit the TPU pod, and what will a step cost?
+
+  coda-jax compile --gin_file=gin_configs/runs/finetune_boolq.gin --topology=v5e-16 \\
+    [--gin.MODEL_SIZE="'xl'" --gin.MESH_SHAPE="(4, 4)" ...] [--num_slices=2] \\
+    [--programs=train,infer] [--out=report.json]
+
+Configured exactly as ``coda-jax train`` / ``infer`` (the same run gin files,
+``--gin.`` flags and MESH_SHAPE; ``gin_configs/runs/infer.gin`` is added for
+the inference programs unless an infer or eval file is given), it compiles
+with the real TPU compiler, on this machine, the run's programs for the pod
+(`coda_jax.compile.programs`): the train step of every k rung, the decoding
+program of ``coda-jax infer``, and that program's encoder and one decoding
+step on their own. For each, per chip: HBM needed against the chip's, flops
+and bytes accessed, the roofline time max(flops / peak, bytes / HBM
+bandwidth) and the model FLOPs utilisation it implies, and the collectives
+with their time at the interconnect's bandwidth. A table goes to stdout, a
+progress line per program (with its compile time) to stderr, and with
+``--out`` the JSON (the pod, the exact jax and libtpu versions, the command).
+
+These are the compiler's model of the chip, deterministic, not a measurement.
+The TPU compiler is libtpu: ``pip install -e ".[tpu]"``.
+
+Exit status: 0 every program fits; 1 one does not (a line each: the program,
+what it needs and has, what to change); 2 a configuration error (an unknown
+topology, a MESH_SHAPE that does not cover the pod, a gin error), before
+anything compiles.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from coda_jax import quiet
+
+PROGRAM_KINDS = ('train', 'infer')
+# Run files that bind `infer.infer` themselves.
+_INFER_FILES = ('runs/infer.gin', 'runs/eval.gin')
+INFER_GIN = 'gin_configs/runs/infer.gin'
+# Macros a compile does not read: a run file may leave them %gin.REQUIRED.
+UNNEEDED_MACROS = ('MODEL_DIR', 'INITIAL_CHECKPOINT_PATH')
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument('--topology', required=True,
+                      help='the pod: an accelerator type (v4-32, v5litepod-16 or v5e-16, '
+                      'v5p-64, v6e-8) or a topology (v5e:4x4, v4:2x2x4)')
+  parser.add_argument('--num_slices', type=int, default=1,
+                      help='slices joined by the data-center network (Multislice)')
+  parser.add_argument('--programs', default=','.join(PROGRAM_KINDS),
+                      help='comma-separated: train (every k rung), infer (the decoding '
+                      'program, its encoder and one decoding step)')
+  parser.add_argument('--out', default=None, help='write the report as JSON here')
+  parser.add_argument('--gin_file', action='append', default=[], help='gin file (repeatable)')
+  parser.add_argument('--gin_bindings', action='append', default=[],
+                      help='raw gin binding (repeatable)')
+  parser.add_argument('--gin_search_paths', default='',
+                      help='comma-separated directories to look for gin files in')
+  parser.epilog = ('Any number of --gin.NAME=VALUE overrides, as for coda-jax train '
+                   '(e.g. --gin.MODEL_SIZE="\'xl\'" --gin.MESH_SHAPE="(4, 4)").')
+
+
+class UsageError(ValueError):
+  """A command line the command cannot run (exit 2, one line)."""
+
+
+def _kinds(text: str) -> List[str]:
+  kinds = [k.strip() for k in str(text).split(',') if k.strip()]
+  bad = [k for k in kinds if k not in PROGRAM_KINDS]
+  if bad or not kinds:
+    raise UsageError(f'--programs takes a comma-separated subset of {list(PROGRAM_KINDS)}, '
+                     f'got {text!r}')
+  return kinds
+
+
+def _gin_files(files: Sequence[str], kinds: Sequence[str]) -> List[str]:
+  if 'infer' in kinds and not any(f.endswith(_INFER_FILES) for f in files):
+    return list(files) + [INFER_GIN]
+  return list(files)
+
+
+def gib(n: Optional[float]) -> str:
+  return '-' if n is None else f'{n / 2 ** 30:.2f}'
+
+
+def _ms(seconds: Optional[float]) -> str:
+  return '-' if seconds is None else f'{seconds * 1e3:.2f}'
+
+
+def suggestion(needed: Optional[int], pod, mesh_shape: Sequence[int], batch: int,
+               batch_macro: str) -> str:
+  """What to change so that a program that needs `needed` bytes per chip
+  (None: more than the chip has) fits: a bigger model axis, a smaller batch
+  (`batch_macro`), a bigger topology (each where it exists)."""
+  from coda_jax.compile import chips as chips_lib  # pylint: disable=g-import-not-at-top
+  data, model = (int(d) for d in mesh_shape)
+  options = []
+  if data > 1 and data % 2 == 0:
+    options.append(f'a bigger model axis (--gin.MESH_SHAPE="({data // 2}, {model * 2})")')
+  factor = (needed or 2 * pod.chip.hbm_bytes) / pod.chip.hbm_bytes
+  smaller = batch
+  while smaller > 1 and smaller / batch * factor > 0.9 and smaller % 2 == 0:
+    smaller //= 2
+  if smaller < batch and smaller % data == 0:
+    options.append(f'a smaller batch (--gin.{batch_macro}={smaller})')
+  bigger = pod.chips * 2 ** max(1, math.ceil(math.log2(max(factor, 1.0))))
+  try:
+    name = chips_lib.parse_pod(f'{pod.chip.generation}-{bigger * pod.chip.cores_per_chip}')
+    options.append(f'a bigger topology ({name.accelerator_type})')
+  except chips_lib.TopologyError:
+    pass
+  return ', or '.join(options) if options else 'a chip with more HBM'
+
+
+def does_not_fit_line(name: str, needed: Optional[int], pod, advice: str) -> str:
+  needs = f'needs {gib(needed)} GiB of HBM' if needed else 'does not fit in the HBM'
+  return (f'{name} does not fit: it {needs} per chip, a {pod.chip.generation} chip has '
+          f'{gib(pod.chip.hbm_bytes)} GiB; use {advice}')
+
+
+def table(reports: Sequence[Dict[str, Any]], pod) -> str:
+  """The report as a text table, one row per program."""
+  head = (f'{"program":<16} {"HBM GiB":>8} {"of":>6} {"args":>7} {"temp":>7} '
+          f'{"TFLOP":>8} {"GB":>8} {"roofline ms":>11} {"bound":>6} {"MFU":>6} '
+          f'{"collectives (kind@axes: count, MB sent)":<44} {"coll. ms":>8}')
+  lines = [f'{pod.describe()}, per chip ({pod.chip.generation}: '
+           f'{pod.chip.peak_flops / 1e12:.0f} TFLOP/s bf16, '
+           f'{pod.chip.hbm_bandwidth / 1e9:.0f} GB/s HBM, '
+           f'{pod.chip.ici_bandwidth / 1e9:.0f} GB/s ICI); the TPU compiler\'s model of the '
+           'chip, not a measurement', head, '-' * len(head)]
+  for r in reports:
+    mem = r['memory']
+    if r.get('compiler_error'):
+      lines.append(f'{r["name"]:<16} {gib(mem["needed"]):>8} {gib(r["hbm_bytes"]):>6}  '
+                   'DOES NOT FIT: the compiler ran out of HBM')
+      continue
+    coll = '; '.join(f'{c["kind"]}@{"+".join(c["axes"]) or "-"}{"(dcn)" if c["dcn"] else ""}'
+                     f': {c["count"]}, {c["sent_bytes"] / 1e6:.1f}'
+                     for c in r['collectives']) or 'none'
+    mfu = '-' if r.get('mfu') is None else f'{100 * r["mfu"]:.1f}%'
+    lines.append(
+        f'{r["name"]:<16} {gib(mem["needed"]):>8} {gib(r["hbm_bytes"]):>6} '
+        f'{gib(mem["arguments"]):>7} {gib(mem["temporaries"]):>7} '
+        f'{r["flops"] / 1e12:>8.3f} {r["bytes_accessed"] / 1e9:>8.2f} '
+        f'{_ms(r["roofline_seconds"]):>11} {r["bound"]:>6} {mfu:>6} {coll:<44.44} '
+        f'{_ms(r["collective_seconds"]):>8}' + ('' if r['fits'] else '  DOES NOT FIT'))
+  return '\n'.join(lines)
+
+
+def _compile_all(run, pod, devices, log) -> List[Any]:
+  """Compiles every program in turn; a `DoesNotFitError` becomes a report
+  row marked as not fitting (with what the compiler said it needs)."""
+  from coda_jax.compile import analysis  # pylint: disable=g-import-not-at-top
+  from coda_jax.compile import topology  # pylint: disable=g-import-not-at-top
+  slices = [topology.slice_of(d) for d in devices] if pod.num_slices > 1 else None
+  reports = []
+  total = len(run.programs)
+  for i, program in enumerate(run.programs, 1):
+    log(f'[{i}/{total}] {program.name}: lowering and compiling for {pod.accelerator_type}')
+    start = time.perf_counter()
+    try:
+      compiled, seconds = analysis.compile_program(program.name, program.lower(), pod.chip)
+    except analysis.DoesNotFitError as e:
+      log(f'[{i}/{total}] {program.name}: the compiler ran out of HBM after '
+          f'{time.perf_counter() - start:.1f} s: {e}')
+      reports.append((program, None, e))
+      continue
+    slice_order = None if slices is None else [
+        slices[devices.index(d)] for d in program.mesh.devices.flat]
+    report = analysis.analyze(program.name, compiled, seconds, pod.chip, program.mesh,
+                              program.model_flops, slice_order)
+    log(f'[{i}/{total}] {program.name}: compiled in {seconds:.1f} s '
+        f'(lowered in {time.perf_counter() - start - seconds:.1f} s); needs '
+        f'{gib(report.memory.needed)} of {gib(report.hbm_bytes)} GiB per chip')
+    reports.append((program, report, None))
+  return reports
+
+
+def _decoding_roofline(rows: List[Dict[str, Any]], steps: int, peak: float) -> None:
+  """The infer row's roofline: its encoder plus `steps` decoding steps (the
+  compiler counts the loop's body once), from the two pieces' rows."""
+  by = {r['name']: r for r in rows}
+  infer, enc, step = by.get('infer'), by.get('encode'), by.get('decode step')
+  if not (infer and enc and step) or None in (infer['roofline_seconds'],
+                                              enc['roofline_seconds'],
+                                              step['roofline_seconds']):
+    return
+  infer['roofline_seconds'] = enc['roofline_seconds'] + steps * step['roofline_seconds']
+  infer['notes'].append(f'roofline: encode + {steps} decode steps (the compiler counts the '
+                        'loop body once in flops and bytes)')
+  if infer.get('model_flops'):
+    infer['mfu'] = infer['model_flops'] / (infer['roofline_seconds'] * peak)
+
+
+def run(args: argparse.Namespace, extra: Sequence[str] = ()) -> int:
+  """``coda-jax compile`` (module docstring); returns the exit status."""
+  from coda_jax.compile import chips as chips_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax.compile import topology  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
+  from coda_jax.training.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  log = lambda line: print(f'coda-jax compile: {line}', file=sys.stderr, flush=True)
+  try:
+    overrides, rest = gin_utils.split_gin_overrides(list(extra))
+    if rest:
+      raise UsageError(f'unrecognized arguments: {" ".join(rest)}')
+    kinds = _kinds(args.programs)
+    pod = chips_lib.parse_pod(args.topology, args.num_slices)
+    search = [p for p in args.gin_search_paths.split(',') if p]
+    gin_utils.parse_gin(_gin_files(args.gin_file, kinds), overrides, args.gin_bindings,
+                        search, unneeded=UNNEEDED_MACROS)
+    from coda_jax.compile import programs as programs_lib  # pylint: disable=g-import-not-at-top
+    programs_lib.check_meshes(pod, kinds)
+    topology.check_compiler()
+    devices = topology.devices(pod)
+    run_ = programs_lib.run_programs(devices, pod, kinds)
+  except (UsageError, chips_lib.TopologyError, gin_utils.GinError, ConfigError,
+          topology.MissingCompilerError) as e:
+    print(f'coda-jax compile: error: {gin_utils.own_message(e)}', file=sys.stderr)
+    return 2
+  for warning in run_.warnings:
+    log(f'warning: {warning}')
+  return _report(run_, pod, devices, args, log)
+
+
+# The batch-size macro of each kind of program (coda_common.gin, infer.gin).
+_BATCH_MACROS = {'train': 'BATCH_SIZE', 'infer': 'INFER_BATCH_SIZE',
+                 'encode': 'INFER_BATCH_SIZE', 'decode_step': 'INFER_BATCH_SIZE'}
+
+
+def _failed_row(program, error, pod) -> Dict[str, Any]:
+  """The table / JSON row of a program the compiler could not fit."""
+  needed = getattr(error, 'needed', None)
+  return {'name': program.name, 'kind': program.kind, 'details': program.details,
+          'fits': False, 'compiler_error': str(error), 'hbm_bytes': pod.chip.hbm_bytes,
+          'memory': {'needed': needed, 'arguments': None, 'temporaries': None},
+          'flops': None, 'bytes_accessed': None, 'roofline_seconds': None, 'bound': '-',
+          'mfu': None, 'collectives': [], 'collective_seconds': None, 'notes': []}
+
+
+def _report(run_, pod, devices, args: argparse.Namespace, log) -> int:
+  from coda_jax.compile import topology  # pylint: disable=g-import-not-at-top
+  rows, failures = [], []
+  for program, report, error in _compile_all(run_, pod, devices, log):
+    mesh_shape = (run_.train_mesh_shape if program.kind == 'train'
+                  else run_.infer_mesh_shape)
+    row = (_failed_row(program, error, pod) if report is None else
+           {**report.as_dict(), 'kind': program.kind, 'details': program.details})
+    row['mesh_shape'] = list(mesh_shape)
+    rows.append(row)
+    if not row['fits']:
+      needed = row['memory']['needed']
+      advice = suggestion(needed, pod, mesh_shape, program.details['batch_size'],
+                          _BATCH_MACROS[program.kind])
+      failures.append(does_not_fit_line(program.name, needed, pod, advice))
+  infer = next((r for r in rows if r['kind'] == 'infer'), None)
+  if infer is not None:
+    _decoding_roofline(rows, infer['details']['lengths']['targets'], pod.chip.peak_flops)
+  print(table(rows, pod))
+  if args.out:
+    _write_json(args, pod, run_, rows, failures, topology.versions())
+    log(f'wrote {args.out}')
+  for line in failures:
+    print(f'coda-jax compile: {line}', file=sys.stderr)
+  return 1 if failures else 0
+
+
+def _write_json(args, pod, run_, rows, failures, versions) -> None:
+  directory = os.path.dirname(os.path.abspath(args.out))
+  os.makedirs(directory, exist_ok=True)
+  out = {'command': shlex.join(['coda-jax', 'compile', *args.argv]), 'topology': {**pod.__dict__, 'chip': pod.chip.as_dict(),
+                                       'accelerator_type': pod.accelerator_type,
+                                       'hosts': pod.hosts},
+         'versions': versions, 'model': {'config': _config(run_.model.config),
+                                         'coda': _config(run_.model.coda)},
+         'programs': rows, 'does_not_fit': failures,
+         'note': 'the TPU compiler\'s model of the chip (memory_analysis, cost_analysis), '
+                 'deterministic, not a measurement'}
+  with open(args.out, 'w') as f:
+    json.dump(out, f, indent=2, sort_keys=True, default=str)
+
+
+def _config(cfg) -> Optional[Dict[str, Any]]:
+  from coda_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  return None if cfg is None else config_lib.to_dict(cfg)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  # The run files' `import seqio` brings TensorFlow: quietly.
+  quiet.quiet_start(tensorflow=True)
+  parser = argparse.ArgumentParser(prog='coda-jax compile', description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  add_arguments(parser)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args, extra = parser.parse_known_args(argv)
+  args.argv = argv
+  return run(args, extra)
+
+
+if __name__ == '__main__':
+  sys.exit(main())

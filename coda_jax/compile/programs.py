@@ -1,0 +1,231 @@
+"""The programs a gin-configured run compiles, lowered for a pod's devices.
+
+Configured exactly as ``coda-jax train`` / ``coda-jax infer`` are (the same
+run gin files and ``--gin.`` flags): the trainer's arguments are those gin
+binds for `train_lib.train`, the predictor's those it binds for `infer.infer`
+(``gin_configs/runs/infer.gin``). The programs are the real ones:
+
+* ``train k=K``: `Trainer.lower_step` of every k rung of the run's ladder,
+  the very `jax.jit` the trainer runs (its shardings, donated state);
+* ``infer``: `infer.Predictor.lower`, the decoding program ``coda-jax infer``
+  runs (encoder, cache, decoding loop);
+* ``encode`` and ``decode step``: the predictor's encoder and one step of its
+  loop on their own (`Predictor.lower_encode` / `lower_decode_step`), whose
+  costs give the decoding's (the compiler counts a loop body once).
+
+Each comes with the analytic FLOPs (`coda_jax.flops`) of one run per chip, for
+the model FLOPs utilisation.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from coda_jax import flops as flops_lib
+from coda_jax import infer as infer_lib
+from coda_jax.compile import chips as chips_lib
+from coda_jax.compile.chips import Pod
+from coda_jax.config import DEFAULT_ADAPTER_DIM, PARALLEL
+from coda_jax.training import data as data_lib
+from coda_jax.training import gin_utils
+from coda_jax.training import train_lib
+from coda_jax.training.errors import ConfigError
+
+TRAIN, INFER, ENCODE, DECODE_STEP = 'train', 'infer', 'encode', 'decode_step'
+
+
+@dataclasses.dataclass
+class Program:
+  """One program to compile.
+
+  Attributes:
+    name: what the report calls it ('train k=128', 'infer', ...).
+    kind: TRAIN, INFER, ENCODE or DECODE_STEP.
+    lower: `() -> jax.stages.Lowered`.
+    mesh: the mesh it runs on.
+    model_flops: analytic FLOPs of one run of it per chip (None: not counted,
+      e.g. an ACM, whose work depends on its gates).
+    details: what it is, for the report (batch, lengths, k, decoding).
+    arguments: `() ->` its arguments as sharded `ShapeDtypeStruct`s (train
+      steps: the state and batch as `partitioning` places them), or None.
+  """
+  name: str
+  kind: str
+  lower: Callable[[], Any]
+  mesh: Any
+  model_flops: Optional[float]
+  details: Dict[str, Any]
+  arguments: Optional[Callable[[], Any]] = None
+
+
+@dataclasses.dataclass
+class RunPrograms:
+  """The programs of a run, and what they were built from."""
+  programs: List[Program]
+  train_mesh_shape: Sequence[int]
+  infer_mesh_shape: Sequence[int]
+  model: Any
+  warnings: List[str]
+
+
+def _encoder_macs(model, n: int, k: int) -> int:
+  """Analytic MACs of the model's encoder on n tokens, routed layers at k."""
+  cfg, coda = model.config, model.coda
+  if coda is None:
+    return flops_lib.encoder_macs(cfg, n, variant=flops_lib.DENSE)
+  adapter = coda.adapter_dim if coda.adapter == PARALLEL else DEFAULT_ADAPTER_DIM
+  total = 0
+  for layer in range(cfg.num_encoder_layers):
+    if coda.is_routed(layer, cfg.num_encoder_layers) and k < n:
+      variant = flops_lib.VARIANT_OF_ATTENTION[coda.attention]
+      total += flops_lib.encoder_layer_macs(cfg, n, variant=variant, reduction_factor=n / k,
+                                            adapter_dim=adapter, num_routed_tokens=k)['total']
+    else:
+      total += flops_lib.encoder_layer_macs(cfg, n, variant=flops_lib.PARALLEL_ADAPTER,
+                                            adapter_dim=adapter)['total']
+  return total
+
+
+def _variant(model) -> str:
+  return flops_lib.DENSE if model.coda is None else flops_lib.PARALLEL_ADAPTER
+
+
+def train_flops(model, lengths, batch: int, k: int, trains_backbone: bool) -> Optional[float]:
+  """Analytic FLOPs of one train step on the global batch (None for an ACM)."""
+  if getattr(model, 'acm', None) is not None:
+    return None
+  n, m = lengths['inputs'], lengths['targets']
+  adapter = model.coda.adapter_dim if model.coda is not None else DEFAULT_ADAPTER_DIM
+  decoder = flops_lib.teacher_forced_decoder_macs(
+      model.config, n, m, adapter_dim=adapter,
+      decoder_adapters=model.coda is not None and model.coda.decoder_adapters)
+  return 2.0 * (3 if trains_backbone else 2) * batch * (_encoder_macs(model, n, k) + decoder)
+
+
+def decode_flops(model, n: int, steps: int, rows: int) -> Optional[Dict[str, float]]:
+  """Analytic FLOPs of the encoder (once) and of `steps` decoding steps over
+  `rows` decoder rows (None for an ACM)."""
+  if getattr(model, 'acm', None) is not None:
+    return None
+  adapter = model.coda.adapter_dim if model.coda is not None else DEFAULT_ADAPTER_DIM
+  macs = flops_lib.end_to_end_macs(model.config, n, steps, variant=_variant(model),
+                                   adapter_dim=adapter)
+  step = (macs['decoder'] + macs['cross_kv']) / steps
+  return {'encoder': 2.0 * _encoder_macs(model, n, model.coda.num_selected(n)
+                                         if model.coda is not None else n),
+          'step': 2.0 * step * rows}
+
+
+def check_mesh(name: str, mesh_shape: Sequence[int], pod: Pod) -> tuple:
+  """`mesh_shape` resolved for the pod, or `ConfigError` naming the macro."""
+  try:
+    return chips_lib.mesh_product(tuple(mesh_shape), pod.total_chips)
+  except chips_lib.TopologyError as e:
+    raise ConfigError(f'{name}: {e}') from e
+
+
+def _mesh_warnings(mesh_shape: Sequence[int], pod: Pod) -> List[str]:
+  model_axis = int(mesh_shape[1])
+  if model_axis > pod.chips_per_host:
+    return [f'MESH_SHAPE {tuple(mesh_shape)}: the model axis ({model_axis}) is wider than one '
+            f'host\'s {pod.chips_per_host} chips of {pod.accelerator_type}: its collectives '
+            'cross hosts']
+  return []
+
+
+def _arguments():
+  """The gin-configured arguments of `train_lib.train` and `infer.infer`."""
+  try:
+    return (gin_utils.call_arguments(train_lib.train),
+            gin_utils.call_arguments(infer_lib.infer))
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f'invalid configuration: {gin_utils.describe_gin_call_error(e)}') from e
+
+
+def check_meshes(pod: Pod, kinds: Sequence[str] = (TRAIN, INFER)) -> None:
+  """The configured MESH_SHAPEs cover `pod` (before any device is asked for)."""
+  train_args, infer_args = _arguments()
+  check_mesh('MESH_SHAPE', train_args['mesh_shape'], pod)
+  if INFER in kinds:
+    check_mesh('MESH_SHAPE (infer)', infer_args['mesh_shape'], pod)
+
+
+def run_programs(devices: Sequence[Any], pod: Pod, kinds: Sequence[str] = (TRAIN, INFER)
+                 ) -> RunPrograms:
+  """The programs of the parsed gin configuration on `devices` (module doc).
+
+  Raises:
+    ConfigError: a configuration the run itself would refuse, or a MESH_SHAPE
+      that does not cover the pod, before anything is lowered.
+  """
+  train_args, infer_args = _arguments()
+  model = train_args['model']
+  train_cfg, lengths = train_lib.check_run(model, train_args['train_dataset_cfg'],
+                                           train_args['total_steps'],
+                                           train_args['trainable_params'])
+  train_shape = check_mesh('MESH_SHAPE', train_args['mesh_shape'], pod)
+  programs: List[Program] = []
+  warnings = _mesh_warnings(train_shape, pod)
+  infer_shape = train_shape
+  if TRAIN in kinds:
+    programs += _train_programs(model, train_args, train_cfg, lengths, devices, pod)
+  if INFER in kinds:
+    infer_shape = check_mesh('MESH_SHAPE (infer)', infer_args['mesh_shape'], pod)
+    programs += _infer_programs(model, infer_args, devices, pod)
+    if tuple(infer_shape) != tuple(train_shape):
+      warnings += _mesh_warnings(infer_shape, pod)
+  return RunPrograms(programs, train_shape, infer_shape, model, warnings)
+
+
+def _train_programs(model, args: Dict[str, Any], train_cfg, lengths, devices,
+                    pod: Pod) -> List[Program]:
+  mesh = train_lib.make_mesh(args['mesh_shape'], train_cfg.batch_size, devices)
+  trainer, schedule, _ = train_lib.build_trainer(
+      model, lengths, args['total_steps'], mesh, args['logical_axis_rules'],
+      args['learning_rate_fn'], args['optimizer_fn'], args['trainable_params'],
+      args['k_anneal_fraction'], args['k_anneal_max_rungs'], args['z_loss'])
+  batch = data_lib.batch_spec(lengths, train_cfg.batch_size, train_cfg.pack)
+  out = []
+  rungs = len(trainer.models)
+  for rung, rung_model in enumerate(trainer.models):
+    k = (schedule.ks[rung] if schedule is not None
+         else (model.coda.num_selected(lengths['inputs']) if model.routes_tokens
+               else lengths['inputs']))
+    name = f'train k={k}' if model.routes_tokens else 'train'
+    total = train_flops(rung_model, lengths, train_cfg.batch_size, k,
+                        args['trainable_params'] == 'all')
+    out.append(Program(
+        name, TRAIN, lambda r=rung: trainer.lower_step(r, batch), mesh,
+        None if total is None else total / pod.total_chips,
+        {'batch_size': train_cfg.batch_size, 'lengths': dict(lengths), 'k': k,
+         'rung': rung, 'rungs': rungs},
+        lambda: (trainer.abstract_state(), trainer.abstract_batch(batch))))
+  return out
+
+
+def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Program]:
+  cfg = args['dataset_cfg']
+  if cfg is None:
+    raise ConfigError('no dataset configured for inference (bind infer.dataset_cfg, as '
+                      'gin_configs/runs/infer.gin does)')
+  lengths = data_lib.check_lengths(cfg.task_feature_lengths)
+  mesh = train_lib.make_mesh(args['mesh_shape'], cfg.batch_size, devices)
+  predictor = infer_lib.Predictor(model, None, mesh, args['logical_axis_rules'],
+                                  lengths['targets'], args['decoding'], args['num_beams'],
+                                  args['alpha'])
+  n, steps, batch = lengths['inputs'], lengths['targets'], cfg.batch_size
+  rows = batch * (args['num_beams'] if args['decoding'] == 'beam' else 1)
+  costs = decode_flops(model, n, steps, rows)
+  per_chip = lambda key: None if costs is None else (
+      costs[key] * (batch if key == 'encoder' else 1) / pod.total_chips)
+  details = {'batch_size': batch, 'lengths': dict(lengths), 'decoding': args['decoding'],
+             'num_beams': args['num_beams'] if args['decoding'] == 'beam' else 1}
+  return [
+      Program('infer', INFER, lambda: predictor.lower(batch, n), mesh,
+              None if costs is None else per_chip('encoder') + steps * per_chip('step'),
+              details),
+      Program('encode', ENCODE, lambda: predictor.lower_encode(batch, n), mesh,
+              per_chip('encoder'), details),
+      Program('decode step', DECODE_STEP, lambda: predictor.lower_decode_step(batch, n),
+              mesh, per_chip('step'), {**details, 'rows': rows}),
+  ]

@@ -1,0 +1,53 @@
+"""Which accelerator the program being traced is for.
+
+Some formulations are chosen per backend with identical results (CoDA's token
+dispatch: gathers on GPU and CPU, one-hot matmuls on TPU, `routing`). The
+backend is that of the devices the program is compiled for, which is not
+always JAX's default one: ``coda-jax compile`` traces on a CPU machine for a
+TPU pod. `partitioning.OnMesh` sets it from its mesh's devices while it traces;
+elsewhere `platform()` is `jax.default_backend()`. No flax here.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, Optional
+
+import jax
+
+_STATE = threading.local()
+
+
+def platform() -> str:
+  """'tpu', 'gpu', 'cpu': the innermost `targeting` platform, else JAX's
+  default backend."""
+  stack = getattr(_STATE, 'stack', None)
+  if stack:
+    return stack[-1]
+  return jax.default_backend()
+
+
+def _normalize(name: str) -> str:
+  name = str(name).lower()
+  return 'gpu' if name in ('cuda', 'rocm', 'gpu') else name
+
+
+@contextlib.contextmanager
+def targeting(name: Optional[str]) -> Iterator[None]:
+  """Traces inside compile for platform `name` (None: no change)."""
+  if name is None:
+    yield
+    return
+  stack = _STATE.__dict__.setdefault('stack', [])
+  stack.append(_normalize(name))
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+def platform_of(devices) -> Optional[str]:
+  """The platform of a mesh's devices (`mesh.devices.flat`), or None."""
+  for device in devices:
+    return _normalize(device.platform)
+  return None

@@ -1,0 +1,240 @@
+"""`coda-jax compile`: the run's programs compiled for a TPU pod on this machine.
+
+The compiling tests load libtpu (the `tpu` extra, installed by the README's
+set-up command on Linux); they share this file so that one pytest-xdist
+worker runs them (`--dist loadfile`), and the topology code sets
+ALLOW_MULTIPLE_LIBTPU_LOAD for a second process that loads libtpu meanwhile.
+The tiny quickstart model compiles for a v5e 2x2 slice in seconds.
+"""
+import importlib.util
+import json
+import math
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from coda_jax.compile import chips
+from coda_jax.compile import hlo_costs
+from coda_jax.training import k_annealing
+
+QUICKSTART = 'gin_configs/runs/quickstart.gin'
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec('libtpu') is None and sys.platform != 'linux',
+    reason='the TPU compiler (libtpu) is installed on Linux only')
+
+
+def _compile(capsys, *flags):
+  from coda_jax.compile import command
+  code = command.main(['--gin_file', QUICKSTART, '--topology', 'v5e-4',
+                       '--gin.K_ANNEAL_MAX_RUNGS=2', *flags])
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+# -- pods, meshes and HLO text (no compiler) ----------------------------------------------
+
+
+@pytest.mark.parametrize('name,generation,chips_,topology,hosts', [
+    ('v4-32', 'v4', 16, '2x2x4', 4),
+    ('v4-8', 'v4', 4, '2x2x1', 1),
+    ('v5litepod-16', 'v5e', 16, '4x4', 4),
+    ('v5e-16', 'v5e', 16, '4x4', 4),
+    ('v5e-8', 'v5e', 8, '2x4', 1),
+    ('v5p-64', 'v5p', 32, '2x4x4', 8),
+    ('v6e-8', 'v6e', 8, '2x4', 1),
+    ('v6e-256', 'v6e', 256, '16x16', 64),
+    ('v5e:4x8', 'v5e', 32, '4x8', 8),
+])
+def test_pods_by_the_names_users_type(name, generation, chips_, topology, hosts):
+  pod = chips.parse_pod(name)
+  assert (pod.chip.generation, pod.chips, pod.topology, pod.hosts) == (
+      generation, chips_, topology, hosts)
+  assert pod.compile_topology == topology
+  assert chips.parse_pod(pod.accelerator_type).chips == chips_
+
+
+def test_one_chip_pods_compile_on_one_chip_of_the_smallest_slice():
+  pod = chips.parse_pod('v5e-1')
+  assert (pod.chips, pod.compile_topology) == (1, '2x2')
+
+
+@pytest.mark.parametrize('name,message', [
+    ('v7-8', 'unknown TPU topology'),
+    ('v4-6', 'no v4 slice has 3 chips'),
+    ('v4-7', 'count TensorCores'),
+    ('v5e-3', 'no v5e slice has 3 chips'),
+    ('v5e:4x4x4', '2-D'),
+    ('tpu', 'unknown TPU topology'),
+])
+def test_unknown_pods_are_refused_naming_what_is_known(name, message):
+  with pytest.raises(chips.TopologyError, match=message):
+    chips.parse_pod(name)
+
+
+def test_mesh_shapes_must_cover_the_pod():
+  assert chips.mesh_product((-1, 2), 16) == (8, 2)
+  assert chips.mesh_product((4, 4), 16) == (4, 4)
+  with pytest.raises(chips.TopologyError, match='has 8 devices but the pod has 16 chips'):
+    chips.mesh_product((4, 2), 16)
+  with pytest.raises(chips.TopologyError, match='does not divide'):
+    chips.mesh_product((-1, 3), 16)
+
+
+def test_chip_facts_have_sources_and_sane_values():
+  for chip in chips.CHIPS.values():
+    assert chip.source.startswith('https://cloud.google.com/tpu/docs/')
+    assert chip.hbm_bytes >= 16 * chips.GIB
+    # Peak FLOP/s over HBM bandwidth, the ridge point: 166 (v5p) to 560 (v6e),
+    # so a unit slip (GB vs GiB, TFLOP vs FLOP) cannot pass.
+    assert 150 < chip.peak_flops / chip.hbm_bandwidth < 600
+    assert 1e11 < chip.ici_bandwidth < 2e12
+
+
+def test_replica_groups_in_both_hlo_forms():
+  iota = 'all-reduce(%x), replica_groups=[2,2]<=[2,2]T(1,0), use_global_device_ids=true'
+  assert hlo_costs.replica_groups(iota, 4) == [[0, 2], [1, 3]]
+  assert hlo_costs.replica_groups('replica_groups=[1,4]<=[4]', 4) == [[0, 1, 2, 3]]
+  assert hlo_costs.replica_groups('replica_groups={{0,1},{2,3}}', 4) == [[0, 1], [2, 3]]
+  assert hlo_costs.replica_groups('all-reduce(%x), to_apply=%add', 4) == [[0, 1, 2, 3]]
+
+
+def test_tiled_bytes_round_the_minor_dimensions_up_to_the_tile():
+  assert hlo_costs.array_bytes('f32[3,100]{1,0:T(8,128)}') == 8 * 128 * 4
+  assert hlo_costs.array_bytes('f32[3,100]{1,0:T(8,128)}', padded=False) == 300 * 4
+  # A transposed layout tiles the other dimension.
+  assert hlo_costs.array_bytes('bf16[100,3]{0,1:T(8,128)(2,1)}') == 8 * 128 * 2
+  assert hlo_costs.array_bytes('(f32[2], s32[4])') == 8 + 16
+
+
+def test_collectives_of_a_compiled_text():
+  text = '\n'.join([
+      'HloModule m', '',
+      'ENTRY %main (p: f32[8,16]) -> f32[8,16] {',
+      '  %p = f32[8,16]{1,0} parameter(0)',
+      '  ROOT %all-reduce = f32[8,16]{1,0} all-reduce(%p), channel_id=1, '
+      'replica_groups=[2,2]<=[2,2]T(1,0), use_global_device_ids=true, to_apply=%add, '
+      'metadata={op_name="jit(f)/grad"}',
+      '}'])
+  found = hlo_costs.collectives(text, ('data', 'model'), (2, 2))
+  assert len(found) == 1
+  c = found[0]
+  assert (c.kind, c.axes, c.group_size, c.bytes) == ('all-reduce', ('data',), 2, 8 * 16 * 4)
+  assert c.sent_bytes == pytest.approx(2 * (2 - 1) / 2 * 8 * 16 * 4)
+  rows = hlo_costs.summarize_collectives(found, ici_bandwidth=1e9, dcn_bandwidth=None)
+  assert rows[0]['seconds'] == pytest.approx(c.sent_bytes / 1e9)
+
+
+# -- compiled for a v5e 2x2 slice ----------------------------------------------------------
+
+
+@needs_libtpu
+def test_data_parallel_train_and_infer_programs(capsys, tmp_path):
+  out_file = tmp_path / 'report.json'
+  # Big enough batches that the tiny model's temporaries leave the chip's VMEM.
+  code, out, err = _compile(capsys, '--gin.MESH_SHAPE=(4, 1)', '--gin.BATCH_SIZE=512',
+                            '--gin.EVAL_BATCH_SIZE=512', f'--out={out_file}')
+  assert code == 0, err
+  report = json.loads(out_file.read_text())
+  names = [p['name'] for p in report['programs']]
+  # quickstart.gin's ladder: n = 48 to 24 over 20% of 2000 steps, in 2 rungs.
+  ladder = k_annealing.k_schedule(48, 2.0, 2000, 0.2, 2).ks
+  assert names == [f'train k={k}' for k in ladder] + ['infer', 'encode', 'decode step']
+  # One progress line per program, with its compile time.
+  for i, name in enumerate(names, 1):
+    assert f'[{i}/5] {name}: compiled in ' in err
+  for program in report['programs']:
+    memory = program['memory']
+    # The train and infer steps; their pieces (encode, one decoding step) may
+    # keep every temporary in the chip's VMEM.
+    fields = ('arguments', 'outputs', 'temporaries', 'code', 'needed')
+    if program['kind'] in ('encode', 'decode_step'):
+      fields = ('arguments', 'outputs', 'code', 'needed')
+    for field in fields:
+      assert memory[field] > 0, (program['name'], field)
+    assert program['fits'] and program['flops'] > 0 and program['bytes_accessed'] > 0
+    assert program['roofline_seconds'] > 0
+    assert not any('model' in c['axes'] for c in program['collectives'])
+  for program in report['programs'][:2]:
+    grads = [c for c in program['collectives'] if c['kind'] == 'all-reduce']
+    assert grads and grads[0]['axes'] == ['data']
+    assert 0 < program['mfu'] < 1
+  assert report['versions']['jax'] == jax.__version__ and report['versions']['libtpu']
+  assert report['topology']['accelerator_type'] == 'v5litepod-4'
+  assert 'compile' in report['command'] and '--topology' in report['command']
+  # The table on stdout names every program.
+  assert all(name in out for name in names) and 'v5litepod-4' in out
+
+
+@needs_libtpu
+def test_a_model_axis_of_two_brings_model_collectives(capsys):
+  code, out, err = _compile(capsys, '--gin.MESH_SHAPE=(2, 2)', '--programs=train')
+  assert code == 0, err
+  assert 'all-reduce@model' in out
+
+
+@needs_libtpu
+def test_train_step_arguments_are_the_shards_partitioning_places():
+  """Per chip, the compiled train step's arguments are exactly the shards of
+  the state and batch that `partitioning` gives one chip, each padded to TPU
+  tiles."""
+  from coda_jax.compile import analysis, programs, topology
+  from coda_jax.training import gin_utils
+  gin_utils.parse_gin([QUICKSTART, 'gin_configs/runs/infer.gin'],
+                      [('MESH_SHAPE', '(2, 2)'), ('K_ANNEAL_MAX_RUNGS', '2')])
+  pod = chips.parse_pod('v5e-4')
+  run = programs.run_programs(topology.devices(pod), pod, kinds=('train',))
+  program = run.programs[-1]
+  compiled, seconds = analysis.compile_program(program.name, program.lower(), pod.chip)
+  report = analysis.analyze(program.name, compiled, seconds, pod.chip, program.mesh)
+  leaves = analysis.kept_arguments(program.lower(), program.arguments())
+  params = hlo_costs.entry_parameters(compiled.as_text())
+  assert [tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in leaves] == [
+      shape for _, shape, _ in params]
+  assert sum(size for _, _, size in params) == report.memory.arguments
+  assert analysis.shard_bytes(leaves) <= report.memory.arguments
+  # Sharded, not replicated: leaves split over the model axis are smaller per chip.
+  assert any(leaf.sharding.shard_shape(leaf.shape) != leaf.shape for leaf in leaves)
+
+
+@needs_libtpu
+def test_a_run_that_cannot_fit_exits_1_with_one_line(capsys):
+  code, out, err = _compile(capsys, '--gin.REDUCTION_FACTOR=1', '--gin.BATCH_SIZE=2097152',
+                            '--programs=train')
+  assert code == 1
+  lines = [line for line in err.splitlines() if 'does not fit' in line]
+  assert len(lines) == 1, err
+  line = lines[0]
+  assert line.startswith('coda-jax compile: train k=48 does not fit: it needs ')
+  assert 'a v5e chip has 16.00 GiB' in line
+  assert '--gin.MESH_SHAPE=' in line and '--gin.BATCH_SIZE=' in line and 'v5litepod-' in line
+  assert 'DOES NOT FIT' in out
+
+
+@pytest.mark.parametrize('flags,message', [
+    (['--topology=v9-8'], 'unknown TPU topology'),
+    (['--topology=v5e-4', '--gin.MESH_SHAPE=(8, 1)'],
+     'MESH_SHAPE (8, 1) has 8 devices but the pod has 4 chips'),
+    (['--topology=v5e-4', '--programs=train,serve'], '--programs'),
+    (['--topology=v5e-4', '--num_slices=0'], '--num_slices'),
+])
+def test_bad_topologies_and_meshes_exit_2_before_compiling(capsys, flags, message):
+  from coda_jax.compile import command
+  code = command.main(['--gin_file', QUICKSTART, *flags])
+  _, err = capsys.readouterr()
+  assert code == 2
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('coda-jax compile: error: '), err
+  assert message in lines[0]
+  assert 'compiling' not in err
+
+
+def test_a_model_axis_wider_than_a_host_is_warned_about():
+  from coda_jax.compile import programs
+  pod = chips.parse_pod('v5e-16')
+  assert programs._mesh_warnings((2, 8), pod) and 'cross hosts' in programs._mesh_warnings(
+      (2, 8), pod)[0]
+  assert programs._mesh_warnings((4, 4), pod) == []
+  assert programs._mesh_warnings((1, 8), chips.parse_pod('v5e-8')) == []
