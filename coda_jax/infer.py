@@ -214,9 +214,12 @@ class Predictor:
 
   # -- ahead of time ------------------------------------------------------------------
 
-  def abstract_params(self) -> Any:
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        self.trainer.param_shapes, self.trainer.params_shardings)
+  def abstract_params(self, dtype: Any = None) -> Any:
+    """The parameters' shapes with their shardings; in `dtype` where given
+    (e.g. bfloat16 weights served as they are: the layers cast at use)."""
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype or s.dtype, sharding=sh),
+        self.trainer.param_shapes, self.trainer.params_shardings)
 
   def _rows(self, shape, dtype) -> jax.ShapeDtypeStruct:
     """An array split over `data` on its leading (batch) dimension."""
@@ -233,10 +236,11 @@ class Predictor:
       return self.model.apply({'params': params}, tokens, enable_dropout=False,
                               method=self.model.encode)
 
-  def lower_encode(self, batch_size: int, input_length: int):
-    """The encoder of the decoding program, on its own."""
+  def lower_encode(self, batch_size: int, input_length: int, param_dtype: Any = None):
+    """The encoder of the decoding program, on its own (parameters in
+    `param_dtype`, default their own)."""
     jitted = partitioning.on_mesh(jax.jit(self._encode_fn), self.mesh)
-    return jitted.lower(self.abstract_params(),
+    return jitted.lower(self.abstract_params(param_dtype),
                         self._rows((batch_size, input_length), jnp.int32))
 
   def _decode_step_fn(self, params, encoded, tokens, token, cache):
@@ -245,7 +249,7 @@ class Predictor:
                                                 self.max_decode_length)
       return step(token, cache)
 
-  def lower_decode_step(self, batch_size: int, input_length: int):
+  def lower_decode_step(self, batch_size: int, input_length: int, param_dtype: Any = None):
     """One step of the decoding loop (`decoding.make_tokens_to_logits`) on its
     own: the decoder for one token of every row (`num_beams` rows per example
     with beam search), with the cache and encoder output as inputs."""
@@ -259,7 +263,7 @@ class Predictor:
         params, encoded, tokens)
     as_rows = lambda s: self._rows(s.shape, s.dtype)
     jitted = partitioning.on_mesh(jax.jit(self._decode_step_fn), self.mesh)
-    return jitted.lower(self.abstract_params(), as_rows(encoded), as_rows(tokens),
+    return jitted.lower(self.abstract_params(param_dtype), as_rows(encoded), as_rows(tokens),
                         self._rows((rows, 1), jnp.int32), jax.tree.map(as_rows, cache))
 
 

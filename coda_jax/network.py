@@ -192,7 +192,8 @@ class EncoderLayer(nn.Module):
       decision = routing.Router(
           normalizer=coda.normalizer, soft_topk=coda.soft_topk,
           w_init=nn.initializers.normal(stddev=coda.router_init_stddev),
-          name='router')(xn, k, input_mask)
+          name='router')(x, k, input_mask, rms_scale=norm.variables['params']['scale'],
+                         rms_epsilon=norm.epsilon)
     self.sow('intermediates', 'routing', {
         'indices': decision.indices, 'gate': decision.gate,
         'mass_ratio': soft_topk.topk_mass_ratio(decision.weights, k, mask=input_mask)})

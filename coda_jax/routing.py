@@ -309,14 +309,22 @@ class Router(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, x_norm: Array, k: int, mask: Optional[Array] = None
+  def __call__(self, x_norm: Array, k: int, mask: Optional[Array] = None, *,
+               rms_scale: Optional[Array] = None, rms_epsilon: float = 1e-6
                ) -> RoutingDecision:
     """Routes k of the n tokens of each row.
 
     Args:
-      x_norm: [batch, length, embed] normalised token states.
+      x_norm: [batch, length, embed] normalised token states; with
+        `rms_scale`, the layer's input x before its RMS norm.
       k: Python int, 1 <= k <= length (k = ceil(n / r)).
       mask: optional [batch, length] bool, True for real tokens.
+      rms_scale / rms_epsilon: the layer norm's `scale` [embed] and epsilon:
+        the scores are then those of the normalised x in float32, s =
+        (x · (scale ⊙ w)) / sqrt(mean(x²) + ε), the per-token factor taken
+        out of the sum so that one pass over x gives both sums (XLA fuses
+        them with the norm's own statistics) and no normalised copy of x is
+        read.
 
     Returns:
       RoutingDecision with indices/gate [batch, k], weights/selected
@@ -343,7 +351,12 @@ class Router(nn.Module):
 
     w = partitioning.param_with_axes('w', self.w_init, (embed,), jnp.float32,
                                      axes=('embed',))
-    scores = jnp.einsum('bld,d->bl', x_norm.astype(jnp.float32), w)
+    if rms_scale is None:
+      scores = jnp.einsum('bld,d->bl', x_norm.astype(jnp.float32), w)
+    else:
+      x = x_norm.astype(jnp.float32)
+      inv_rms = lax.rsqrt(jnp.mean(jnp.square(x), axis=-1) + rms_epsilon)
+      scores = jnp.sum(x * (rms_scale.astype(jnp.float32) * w), axis=-1) * inv_rms
     if self.normalizer == 'sigmoid':
       weights = jnp.where(real, jax.nn.sigmoid(scores), 0.0)
     else:

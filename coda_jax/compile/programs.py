@@ -68,7 +68,7 @@ class RunPrograms:
   warnings: List[str]
 
 
-def _encoder_macs(model, n: int, k: int) -> int:
+def encoder_macs(model, n: int, k: int) -> int:
   """Analytic MACs of the model's encoder on n tokens, routed layers at k."""
   cfg, coda = model.config, model.coda
   if coda is None:
@@ -99,7 +99,7 @@ def train_flops(model, lengths, batch: int, k: int, trains_backbone: bool) -> Op
   decoder = flops_lib.teacher_forced_decoder_macs(
       model.config, n, m, adapter_dim=adapter,
       decoder_adapters=model.coda is not None and model.coda.decoder_adapters)
-  return 2.0 * (3 if trains_backbone else 2) * batch * (_encoder_macs(model, n, k) + decoder)
+  return 2.0 * (3 if trains_backbone else 2) * batch * (encoder_macs(model, n, k) + decoder)
 
 
 def decode_flops(model, n: int, steps: int, rows: int) -> Optional[Dict[str, float]]:
@@ -111,7 +111,7 @@ def decode_flops(model, n: int, steps: int, rows: int) -> Optional[Dict[str, flo
   macs = flops_lib.end_to_end_macs(model.config, n, steps, variant=_variant(model),
                                    adapter_dim=adapter)
   step = (macs['decoder'] + macs['cross_kv']) / steps
-  return {'encoder': 2.0 * _encoder_macs(model, n, model.coda.num_selected(n)
+  return {'encoder': 2.0 * encoder_macs(model, n, model.coda.num_selected(n)
                                          if model.coda is not None else n),
           'step': 2.0 * step * rows}
 

@@ -1,0 +1,112 @@
+"""What CoDA's routed encoder costs on a TPU chip, by the TPU compiler's count.
+
+Compiles, on this machine (CPU; the TPU compiler comes with
+``pip install -e ".[tpu]"``), the encoder of every variant of
+`coda-jax benchmark` (Parallel Adapter; CoDA r = 1, 3, 5, k-to-all and
+k-to-k) and one step of the decoding loop, for one chip of each TPU
+generation asked for, with random weights in the model dtype, and prints per
+variant: compiled flops and bytes accessed, the roofline time
+max(flops / peak, bytes / HBM bandwidth), the speed-ups over the Parallel
+Adapter (roofline, compiled flops, `flops.py`'s bound), their ratio
+(efficiency: the share of the skipped work that the roofline turns into
+time), while loops in the HLO, and the bytes of each stage of the encoder
+(norm, adapter, router, soft top-k, route, position bias, attention, MLP,
+un-route, other). A model of the chip, not a timing
+(`coda_jax/compile/variant_costs.py` says what it counts and what it does not).
+
+  python tools/routed_cost.py [--model base] [--batch_size 128] [--length 384]
+      [--generations v4,v5e] [--reduction_factors 1,3,5]
+      [--attentions k_to_all,k_to_k] [--decode_steps 4] [--out FILE]
+
+The base model at batch 128 takes about 2 minutes per compiled program on
+2 CPU cores (14 programs on the defaults).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax.numpy as jnp
+
+from coda_jax.bench import flags
+from coda_jax.compile import topology, variant_costs
+from coda_jax.config import ATTENTION_VARIANTS
+
+MODELS = ('small', 'base', 'large', 'xl', 'xxl')
+DTYPES = {'bfloat16': jnp.bfloat16, 'float32': jnp.float32}
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p.add_argument('--model', default='base', choices=MODELS)
+  p.add_argument('--batch_size', type=flags.at_least_one, default=128)
+  p.add_argument('--length', type=flags.at_least_one, default=384,
+                 help='input tokens per example')
+  p.add_argument('--generations', type=flags.distinct(
+      flags.one_of_each(sorted(variant_costs.ONE_CHIP), False), 'generation'),
+                 default=['v4', 'v5e'])
+  p.add_argument('--reduction_factors', type=flags.required(flags.distinct(
+      flags.number_list(lambda r: r >= 1, 'a reduction factor >= 1'), 'reduction factor'),
+      'reduction factor'), default=[1.0, 3.0, 5.0])
+  p.add_argument('--attentions', type=flags.distinct(
+      flags.one_of_each(ATTENTION_VARIANTS, False), 'attention'),
+                 default=list(ATTENTION_VARIANTS))
+  p.add_argument('--decode_steps', type=int, default=4,
+                 help='decoded tokens (the cache length of the decoding step; 0: no '
+                      'decoding step)')
+  p.add_argument('--dtype', default='bfloat16', choices=sorted(DTYPES))
+  p.add_argument('--out', default=None, help='write the JSON here')
+  args = p.parse_args(argv)
+  if args.decode_steps < 0:
+    p.error(f'--decode_steps must be >= 0, got {args.decode_steps}')
+  if args.out:
+    flags.check_writable_file('--out', args.out)
+  return args
+
+
+def table(rows) -> str:
+  stages = [s for s, _ in variant_costs.STAGES] + [variant_costs.OTHER]
+  head = (f'{"chip":4} {"variant":22} {"program":11} {"k":>4} {"GFLOP":>8} {"GB":>7} '
+          f'{"roofline ms":>11} {"speed-up":>8} {"flops x":>7} {"bound x":>7} '
+          f'{"effic.":>6} {"loops":>5}  stage GB: ' + ' '.join(stages))
+  lines = [head]
+  fmt = lambda v, spec: '-' if v is None else format(v, spec)
+  for r in rows:
+    lines.append(
+        f'{r.generation:4} {r.variant:22} {r.program:11} {r.k:4d} {r.flops / 1e9:8.1f} '
+        f'{r.bytes_accessed / 1e9:7.2f} {r.roofline_seconds * 1e3:11.2f} '
+        f'{fmt(r.roofline_speedup, "8.2f")} {fmt(r.flops_speedup, "7.2f")} '
+        f'{fmt(r.bound_speedup, "7.2f")} {fmt(r.efficiency, "6.2f")} {r.loops:5d}  '
+        + ' '.join(f'{r.stages.get(s, 0) / 1e9:.2f}' for s in stages))
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  try:
+    topology.check_compiler()
+  except topology.MissingCompilerError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 2
+  log = lambda line: print(line, file=sys.stderr, flush=True)
+  rows = variant_costs.measure(
+      args.model, args.batch_size, args.length, args.generations, args.reduction_factors,
+      args.attentions, args.decode_steps, DTYPES[args.dtype], log=log)
+  print(table(rows))
+  result = {
+      'command': 'python tools/routed_cost.py ' + ' '.join(
+          sys.argv[1:] if argv is None else argv),
+      'device': 'the TPU compiler\'s cost model (compile only, no TPU)',
+      'versions': topology.versions(), 'model': args.model, 'batch_size': args.batch_size,
+      'length': args.length, 'decode_steps': args.decode_steps, 'dtype': args.dtype,
+      'rows': [r.as_dict() for r in rows]}
+  if args.out:
+    with open(args.out, 'w') as f:
+      json.dump(result, f, indent=1)
+    log(f'wrote {args.out}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
