@@ -6,7 +6,7 @@
 #
 #   launch/tpu_vm.sh --tpu=NAME --zone=ZONE [--project=PROJECT]
 #       [--accelerator_type=TYPE [--version=RUNTIME] [--spot]]
-#       [--logs=DIR] [--skip_setup] [--dry-run] [--]
+#       [--logs=DIR] [--skip_setup] [--skip_compile_check] [--dry-run] [--]
 #       [flags of python -m coda_jax.train]
 #
 #   launch/tpu_vm.sh --tpu=coda-v4-32 --zone=us-central2-b --accelerator_type=v4-32 \
@@ -15,6 +15,15 @@
 #     --gin.INITIAL_CHECKPOINT_PATH=gs://t5-data/pretrained_models/t5x/t5_1_1_base/checkpoint_1000000
 #
 # Steps (--dry-run prints them and runs none):
+#   0. on this machine, compile the run for the slice with `coda-jax compile
+#      --topology=TYPE` (the run's gin files and --gin.X / --gin_bindings
+#      flags; TYPE is --accelerator_type, or the existing VM's type from
+#      gcloud): every train step and the decoding program, with the TPU
+#      compiler of the `tpu` extra, no TPU needed. When a program does not
+#      fit the chips' memory (exit 1) or the run cannot be compiled for the
+#      slice (exit 2), stop before any slice is created or used, with the
+#      compile command's status; --skip_compile_check skips this step.
+#      PYTHON is the interpreter (default python3);
 #   1. reuse the TPU VM NAME, or create it when it does not exist and
 #      --accelerator_type is given (--version, default tpu-ubuntu2204-base;
 #      --spot for a Spot VM);
@@ -38,7 +47,8 @@ usage() {
   cat >&2 <<USAGE
 usage: $0 --tpu=NAME --zone=ZONE [--project=PROJECT]
          [--accelerator_type=TYPE [--version=RUNTIME] [--spot]]
-         [--logs=DIR] [--skip_setup] [--dry-run] [--] [flags of python -m coda_jax.train]
+         [--logs=DIR] [--skip_setup] [--skip_compile_check] [--dry-run] [--]
+         [flags of python -m coda_jax.train]
 USAGE
 }
 
@@ -48,7 +58,7 @@ die() {
 }
 
 tpu="" zone="" project="" accelerator_type="" version="tpu-ubuntu2204-base"
-spot=0 logs="" skip_setup=0 dry_run=0
+spot=0 logs="" skip_setup=0 skip_compile_check=0 dry_run=0
 train_flags=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -60,6 +70,7 @@ while [ $# -gt 0 ]; do
     --spot) spot=1 ;;
     --logs=*) logs="${1#*=}" ;;
     --skip_setup) skip_setup=1 ;;
+    --skip_compile_check) skip_compile_check=1 ;;
     --dry-run|--dry_run) dry_run=1 ;;
     -h|--help) usage; exit 0 ;;
     --tpu|--zone|--project|--accelerator_type|--version|--logs)
@@ -90,6 +101,41 @@ run() {  # prints a command line (--dry-run) or runs it with bash
 where=(--zone="$zone")
 [ -n "$project" ] && where+=(--project="$project")
 tpu_vm=(gcloud compute tpus tpu-vm)
+
+# 0. Does the run fit the slice? The compile command takes the run's gin
+# flags (the trainer's other flags are for the workers).
+if [ "$skip_compile_check" -eq 0 ]; then
+  gin_flags=()
+  expect_value=0
+  for flag in "${train_flags[@]+"${train_flags[@]}"}"; do
+    if [ "$expect_value" -eq 1 ]; then
+      gin_flags+=("$flag"); expect_value=0; continue
+    fi
+    case "$flag" in
+      --gin_file=*|--gin_bindings=*|--gin_search_paths=*|--gin.*) gin_flags+=("$flag") ;;
+      --gin_file|--gin_bindings|--gin_search_paths) gin_flags+=("$flag"); expect_value=1 ;;
+    esac
+  done
+  if [ -n "$accelerator_type" ]; then
+    topology="$(quote "$accelerator_type")"
+  else
+    topology="\"\$($(words "${tpu_vm[@]}" describe "$tpu" "${where[@]}") --format='value(acceleratorType)')\""
+  fi
+  check="cd $(quote "$repo") && $(quote "${PYTHON:-python3}") -m coda_jax.cli compile --topology=$topology"
+  if [ "${#gin_flags[@]}" -gt 0 ]; then
+    check="$check $(words "${gin_flags[@]}")"
+  fi
+  run "$check"
+  status=$?
+  if [ "$status" -ne 0 ]; then
+    if [ "$status" -eq 1 ]; then
+      echo "$0: the run does not fit the slice (above); nothing was created or run (--skip_compile_check to go on anyway)" >&2
+    else
+      echo "$0: the run could not be compiled for the slice (above); nothing was created or run (--skip_compile_check to go on anyway)" >&2
+    fi
+    exit "$status"
+  fi
+fi
 
 # 1. The TPU VM.
 describe="$(words "${tpu_vm[@]}" describe "$tpu" "${where[@]}") >/dev/null"

@@ -25,6 +25,7 @@ FLAGS = ['--gin_file=gin_configs/runs/finetune_boolq.gin',
          't5_1_1_base/checkpoint_1000000']
 
 TPU_GOLDEN = r'''
+cd {REPO} && python3 -m coda_jax.cli compile --topology=v4-32 --gin_file=gin_configs/runs/finetune_boolq.gin --gin.MODEL_DIR=/mnt/runs/boolq --gin.TASK_FEATURE_LENGTHS="{'inputs': 384, 'targets': 8}" --gin.REDUCTION_FACTOR=3 --gin.ATTENTION="'k_to_all'" --gin_bindings='train_lib.train.eval_period = 100' --gin.INITIAL_CHECKPOINT_PATH=gs://t5-data/pretrained_models/t5x/t5_1_1_base/checkpoint_1000000
 gcloud compute tpus tpu-vm describe coda-v4-32 --zone=us-central2-b --project=my-project >/dev/null 2>&1 || gcloud compute tpus tpu-vm create coda-v4-32 --zone=us-central2-b --project=my-project --accelerator-type=v4-32 --version=tpu-ubuntu2204-base --spot
 git -C {REPO} ls-files -z --cached --others --exclude-standard | tar -czf {TMP}/coda_jax_coda-v4-32.tar.gz -C {REPO} --null -T -
 gcloud compute tpus tpu-vm scp {TMP}/coda_jax_coda-v4-32.tar.gz coda-v4-32:coda_jax.tar.gz --worker=all --zone=us-central2-b --project=my-project
@@ -35,6 +36,7 @@ gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --pr
 '''.lstrip()
 
 TPU_REUSE_GOLDEN = r'''
+cd {REPO} && python3 -m coda_jax.cli compile --topology="$(gcloud compute tpus tpu-vm describe coda-v4-32 --zone=us-central2-b --format='value(acceleratorType)')" --gin_file=gin_configs/runs/quickstart.gin
 gcloud compute tpus tpu-vm describe coda-v4-32 --zone=us-central2-b >/dev/null
 gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --command='set -o pipefail; mkdir -p ~/coda_jax_logs && cd ~/coda_jax && python3 -m coda_jax.train --multiprocess=on --gin_file=gin_configs/runs/quickstart.gin --tpu=not-mine 2>&1 | tee ~/coda_jax_logs/train.log'
 mkdir -p /logs/run
@@ -90,7 +92,7 @@ def test_tpu_vm_dry_run_golden(fake_tools, tmp_path):
   assert proc.stderr == ''
   assert not record.exists(), record.read_text()  # nothing ran
   # The workers run exactly the trainer's flags, after `--multiprocess=on`.
-  train_line = proc.stdout.splitlines()[4]
+  train_line = proc.stdout.splitlines()[5]
   argv = _remote_argv(train_line)
   start = argv.index('coda_jax.train') + 1
   assert argv[start:start + 1 + len(FLAGS)] == ['--multiprocess=on', *FLAGS]
@@ -107,8 +109,57 @@ def test_tpu_vm_dry_run_reuses_a_tpu_and_passes_everything_after_the_separator(
                '--logs=/logs/run', '--dry_run', '--',
                '--gin_file=gin_configs/runs/quickstart.gin', '--tpu=not-mine'], env)
   assert proc.returncode == 0, proc.stderr
-  assert proc.stdout == TPU_REUSE_GOLDEN
+  assert proc.stdout == _golden(TPU_REUSE_GOLDEN, REPO=REPO)
   assert not record.exists()
+
+
+def _fake_python(tmp_path, status):
+  """An interpreter that records that it ran (and its argv, NUL-separated,
+  in `argv`) and exits with `status`."""
+  path = tmp_path / 'bin' / 'fake_python'
+  path.write_text(f'#!/bin/sh\necho python >> {tmp_path / "ran"}\n'
+                  f'printf "%s\\0" "$@" > {tmp_path / "argv"}\n'
+                  f'echo "coda-jax compile: does not fit" >&2\nexit {status}\n')
+  path.chmod(0o755)
+  return str(path)
+
+
+@pytest.mark.parametrize('status,message', [
+    (1, 'the run does not fit the slice'),
+    (2, 'the run could not be compiled for the slice'),
+])
+def test_tpu_vm_stops_when_the_compile_check_fails(fake_tools, tmp_path, status, message):
+  env, record = fake_tools
+  env = {**env, 'PYTHON': _fake_python(tmp_path, status)}
+  proc = _run([TPU_VM, '--tpu=coda-v4-32', '--zone=us-central2-b',
+               '--accelerator_type=v4-32', *FLAGS], env)
+  assert proc.returncode == status
+  assert proc.stderr.splitlines()[-1].startswith(f'{TPU_VM}: {message} (above); nothing was '
+                                                 'created or run (--skip_compile_check')
+  assert record.read_text().splitlines() == ['python']  # the check, and no gcloud
+  argv = (tmp_path / 'argv').read_text().split('\0')[:-1]
+  assert argv[:3] == ['-m', 'coda_jax.cli', 'compile']
+  # The run's gin flags, exactly; not the trainer's own.
+  assert argv[3:] == ['--topology=v4-32', *[f for f in FLAGS if f.startswith('--gin')]]
+
+
+def test_tpu_vm_goes_on_when_the_run_fits_or_the_check_is_skipped(fake_tools, tmp_path):
+  env, record = fake_tools
+  env = {**env, 'PYTHON': _fake_python(tmp_path, 0)}
+  args = [TPU_VM, '--tpu=coda-v4-32', '--zone=us-central2-b', '--skip_setup',
+          '--accelerator_type=v4-32', '--gin_file', 'gin_configs/runs/quickstart.gin',
+          '--multiprocess=on']
+  proc = _run(args, env)
+  assert proc.returncode == 0, proc.stderr
+  ran = record.read_text().splitlines()
+  assert ran[0] == 'python'
+  assert (tmp_path / 'argv').read_text().split('\0')[3:-1] == [
+      '--topology=v4-32', '--gin_file', 'gin_configs/runs/quickstart.gin']
+  assert ran[1].startswith('gcloud compute tpus tpu-vm describe coda-v4-32')
+  record.unlink()
+  proc = _run(args[:1] + ['--skip_compile_check'] + args[1:], env)
+  assert proc.returncode == 0, proc.stderr
+  assert not any(line.startswith('python') for line in record.read_text().splitlines())
 
 
 @pytest.mark.parametrize('args,message,usage', [
