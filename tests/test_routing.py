@@ -269,3 +269,28 @@ def test_dispatch_auto_is_one_hot_on_tpu_and_gathers_elsewhere():
   assert target.platform() == jax.default_backend()
   with pytest.raises(ValueError, match="unknown dispatch 'scatter'"):
     routing.resolve_dispatch('scatter')
+
+
+@pytest.mark.parametrize('normalizer', ['soft_topk', 'sigmoid'])
+def test_router_scores_from_the_raw_input_equal_those_of_the_normalised_input(normalizer):
+  """`rms_scale`: the router reads the layer's input x and the norm's scale,
+  and scores exactly what it would from RMSNorm(x) (float32), so the
+  network need not pass it a normalised copy."""
+  from coda_jax import layers  # pylint: disable=g-import-not-at-top
+  x, mask = _inputs(3)
+  x = x * jnp.asarray(np.random.default_rng(4).uniform(0.1, 5.0, (B, N, 1)), jnp.float32)
+  norm = layers.RMSNorm(scale_init=lambda key, shape, dtype: jax.random.uniform(
+      key, shape, dtype, 0.5, 1.5))
+  norm_vars = norm.init(jax.random.PRNGKey(1), x)
+  scale = norm_vars['params']['scale']
+  router = routing.Router(normalizer=normalizer,
+                          w_init=jax.nn.initializers.normal(stddev=0.05))
+  variables, from_norm = _route(router, norm.apply(norm_vars, x), mask)
+  from_raw = router.apply(variables, x, K, mask, rms_scale=scale, rms_epsilon=norm.epsilon)
+  _check_decision(from_raw, mask, K)
+  np.testing.assert_array_equal(from_raw.indices, from_norm.indices)
+  np.testing.assert_allclose(from_raw.weights, from_norm.weights, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(from_raw.gate, from_norm.gate, rtol=1e-5, atol=1e-6)
+  # and the scale matters: without it the scores differ.
+  unscaled = router.apply(variables, x, K, mask, rms_scale=jnp.ones_like(scale))
+  assert not np.allclose(unscaled.weights, from_norm.weights, atol=1e-4)

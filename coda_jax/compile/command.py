@@ -2,13 +2,14 @@
 
   coda-jax compile --gin_file=gin_configs/runs/finetune_boolq.gin --topology=v5e-16 \\
     [--gin.MODEL_SIZE="'xl'" --gin.MESH_SHAPE="(4, 4)" ...] [--num_slices=2] \\
-    [--programs=train,infer] [--out=report.json]
+    [--programs=train,infer,parts] [--rungs=all] [--jobs=N] [--out=report.json]
 
 Configured exactly as ``coda-jax train`` / ``infer`` (the same run gin files,
 ``--gin.`` flags and MESH_SHAPE; ``gin_configs/runs/infer.gin`` is added for
 the inference programs unless an infer or eval file is given), it compiles
 with the real TPU compiler, on this machine, the run's programs for the pod
-(`coda_jax.compile.programs`): the train step of every k rung, the decoding
+(`coda_jax.compile.programs`): the train step of every k rung (``--rungs``:
+all, or the first and / or last), the decoding
 program of ``coda-jax infer``, and that program's encoder and one decoding
 step on their own. For each, per chip: HBM needed against the chip's, flops
 and bytes accessed, the roofline time max(flops / peak, bytes / HBM
@@ -37,8 +38,10 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from coda_jax import quiet
+from coda_jax.bench import flags
 
-PROGRAM_KINDS = ('train', 'infer')
+PROGRAM_KINDS = ('train', 'infer', 'parts')
+RUNGS = ('first', 'last')
 # Run files that bind `infer.infer` themselves.
 _INFER_FILES = ('runs/infer.gin', 'runs/eval.gin')
 INFER_GIN = 'gin_configs/runs/infer.gin'
@@ -53,9 +56,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument('--num_slices', type=int, default=1,
                       help='slices joined by the data-center network (Multislice)')
   parser.add_argument('--programs', default=','.join(PROGRAM_KINDS),
-                      help='comma-separated: train (every k rung), infer (the decoding '
-                      'program, its encoder and one decoding step)')
+                      help='comma-separated: train (the train step of each k rung), infer '
+                      '(the decoding program), parts (its encoder and one decoding step on '
+                      'their own: their costs give the decoding\'s roofline, as the '
+                      'compiler counts a loop body once); default %(default)s')
+  parser.add_argument('--rungs', default='all',
+                      help='the k rungs whose train step compiles: all, or first (k = n, '
+                      'the most memory) and / or last (the k the run ends at), e.g. '
+                      'first,last; default %(default)s')
   parser.add_argument('--out', default=None, help='write the report as JSON here')
+  parser.add_argument('--jobs', type=flags.at_least_one, default=default_jobs(),
+                      help='programs compiled at the same time (default: the cores this '
+                      'process may use, %(default)s here)')
   parser.add_argument('--gin_file', action='append', default=[], help='gin file (repeatable)')
   parser.add_argument('--gin_bindings', action='append', default=[],
                       help='raw gin binding (repeatable)')
@@ -63,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help='comma-separated directories to look for gin files in')
   parser.epilog = ('Any number of --gin.NAME=VALUE overrides, as for coda-jax train '
                    '(e.g. --gin.MODEL_SIZE="\'xl\'" --gin.MESH_SHAPE="(4, 4)").')
+
+
+def default_jobs() -> int:
+  """The cores this process may use."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (
+      os.cpu_count() or 1)
 
 
 class UsageError(ValueError):
@@ -78,8 +96,19 @@ def _kinds(text: str) -> List[str]:
   return kinds
 
 
+def _rungs(text: str) -> Optional[List[str]]:
+  """'all' -> None (every rung); 'first,last' -> ['first', 'last']."""
+  if str(text).strip() == 'all':
+    return None
+  rungs = [r.strip() for r in str(text).split(',') if r.strip()]
+  if not rungs or any(r not in RUNGS for r in rungs):
+    raise UsageError(f"--rungs takes all or a comma-separated subset of {list(RUNGS)}, "
+                     f'got {text!r}')
+  return rungs
+
+
 def _gin_files(files: Sequence[str], kinds: Sequence[str]) -> List[str]:
-  if 'infer' in kinds and not any(f.endswith(_INFER_FILES) for f in files):
+  if ('infer' in kinds or 'parts' in kinds) and not any(f.endswith(_INFER_FILES) for f in files):
     return list(files) + [INFER_GIN]
   return list(files)
 
@@ -152,33 +181,50 @@ def table(reports: Sequence[Dict[str, Any]], pod) -> str:
   return '\n'.join(lines)
 
 
-def _compile_all(run, pod, devices, log) -> List[Any]:
-  """Compiles every program in turn; a `DoesNotFitError` becomes a report
-  row marked as not fitting (with what the compiler said it needs)."""
+def _compile_all(run, pod, devices, log, jobs: int = 1) -> List[Any]:
+  """Compiles every program; a `DoesNotFitError` becomes a report row marked
+  as not fitting (with what the compiler said it needs).
+
+  Programs are lowered one after the other on this thread and compiled on
+  `jobs` threads (the compiler releases the GIL): while one program
+  compiles, the next is lowered and, with 2 or more jobs, compiled beside
+  it. The compile times in the progress lines are each program's own wall
+  time, longer where programs compiled side by side share the cores.
+  """
+  from concurrent import futures  # pylint: disable=g-import-not-at-top
   from coda_jax.compile import analysis  # pylint: disable=g-import-not-at-top
-  from coda_jax.compile import topology  # pylint: disable=g-import-not-at-top
-  slices = [topology.slice_of(d) for d in devices] if pod.num_slices > 1 else None
-  reports = []
+  slices = None
+  if pod.num_slices > 1:
+    from coda_jax.compile import topology  # pylint: disable=g-import-not-at-top
+    slices = [topology.slice_of(d) for d in devices]
   total = len(run.programs)
-  for i, program in enumerate(run.programs, 1):
-    log(f'[{i}/{total}] {program.name}: lowering and compiling for {pod.accelerator_type}')
-    start = time.perf_counter()
-    try:
-      compiled, seconds = analysis.compile_program(program.name, program.lower(), pod.chip)
-    except analysis.DoesNotFitError as e:
-      log(f'[{i}/{total}] {program.name}: the compiler ran out of HBM after '
-          f'{time.perf_counter() - start:.1f} s: {e}')
-      reports.append((program, None, e))
-      continue
-    slice_order = None if slices is None else [
-        slices[devices.index(d)] for d in program.mesh.devices.flat]
-    report = analysis.analyze(program.name, compiled, seconds, pod.chip, program.mesh,
-                              program.model_flops, slice_order)
-    log(f'[{i}/{total}] {program.name}: compiled in {seconds:.1f} s '
-        f'(lowered in {time.perf_counter() - start - seconds:.1f} s); needs '
-        f'{gib(report.memory.needed)} of {gib(report.hbm_bytes)} GiB per chip')
-    reports.append((program, report, None))
-  return reports
+  tag = lambda i, program: f'[{i}/{total}] {program.name}'
+  pending = {}
+  with futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    for i, program in enumerate(run.programs, 1):
+      start = time.perf_counter()
+      lowered = program.lower()
+      log(f'{tag(i, program)}: lowered in {time.perf_counter() - start:.1f} s; compiling '
+          f'for {pod.accelerator_type}')
+      pending[pool.submit(analysis.compile_program, program.name, lowered, pod.chip)] = i
+    done = {}
+    for future in futures.as_completed(pending):
+      i = pending[future]
+      program = run.programs[i - 1]
+      try:
+        compiled, seconds = future.result()
+      except analysis.DoesNotFitError as e:
+        log(f'{tag(i, program)}: the compiler ran out of HBM: {e}')
+        done[i] = (program, None, e)
+        continue
+      slice_order = None if slices is None else [
+          slices[devices.index(d)] for d in program.mesh.devices.flat]
+      report = analysis.analyze(program.name, compiled, seconds, pod.chip, program.mesh,
+                                program.model_flops, slice_order)
+      log(f'{tag(i, program)}: compiled in {seconds:.1f} s; needs '
+          f'{gib(report.memory.needed)} of {gib(report.hbm_bytes)} GiB per chip')
+      done[i] = (program, report, None)
+  return [done[i] for i in sorted(done)]
 
 
 def _decoding_roofline(rows: List[Dict[str, Any]], steps: int, peak: float) -> None:
@@ -208,7 +254,7 @@ def run(args: argparse.Namespace, extra: Sequence[str] = ()) -> int:
     overrides, rest = gin_utils.split_gin_overrides(list(extra))
     if rest:
       raise UsageError(f'unrecognized arguments: {" ".join(rest)}')
-    kinds = _kinds(args.programs)
+    kinds, rungs = _kinds(args.programs), _rungs(args.rungs)
     pod = chips_lib.parse_pod(args.topology, args.num_slices)
     search = [p for p in args.gin_search_paths.split(',') if p]
     gin_utils.parse_gin(_gin_files(args.gin_file, kinds), overrides, args.gin_bindings,
@@ -217,7 +263,7 @@ def run(args: argparse.Namespace, extra: Sequence[str] = ()) -> int:
     programs_lib.check_meshes(pod, kinds)
     topology.check_compiler()
     devices = topology.devices(pod)
-    run_ = programs_lib.run_programs(devices, pod, kinds)
+    run_ = programs_lib.run_programs(devices, pod, kinds, rungs)
   except (UsageError, chips_lib.TopologyError, gin_utils.GinError, ConfigError,
           topology.MissingCompilerError) as e:
     print(f'coda-jax compile: error: {gin_utils.own_message(e)}', file=sys.stderr)
@@ -245,7 +291,7 @@ def _failed_row(program, error, pod) -> Dict[str, Any]:
 def _report(run_, pod, devices, args: argparse.Namespace, log) -> int:
   from coda_jax.compile import topology  # pylint: disable=g-import-not-at-top
   rows, failures = [], []
-  for program, report, error in _compile_all(run_, pod, devices, log):
+  for program, report, error in _compile_all(run_, pod, devices, log, args.jobs):
     mesh_shape = (run_.train_mesh_shape if program.kind == 'train'
                   else run_.infer_mesh_shape)
     row = (_failed_row(program, error, pod) if report is None else

@@ -5,13 +5,16 @@ run gin files and ``--gin.`` flags): the trainer's arguments are those gin
 binds for `train_lib.train`, the predictor's those it binds for `infer.infer`
 (``gin_configs/runs/infer.gin``). The programs are the real ones:
 
-* ``train k=K``: `Trainer.lower_step` of every k rung of the run's ladder,
-  the very `jax.jit` the trainer runs (its shardings, donated state);
-* ``infer``: `infer.Predictor.lower`, the decoding program ``coda-jax infer``
-  runs (encoder, cache, decoding loop);
-* ``encode`` and ``decode step``: the predictor's encoder and one step of its
-  loop on their own (`Predictor.lower_encode` / `lower_decode_step`), whose
-  costs give the decoding's (the compiler counts a loop body once).
+* ``train k=K`` (kind TRAIN): `Trainer.lower_step` of every k rung of the
+  run's ladder (or the first, k = n, the one that needs the most memory,
+  and / or the last, the k the run ends at: `rungs`), the very `jax.jit` the
+  trainer runs (its shardings, donated state);
+* ``infer`` (INFER): `infer.Predictor.lower`, the decoding program
+  ``coda-jax infer`` runs (encoder, cache, decoding loop);
+* ``encode`` and ``decode step`` (PARTS): the predictor's encoder and one
+  step of its loop on their own (`Predictor.lower_encode` /
+  `lower_decode_step`), whose costs give the decoding's (the compiler counts
+  a loop body once).
 
 Each comes with the analytic FLOPs (`coda_jax.flops`) of one run per chip, for
 the model FLOPs utilisation.
@@ -32,6 +35,12 @@ from coda_jax.training import train_lib
 from coda_jax.training.errors import ConfigError
 
 TRAIN, INFER, ENCODE, DECODE_STEP = 'train', 'infer', 'encode', 'decode_step'
+# What `run_programs` is asked for: the train steps, the decoding program,
+# its parts (encoder and one decoding step).
+PARTS = 'parts'
+KINDS = (TRAIN, INFER, PARTS)
+# Which rungs of the k ladder to compile: all, or the first and / or last.
+FIRST, LAST = 'first', 'last'
 
 
 @dataclasses.dataclass
@@ -142,17 +151,19 @@ def _arguments():
     raise ConfigError(f'invalid configuration: {gin_utils.describe_gin_call_error(e)}') from e
 
 
-def check_meshes(pod: Pod, kinds: Sequence[str] = (TRAIN, INFER)) -> None:
+def check_meshes(pod: Pod, kinds: Sequence[str] = KINDS) -> None:
   """The configured MESH_SHAPEs cover `pod` (before any device is asked for)."""
   train_args, infer_args = _arguments()
   check_mesh('MESH_SHAPE', train_args['mesh_shape'], pod)
-  if INFER in kinds:
+  if INFER in kinds or PARTS in kinds:
     check_mesh('MESH_SHAPE (infer)', infer_args['mesh_shape'], pod)
 
 
-def run_programs(devices: Sequence[Any], pod: Pod, kinds: Sequence[str] = (TRAIN, INFER)
-                 ) -> RunPrograms:
-  """The programs of the parsed gin configuration on `devices` (module doc).
+def run_programs(devices: Sequence[Any], pod: Pod, kinds: Sequence[str] = KINDS,
+                 rungs: Optional[Sequence[str]] = None) -> RunPrograms:
+  """The programs of the parsed gin configuration on `devices` (module doc):
+  those of `kinds`; the train steps of the `rungs` (FIRST, LAST) of the k
+  ladder, every rung when None.
 
   Raises:
     ConfigError: a configuration the run itself would refuse, or a MESH_SHAPE
@@ -168,17 +179,25 @@ def run_programs(devices: Sequence[Any], pod: Pod, kinds: Sequence[str] = (TRAIN
   warnings = _mesh_warnings(train_shape, pod)
   infer_shape = train_shape
   if TRAIN in kinds:
-    programs += _train_programs(model, train_args, train_cfg, lengths, devices, pod)
-  if INFER in kinds:
+    programs += _train_programs(model, train_args, train_cfg, lengths, devices, pod, rungs)
+  if INFER in kinds or PARTS in kinds:
     infer_shape = check_mesh('MESH_SHAPE (infer)', infer_args['mesh_shape'], pod)
-    programs += _infer_programs(model, infer_args, devices, pod)
+    wanted = ({INFER} if INFER in kinds else set()) | (
+        {ENCODE, DECODE_STEP} if PARTS in kinds else set())
+    programs += [p for p in _infer_programs(model, infer_args, devices, pod)
+                 if p.kind in wanted]
     if tuple(infer_shape) != tuple(train_shape):
       warnings += _mesh_warnings(infer_shape, pod)
   return RunPrograms(programs, train_shape, infer_shape, model, warnings)
 
 
+def _picked(rung: int, rungs: int, picked: Optional[Sequence[str]]) -> bool:
+  return picked is None or (rung == 0 and FIRST in picked) or (
+      rung == rungs - 1 and LAST in picked)
+
+
 def _train_programs(model, args: Dict[str, Any], train_cfg, lengths, devices,
-                    pod: Pod) -> List[Program]:
+                    pod: Pod, picked: Optional[Sequence[str]] = None) -> List[Program]:
   mesh = train_lib.make_mesh(args['mesh_shape'], train_cfg.batch_size, devices)
   trainer, schedule, _ = train_lib.build_trainer(
       model, lengths, args['total_steps'], mesh, args['logical_axis_rules'],
@@ -188,6 +207,8 @@ def _train_programs(model, args: Dict[str, Any], train_cfg, lengths, devices,
   out = []
   rungs = len(trainer.models)
   for rung, rung_model in enumerate(trainer.models):
+    if not _picked(rung, rungs, picked):
+      continue
     k = (schedule.ks[rung] if schedule is not None
          else (model.coda.num_selected(lengths['inputs']) if model.routes_tokens
                else lengths['inputs']))
