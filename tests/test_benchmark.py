@@ -152,6 +152,34 @@ def test_time_round_robin_interleaves():
     bm.time_round_robin(fns, 0)
 
 
+def test_time_round_robin_times_small_calls_back_to_back():
+  import time as time_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax.bench import timing  # pylint: disable=g-import-not-at-top
+  calls = []
+  def slow():  # 20 ms a call
+    calls.append('slow')
+    time_lib.sleep(0.02)
+    return jnp.zeros(())
+  def quick():  # 1 ms a call
+    calls.append('quick')
+    time_lib.sleep(0.001)
+    return jnp.ones(())
+  fns = {'slow': slow, 'quick': quick}
+  n = timing.calls_to_fill(quick, 0.02)
+  assert 5 <= n <= 20, n  # about 20 calls of >= 1 ms (sleep may oversleep)
+  calls.clear()
+  times = timing.time_round_robin(fns, 2, calls={'quick': 50})
+  # Warm-up once each; then per repeat one slow call and 50 quick ones.
+  assert calls.count('slow') == 1 + 2 and calls.count('quick') == 1 + 2 * 50
+  # The time is per call: the quick one's >= 1 ms, far from 50 of them.
+  assert all(0.001 <= t < 0.025 for t in times['quick']), times['quick']
+  assert all(t >= 0.02 for t in times['slow'])
+  with pytest.raises(ValueError, match='calls must be >= 1'):
+    timing.time_round_robin(fns, 1, calls={'quick': 0})
+  with pytest.raises(ValueError, match='calls must be >= 1'):
+    timing.time_round_robin(fns, 1, calls={'other': 3})
+
+
 def test_end_to_end_bound_beam_search():
   config = T5Config(**bm.TINY)
   greedy = bm.end_to_end_bound(config, 64, 8, 3.0, 'k_to_all', 16, num_beams=1)

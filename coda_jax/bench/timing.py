@@ -3,7 +3,10 @@
 * `compile_call`: ahead-of-time compilation of a jitted function for its
   arguments, the seconds it took kept apart (`Timed.compile_s`);
 * `time_round_robin`: seconds per call, repeats interleaved in a rotating
-  order so that a slow period of the machine hits every function alike;
+  order so that a slow period of the machine hits every function alike; a
+  sub-millisecond function timed as a run of back-to-back calls
+  (`calls_to_fill`), so that its time is its own, not the machine's waking up
+  after the large call before it;
 * `summary`, `median_ms`, `speedup`, `speedup_of_min`: what a row reports;
 * `CompileCounter`: the XLA compilations (and persistent-cache hits) while a
   block runs, from JAX's monitoring events, so a result can show what it
@@ -64,8 +67,19 @@ def progress_bar(total: int, enabled: Optional[bool] = None) -> metrics_lib.Prog
   return metrics_lib.ProgressBar(total, enabled=enabled, desc='benchmark')
 
 
+def calls_to_fill(fn: Callable[[], Any], seconds: float, max_calls: int = 1000) -> int:
+  """How many back-to-back calls of `fn` last about `seconds` (1 or more),
+  from one timed call after a warm-up call."""
+  jax.block_until_ready(fn())
+  start = time.perf_counter()
+  jax.block_until_ready(fn())
+  one = time.perf_counter() - start
+  return max(1, min(max_calls, int(seconds / max(one, 1e-9))))
+
+
 def time_round_robin(fns: Mapping[str, Callable[[], Any]], repeats: int,
-                     progress: Optional[metrics_lib.ProgressBar] = None
+                     progress: Optional[metrics_lib.ProgressBar] = None,
+                     calls: Optional[Mapping[str, int]] = None
                      ) -> Dict[str, List[float]]:
   """Seconds of each call, `repeats` per function, interleaved.
 
@@ -74,9 +88,20 @@ def time_round_robin(fns: Mapping[str, Callable[[], Any]], repeats: int,
   a slow period of the machine hits every function alike. A call is timed
   until its outputs are ready (`jax.block_until_ready`). The functions should
   already be compiled (`compile_call`).
+
+  `calls[name]` (default 1): that function's repeat is that many calls back
+  to back, timed until the last one's outputs are ready, and its time is the
+  mean per call. A sub-millisecond call timed alone right after a large one
+  measures the machine coming back (the runtime's idle worker threads
+  waking, caches the large call evicted), not the call: on a 2-core CPU a
+  0.26 ms soft top-k read 0.6 to 4.6 ms that way.
   """
   if repeats < 1:
     raise ValueError(f'repeats must be >= 1, got {repeats}')
+  calls = dict(calls or {})
+  bad = {n: c for n, c in calls.items() if n not in fns or int(c) < 1}
+  if bad:
+    raise ValueError(f'calls must be >= 1 for functions of fns, got {bad}')
   names = list(fns)
   for name in names:
     jax.block_until_ready(fns[name]())
@@ -84,9 +109,12 @@ def time_round_robin(fns: Mapping[str, Callable[[], Any]], repeats: int,
   for i in range(repeats):
     shift = i % len(names) if names else 0
     for name in names[shift:] + names[:shift]:
+      fn, count = fns[name], int(calls.get(name, 1))
       start = time.perf_counter()
-      jax.block_until_ready(fns[name]())
-      times[name].append(time.perf_counter() - start)
+      for _ in range(count - 1):
+        fn()
+      jax.block_until_ready(fn())
+      times[name].append((time.perf_counter() - start) / count)
       if progress is not None:
         progress.update(1, at=f'repeat {i + 1}/{repeats} {name}')
   return times

