@@ -32,7 +32,7 @@ MAX_BYTES_RATIO = {'coda_k_to_all_r1': None, 'coda_k_to_all_r3': None,
 @pytest.fixture(scope='module')
 def rows():
   return variant_costs.measure(
-      batch_size=BATCH, length=LENGTH, generations=('v5e',), reduction_factors=(1, 3),
+      batch_size=BATCH, lengths=(LENGTH,), generations=('v5e',), reduction_factors=(1, 3),
       attentions=('k_to_all', 'k_to_k'), decode_steps=2, config=CONFIG)
 
 

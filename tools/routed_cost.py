@@ -14,7 +14,8 @@ time), while loops in the HLO, and the bytes of each stage of the encoder
 un-route, other). A model of the chip, not a timing
 (`coda_jax/compile/variant_costs.py` says what it counts and what it does not).
 
-  python tools/routed_cost.py [--model base] [--batch_size 128] [--length 384]
+  python tools/routed_cost.py [--model base] [--batch_size 128] [--lengths 384]
+      [--layers L]
       [--generations v4,v5e] [--reduction_factors 1,3,5]
       [--attentions k_to_all,k_to_k] [--decode_steps 4] [--out FILE]
 
@@ -24,12 +25,13 @@ The base model at batch 128 takes about 2 minutes per compiled program on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 import jax.numpy as jnp
 
-from coda_jax.bench import flags
+from coda_jax.bench import flags, models
 from coda_jax.compile import topology, variant_costs
 from coda_jax.config import ATTENTION_VARIANTS
 
@@ -41,8 +43,12 @@ def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--model', default='base', choices=MODELS)
   p.add_argument('--batch_size', type=flags.at_least_one, default=128)
-  p.add_argument('--length', type=flags.at_least_one, default=384,
-                 help='input tokens per example')
+  p.add_argument('--lengths', type=flags.required(flags.distinct(
+      flags.number_list(lambda n: n >= 1 and float(n).is_integer(), 'a length >= 1'),
+      'length'), 'length'), default=[384], help='input tokens per example (a list)')
+  p.add_argument('--layers', type=flags.at_least_one, default=None,
+                 help='encoder and decoder layers (default: the model\'s); fewer compile '
+                 'faster with the same per-layer costs (e.g. to look for loops)')
   p.add_argument('--generations', type=flags.distinct(
       flags.one_of_each(sorted(variant_costs.ONE_CHIP), False), 'generation'),
                  default=['v4', 'v5e'])
@@ -67,14 +73,14 @@ def parse_args(argv):
 
 def table(rows) -> str:
   stages = [s for s, _ in variant_costs.STAGES] + [variant_costs.OTHER]
-  head = (f'{"chip":4} {"variant":22} {"program":11} {"k":>4} {"GFLOP":>8} {"GB":>7} '
+  head = (f'{"chip":4} {"variant":22} {"program":11} {"n":>5} {"k":>4} {"GFLOP":>8} {"GB":>7} '
           f'{"roofline ms":>11} {"speed-up":>8} {"flops x":>7} {"bound x":>7} '
           f'{"effic.":>6} {"loops":>5}  stage GB: ' + ' '.join(stages))
   lines = [head]
   fmt = lambda v, spec: '-' if v is None else format(v, spec)
   for r in rows:
     lines.append(
-        f'{r.generation:4} {r.variant:22} {r.program:11} {r.k:4d} {r.flops / 1e9:8.1f} '
+        f'{r.generation:4} {r.variant:22} {r.program:11} {r.length:5d} {r.k:4d} {r.flops / 1e9:8.1f} '
         f'{r.bytes_accessed / 1e9:7.2f} {r.roofline_seconds * 1e3:11.2f} '
         f'{fmt(r.roofline_speedup, "8.2f")} {fmt(r.flops_speedup, "7.2f")} '
         f'{fmt(r.bound_speedup, "7.2f")} {fmt(r.efficiency, "6.2f")} {r.loops:5d}  '
@@ -90,16 +96,22 @@ def main(argv=None) -> int:
     print(f'error: {e}', file=sys.stderr)
     return 2
   log = lambda line: print(line, file=sys.stderr, flush=True)
+  config = models.make_config(args.model, DTYPES[args.dtype])
+  if args.layers is not None:
+    config = dataclasses.replace(config, num_encoder_layers=args.layers,
+                                 num_decoder_layers=args.layers)
   rows = variant_costs.measure(
-      args.model, args.batch_size, args.length, args.generations, args.reduction_factors,
-      args.attentions, args.decode_steps, DTYPES[args.dtype], log=log)
+      args.model, args.batch_size, [int(n) for n in args.lengths], args.generations,
+      args.reduction_factors, args.attentions, args.decode_steps, DTYPES[args.dtype],
+      config=config, log=log)
   print(table(rows))
   result = {
       'command': 'python tools/routed_cost.py ' + ' '.join(
           sys.argv[1:] if argv is None else argv),
       'device': 'the TPU compiler\'s cost model (compile only, no TPU)',
       'versions': topology.versions(), 'model': args.model, 'batch_size': args.batch_size,
-      'length': args.length, 'decode_steps': args.decode_steps, 'dtype': args.dtype,
+      'lengths': [int(n) for n in args.lengths], 'layers': config.num_encoder_layers,
+      'decode_steps': args.decode_steps, 'dtype': args.dtype,
       'rows': [r.as_dict() for r in rows]}
   if args.out:
     with open(args.out, 'w') as f:

@@ -70,6 +70,7 @@ class Row:
   variant: str
   reduction_factor: float
   attention: Optional[str]
+  length: int
   k: int
   program: str
   flops: float
@@ -98,13 +99,13 @@ def predictor(variant: models.Variant, pod: chips.Pod, decode_steps: int) -> inf
 
 
 def _compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Variant,
-                  k: int, model_flops: float) -> Row:
+                  length: int, model_flops: float) -> Row:
   compiled, seconds = analysis.compile_program(name, lowered, pod.chip)
   report = analysis.analyze(name, compiled, seconds, pod.chip, mesh)
   return Row(
       generation=pod.chip.generation, variant=variant.name,
-      reduction_factor=variant.reduction_factor, attention=variant.attention, k=k,
-      program=name, flops=report.flops, bytes_accessed=report.bytes_accessed,
+      reduction_factor=variant.reduction_factor, attention=variant.attention,
+      length=length, k=variant.k(length), program=name, flops=report.flops, bytes_accessed=report.bytes_accessed,
       roofline_seconds=report.roofline_seconds, bound=report.bound,
       model_flops=model_flops, loops=report.loops, hbm_needed=report.memory.needed,
       compile_seconds=seconds,
@@ -114,11 +115,11 @@ def _compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Vari
 def encoder_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
                 dtype: Any) -> Row:
   """The encoder of `coda-jax infer` on `[batch_size, length]` tokens."""
-  k = variant.k(length)
   p = predictor(variant, pod, 1)
   lowered = p.lower_encode(batch_size, length, param_dtype=dtype)
-  model_flops = 2.0 * batch_size * programs.encoder_macs(variant.model, length, k)
-  return _compiled_row(ENCODER, lowered, p.mesh, pod, variant, k, model_flops)
+  model_flops = 2.0 * batch_size * programs.encoder_macs(variant.model, length,
+                                                         variant.k(length))
+  return _compiled_row(ENCODER, lowered, p.mesh, pod, variant, length, model_flops)
 
 
 def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
@@ -127,14 +128,16 @@ def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, le
   p = predictor(variant, pod, decode_steps)
   lowered = p.lower_decode_step(batch_size, length, param_dtype=dtype)
   step = programs.decode_flops(variant.model, length, decode_steps, batch_size)['step']
-  return _compiled_row(DECODE_STEP, lowered, p.mesh, pod, variant, variant.k(length), step)
+  return _compiled_row(DECODE_STEP, lowered, p.mesh, pod, variant, length, step)
 
 
 def add_speedups(rows: List[Row]) -> None:
-  """Each row's speed-ups over the baseline's row of the same chip and program."""
-  base = {(r.generation, r.program): r for r in rows if r.attention is None}
+  """Each row's speed-ups over the baseline's row of the same chip, program
+  and length."""
+  key = lambda r: (r.generation, r.program, r.length)
+  base = {key(r): r for r in rows if r.attention is None}
   for r in rows:
-    b = base.get((r.generation, r.program))
+    b = base.get(key(r))
     if b is None:
       continue
     r.roofline_speedup = b.roofline_seconds / r.roofline_seconds
@@ -143,17 +146,18 @@ def add_speedups(rows: List[Row]) -> None:
     r.efficiency = r.roofline_speedup / r.flops_speedup
 
 
-def measure(model: str = 'base', batch_size: int = 128, length: int = 384,
+def measure(model: str = 'base', batch_size: int = 128, lengths: Sequence[int] = (384,),
             generations: Sequence[str] = ('v4', 'v5e'),
             reduction_factors: Sequence[float] = (1, 3, 5),
             attentions: Sequence[str] = ('k_to_all', 'k_to_k'),
             decode_steps: int = 0, dtype: Any = jnp.bfloat16,
             config: Optional[Any] = None, coda: Optional[CodaConfig] = None,
             log: Callable[[str], None] = lambda line: None) -> List[Row]:
-  """Compiles every variant's encoder (and, with `decode_steps`, one decoding
-  step of a `decode_steps`-token decode; every variant decodes with the
-  baseline's decoder, CoDA routes only in the encoder) for one chip of each
-  generation. `config` overrides the `model` preset's `T5Config`."""
+  """Compiles every variant's encoder at every input length (and, with
+  `decode_steps`, one decoding step of a `decode_steps`-token decode; every
+  variant decodes with the baseline's decoder, CoDA routes only in the
+  encoder) for one chip of each generation. `config` overrides the `model`
+  preset's `T5Config`."""
   cfg = config if config is not None else models.make_config(model, dtype)
   variants = models.make_variants(cfg, coda or CodaConfig(), reduction_factors, attentions)
   rows: List[Row] = []
@@ -162,14 +166,17 @@ def measure(model: str = 'base', batch_size: int = 128, length: int = 384,
       raise chips.TopologyError(f'unknown TPU generation {generation!r}; known: '
                                 f'{sorted(ONE_CHIP)}')
     pod = chips.parse_pod(ONE_CHIP[generation])
-    for variant in variants:
-      start = time.perf_counter()
-      rows.append(encoder_row(variant, pod, batch_size, length, dtype))
-      log(f'{generation} {variant.name} encoder: compiled in '
-          f'{time.perf_counter() - start:.1f} s')
-    if decode_steps:
-      start = time.perf_counter()
-      rows.append(decode_step_row(variants[0], pod, batch_size, length, decode_steps, dtype))
-      log(f'{generation} decode step: compiled in {time.perf_counter() - start:.1f} s')
+    for length in lengths:
+      for variant in variants:
+        start = time.perf_counter()
+        rows.append(encoder_row(variant, pod, batch_size, length, dtype))
+        log(f'{generation} n={length} {variant.name} encoder: compiled in '
+            f'{time.perf_counter() - start:.1f} s')
+      if decode_steps:
+        start = time.perf_counter()
+        rows.append(decode_step_row(variants[0], pod, batch_size, length, decode_steps,
+                                    dtype))
+        log(f'{generation} n={length} decode step: compiled in '
+            f'{time.perf_counter() - start:.1f} s')
   add_speedups(rows)
   return rows
