@@ -22,11 +22,14 @@ BATCH, LENGTH = 32, 256
 # layers (the second is routed) and one decoder layer: compiles in seconds.
 CONFIG = dataclasses.replace(models.make_config('small', jnp.bfloat16),
                              num_encoder_layers=2, num_decoder_layers=1)
-# Bytes of the CoDA encoder / the Parallel Adapter encoder, at most (the
-# compiled program's `bytes accessed`, v5e; measured when this test was
-# written, see the module docstring of test: a regression fails).
-MAX_BYTES_RATIO = {'coda_k_to_all_r1': None, 'coda_k_to_all_r3': None,
-                   'coda_k_to_k_r3': None}
+# Bytes accessed by the CoDA encoder / by the Parallel Adapter encoder, at
+# most (v5e, the compiled program's `bytes accessed`). Measured with jax
+# 0.10.2 / libtpu 0.0.42.1 when the routed layer last lost bytes: r = 1
+# 1.052, k-to-all r = 3 0.819, k-to-k r = 3 0.745 (flops 1.001, 0.493,
+# 0.372); the bounds leave 1% for another libtpu. A change that adds bytes to
+# the routed layer fails here; one that removes some lowers these.
+MAX_BYTES_RATIO = {'coda_k_to_all_r1': 1.063, 'coda_k_to_all_r3': 0.828,
+                   'coda_k_to_k_r3': 0.753}
 
 
 @pytest.fixture(scope='module')
@@ -67,7 +70,7 @@ def test_every_variant_compiles_without_loops_and_reports_its_costs(rows):
 
 
 @pytest.mark.parametrize('name', sorted(MAX_BYTES_RATIO))
-def test_routed_encoder_moves_fewer_bytes_than_committed(rows, name):
+def test_routed_encoder_bytes_stay_within_the_committed_ratio(rows, name):
   encoders = _by(rows, variant_costs.ENCODER)
   ratio = encoders[name].bytes_accessed / encoders['parallel_adapter'].bytes_accessed
   assert ratio <= MAX_BYTES_RATIO[name], (name, ratio)
