@@ -28,8 +28,8 @@ version, per step the command, exit status and wall seconds). The command
 ends with the rows of benchmarks/README.md's table for the files it wrote.
 
 --smoke runs every step at toy sizes (T5 v1.1-small shapes, a few tokens,
-one repeat): a check of the set-up in a few minutes, on a GPU or (it allows
-a CPU) anywhere; its numbers are not measurements. --dry_run prints the
+one repeat): a check of the set-up, on a GPU or (it allows a CPU) anywhere;
+its numbers are not measurements. --dry_run prints the
 commands only. Exit status: 0; 1 when a step failed (its log says why; a
 MISS of a target line is a result, not a failure); 2 when JAX sees no GPU
 (--allow_cpu runs anyway).
@@ -73,7 +73,8 @@ STEPS = (
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'base', '--strict'],
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'small', '--strict',
           '--input_length', '64', '--output_length', '2', '--batch_size', '2',
-          '--repeats', '1', '--acm_budgets', '0.5']),
+          '--reduction_factors', '1,3', '--attention', 'k_to_all', '--repeats', '1',
+          '--acm_budgets', '0.5']),
     Step('encoder_xl', 'encoder, T5 v1.1-XL, batch 32, n = 512, r = 1, 3, 5',
          ['tools/bench_encoder.py', '--model', 'xl', '--batch_size', '32', '--length', '512',
           '--reduction_factors', '1,3,5', '--no_progress'],
@@ -82,7 +83,8 @@ STEPS = (
     Step('decoding_xl_boolq', 'decoding latency, T5 v1.1-XL, boolq shape (target: < 5 min)',
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'xl'],
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'small', '--input_length', '64',
-          '--output_length', '2', '--batch_size', '2', '--repeats', '1', '--acm_budgets', '']),
+          '--output_length', '2', '--batch_size', '2', '--reduction_factors', '1,3',
+          '--attention', 'k_to_all', '--repeats', '1', '--acm_budgets', '']),
     Step('acm_base', 'ACM encoder vs dense, T5 v1.1-base, batch 64, n = 384',
          ['tools/bench_acm.py', '--model', 'base', '--batch_size', '64', '--length', '384'],
          ['tools/bench_acm.py', '--model', 'small', '--batch_size', '2', '--length', '64',
@@ -185,13 +187,18 @@ def headline(record: Dict[str, object], out_file: str) -> str:
   return '; '.join(parts)
 
 
-def table(records: Sequence[Dict[str, object]], info: Dict[str, str]) -> str:
-  """The rows of benchmarks/README.md's table for this run's files."""
+def table(records: Sequence[Dict[str, object]], info: Dict[str, str], smoke: bool) -> str:
+  """The rows of benchmarks/README.md's table for this run's files (paths
+  relative to benchmarks/ when they are inside it)."""
+  benchmarks = os.path.join(REPO, 'benchmarks')
   rows = ['| file | device | jax | what | headline |', '| --- | --- | --- | --- | --- |']
   for record in records:
-    path = os.path.relpath(str(record['json']), os.path.join(REPO, 'benchmarks'))
-    rows.append(f'| [{path}]({path}) | {info["device"]} | {info["jax"]} | '
-                f'{record["what"]} | {record["headline"]} |')
+    path = str(record['json'])
+    if path.startswith(benchmarks + os.sep):
+      path = os.path.relpath(path, benchmarks)
+    what = f'{record["what"]}' + (' (--smoke: toy sizes, not a measurement)' if smoke else '')
+    rows.append(f'| [{path}]({path}) | {info["device"]} | {info["jax"]} | {what} | '
+                f'{record["headline"]} |')
   return '\n'.join(rows)
 
 
@@ -228,7 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run['steps'].append(record)
     with open(os.path.join(out_dir, 'run_gpu.json'), 'w') as f:
       json.dump(run, f, indent=2)
-  print(table(run['steps'], info))
+  print(table(run['steps'], info, args.smoke))
   failed = [r['name'] for r in run['steps'] if r['status'] == 'failed']
   if failed:
     print(f'run_gpu.py: {len(failed)} step(s) failed: {", ".join(failed)} (see their logs '

@@ -11,6 +11,11 @@ same pipeline, cuts the same global batches and keeps its rows of each, so a
 run's batches (and losses) do not depend on how many processes feed it. The
 position in the stream is the number of examples consumed (global); a resumed
 run skips that many and sees the same stream, on any number of processes.
+
+Before a run reads a checkpoint, `ensure_tfds_prepared` makes sure the TFDS
+datasets of its tasks are prepared: one that is not is named (with the
+directory looked in and the ``tfds build`` command), TFDS downloads it, and a
+download that fails is a `errors.DataError` of one line.
 """
 from __future__ import annotations
 
