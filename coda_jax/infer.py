@@ -353,6 +353,8 @@ def infer(*,
                                  register_tasks, [dataset_cfg.module])
   except data_lib.UnknownTaskError as e:
     raise train_lib.ConfigError(str(e)) from e
+  if input_file is None:
+    data_lib.ensure_tfds_prepared(dataset_cfg)
   loaded = load_model(checkpoint_path, checkpoint_step, adapters_path)
   if output_dir is None:
     if loaded.model_dir is None:

@@ -102,7 +102,8 @@ class EncoderLayer(nn.Module):
   """A T5 encoder layer, dense or CoDA-routed, with optional adapters.
 
   Dense (t5x): `h = x + att(LN(x))`, `y = h + mlp(LN(h))`. With a parallel
-  adapter, `y += adapter(LN(x))`. Routed (`routed=True`, paper §3.1, DESIGN.md):
+  adapter, `y += adapter(LN(x))`. Routed (`routed=True`, paper §3.1; the data
+  flow with shapes: ARCHITECTURE.md, "A CoDA encoder layer"):
   the router picks k = ceil(n / r) tokens of `LN(x)`; only they go through the
   pretrained attention and MLP, and their update `delta = att + ffn` is put
   back at their positions scaled by the router's gate:

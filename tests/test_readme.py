@@ -12,6 +12,9 @@
   parsed and checked (`gin_utils.parse_gin`: files, includes, macros, values)
   without running: they name public checkpoints, TFDS data and long runs. The
   quickstart run itself is measured by hand (README, "Quickstart").
+* Every repository path that the README and the comments and docstrings of
+  coda_jax/ and tools/ name exists (placeholders such as `gin_<device>/`
+  aside), and no user-facing file cites an internal issue number.
 """
 import os
 import re
@@ -117,3 +120,113 @@ def test_readme_links_stay_in_the_repository():
   for target in re.findall(r'\]\(([^)#]+)\)', text):
     if '://' not in target:
       assert os.path.exists(os.path.join(REPO, target)), target
+
+
+# ----------------------------------------------------------------------------
+# File paths named in what users read, and no internal issue numbers.
+# ----------------------------------------------------------------------------
+
+# A path inside the repository: one of its top-level folders, then a path
+# (not inside a URL or a longer path: nothing path-like right before it).
+_REPO_PATH = re.compile(
+    r'(?<![\w/.~-])((?:coda_jax|tools|benchmarks|gin_configs|tests|launch)/[\w./{},*<>-]*)')
+# Placeholders a user fills in (`benchmarks/gpu_<device>/`), elisions and
+# examples named by one letter (`gin_configs/runs/x.gin`).
+_PLACEHOLDER = re.compile(r'<[^>]*>|\.\.\.|/[A-Za-z]\.\w+$|\bNAME\b|\bPATH\b')
+
+
+def _comments_and_docstrings(path):
+  """The comments and docstrings of a Python file, as one text."""
+  import ast  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  import tokenize  # pylint: disable=g-import-not-at-top
+  with open(path) as f:
+    source = f.read()
+  parts = [tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+           if tok.type == tokenize.COMMENT]
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      parts.append(ast.get_docstring(node, clean=False) or '')
+  return '\n'.join(parts)
+
+
+def _user_texts():
+  """(name, text) of the README and of every comment and docstring of
+  coda_jax/ and tools/."""
+  with open(os.path.join(REPO, 'README.md')) as f:
+    yield 'README.md', f.read()
+  for top in ('coda_jax', 'tools'):
+    for root, _, files in os.walk(os.path.join(REPO, top)):
+      for name in sorted(files):
+        if name.endswith('.py'):
+          path = os.path.join(root, name)
+          yield os.path.relpath(path, REPO), _comments_and_docstrings(path)
+
+
+def _expand_braces(path):
+  """`acm_{distill,gate}.gin` -> the paths it stands for (shell brace expansion)."""
+  match = re.search(r'\{([^{}]*)\}', path)
+  if not match:
+    return [path]
+  return [expanded for choice in match.group(1).split(',')
+          for expanded in _expand_braces(path[:match.start()] + choice + path[match.end():])]
+
+
+# A document at the repository's root, named alone (`ARCHITECTURE.md`).
+_ROOT_DOCUMENT = re.compile(r'(?<![\w/.~-])([A-Za-z_]+\.md)\b')
+
+
+def named_paths(text):
+  """The repository paths `text` names (placeholders skipped), each as the
+  paths it stands for: (as written, path, whether it is a glob pattern)."""
+  import glob  # pylint: disable=g-import-not-at-top
+  out = [(raw, raw, False) for raw in _ROOT_DOCUMENT.findall(text)]
+  for raw in _REPO_PATH.findall(text):
+    path = raw.rstrip('.,:;')
+    if _PLACEHOLDER.search(path):
+      continue
+    for expanded in _expand_braces(path):
+      out.append((raw, expanded, glob.has_magic(expanded)))
+  return out
+
+
+def test_named_paths_parse_as_a_user_reads_them():
+  text = ('see `gin_configs/runs/acm_{distill,gate}.gin`, tools/bench_acm.py. and '
+          '`benchmarks/gpu_<device>/`, https://x.org/tools/z.py, gin_configs/runs/x.gin, '
+          'gin_configs/runs/finetune_*.gin')
+  assert [p for _, p, _ in named_paths(text + ' (ARCHITECTURE.md, benchmarks/README.md)')] == [
+      'ARCHITECTURE.md', 'gin_configs/runs/acm_distill.gin', 'gin_configs/runs/acm_gate.gin',
+      'tools/bench_acm.py', 'gin_configs/runs/finetune_*.gin', 'benchmarks/README.md']
+
+
+def test_every_named_repository_path_exists():
+  import glob  # pylint: disable=g-import-not-at-top
+  missing, seen = [], 0
+  for name, text in _user_texts():
+    for raw, path, pattern in named_paths(text):
+      seen += 1
+      full = os.path.join(REPO, path)
+      found = glob.glob(full) if pattern else os.path.exists(full)
+      if not found:
+        missing.append(f'{name}: {raw}')
+  assert seen > 50  # the README and the docstrings name many files
+  assert not missing, missing
+
+
+def test_no_internal_issue_numbers_where_users_read():
+  """`grep -rnE "issue [0-9]+" README.md benchmarks coda_jax tools gin_configs`
+  finds nothing (here case-insensitive)."""
+  pattern = re.compile(r'issue [0-9]+', re.IGNORECASE)
+  hits = []
+  for top in ('README.md', 'benchmarks', 'coda_jax', 'tools', 'gin_configs'):
+    full = os.path.join(REPO, top)
+    files = [full] if os.path.isfile(full) else [
+        os.path.join(root, name) for root, _, names in os.walk(full) for name in names]
+    for path in files:
+      try:
+        with open(path, encoding='utf-8') as f:
+          text = f.read()
+      except UnicodeDecodeError:  # a PNG
+        continue
+      hits += [f'{os.path.relpath(path, REPO)}: {m.group(0)}' for m in pattern.finditer(text)]
+  assert not hits, hits

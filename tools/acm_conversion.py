@@ -1,4 +1,4 @@
-"""The ACM conversion experiment (issue 14) on the offline quickstart task.
+"""The ACM conversion experiment on the offline quickstart task.
 
 A dense T5 trained on `coda_quickstart_reverse` (quickstart.gin with no CoDA)
 becomes an Adaptive Computation Modules model (`coda_jax.acm`) in the three

@@ -1,7 +1,7 @@
 """Time each CoDA routing primitive, next to a matmul of the layer for scale.
 
 At [batch, length, emb] (default the boolq/base shape of the accelerator
-issue: 128 x 384 x 768, k = length / r with r = 3), every primitive is jitted,
+targets, benchmarks/README.md: 128 x 384 x 768, k = length / r with r = 3), every primitive is jitted,
 compiled ahead of time and timed round-robin (`coda_jax.bench.timing`):
 
   router_score         s = x_norm · w                       [b, n, d] -> [b, n]

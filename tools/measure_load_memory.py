@@ -2,8 +2,8 @@
 
 Writes random float32 parameters of a preset (default base, 990 MB) in each
 format asked for, then loads each in a fresh process under `/usr/bin/time -v`
-and prints JSON: parameter bytes, peak RSS, and their ratio (the checkpoint
-issue's target is < 2.5x). Baseline RSS of a process that only imports
+and prints JSON: parameter bytes, peak RSS, and their ratio (this project's
+target is < 2.5x). Baseline RSS of a process that only imports
 coda_jax is reported too.
 
   python tools/measure_load_memory.py [--size base] [--formats t5x-legacy,hf,orbax]

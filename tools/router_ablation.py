@@ -366,10 +366,10 @@ def summarize(runs: Sequence[Dict[str, Any]], metric: str = METRIC) -> List[Dict
 
 
 def checks(summary: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-  """The issue's benchmark, read off the numbers (not asserted): at each r,
-  soft top-k >= sigmoid and sigmoid > truncation by more than the seed spread
-  (the two stds added), and the gap soft top-k - truncation per r (whether it
-  grows from the smallest to the largest r)."""
+  """This project's targets for the ablation, read off the numbers (not
+  asserted): at each r, soft top-k >= sigmoid and sigmoid > truncation by
+  more than the seed spread (the two stds added), and the gap soft top-k -
+  truncation per r (whether it grows from the smallest to the largest r)."""
   cell = {(s['reduction_factor'], s['router']): s for s in summary}
   factors = sorted({s['reduction_factor'] for s in summary})
   out: Dict[str, Any] = {'per_r': {}}

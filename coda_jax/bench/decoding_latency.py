@@ -354,9 +354,9 @@ def benchmark_cross_kv(config: T5Config, params: Mapping[str, Any], *, task: str
   }
 
 
-# The accelerator targets (issue "Routing at accelerator speed"): the fraction
-# of the encoder's FLOP bound CoDA must reach at r > 1, the soft top-k's
-# largest share of the latency (the paper's Table 12), CoDA r = 1 against
+# This project's accelerator targets (benchmarks/README.md): the fraction of
+# the encoder's FLOP bound CoDA must reach at r > 1, the soft top-k's largest
+# share of the latency (the one from the paper: Table 12), CoDA r = 1 against
 # the Parallel Adapter model, and k-to-all r = 3 on boolq end to end.
 ENCODER_FRACTION_OF_BOUND = 0.85
 SOFT_TOPK_MAX_SHARE = 0.02

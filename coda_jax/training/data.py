@@ -11,19 +11,28 @@ same pipeline, cuts the same global batches and keeps its rows of each, so a
 run's batches (and losses) do not depend on how many processes feed it. The
 position in the stream is the number of examples consumed (global); a resumed
 run skips that many and sees the same stream, on any number of processes.
+
+Before a run reads a checkpoint, `ensure_tfds_prepared` makes sure the TFDS
+datasets of its tasks are prepared: one that is not is named (with the
+directory looked in and the ``tfds build`` command), TFDS downloads it, and a
+download that fails is a `errors.DataError` of one line.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import importlib
+import io
 import logging
+import sys
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import gin
 import numpy as np
 
+from coda_jax.training import errors
 from coda_jax.training import gin_utils
 
 EOS_ID = 1
@@ -95,6 +104,111 @@ def prepare_task(name: str, vocabulary=None, register_tasks: bool = True,
     from coda_jax import tasks  # pylint: disable=g-import-not-at-top
     tasks.register_tasks(vocabulary)
   return get_task(name)
+
+
+# ----------------------------------------------------------------------------
+# TFDS data: prepared before the run reads a checkpoint, or one line.
+# ----------------------------------------------------------------------------
+
+# Attempts at each download URL when TFDS prepares a dataset here. TFDS's own
+# 11 (10 retries, backoff doubling from 0.2 s) add up to 3.5 minutes where the
+# host cannot be reached; 3 give up within about a second.
+TFDS_DOWNLOAD_ATTEMPTS = 3
+
+
+def tfds_datasets(task) -> List[Tuple[str, Optional[str]]]:
+  """(TFDS name with version, data_dir or None: TFDS's default) of each
+  `seqio.TfdsDataSource` of `task` (a task or mixture object), in order."""
+  import seqio  # pylint: disable=g-import-not-at-top
+  tasks = task.tasks if isinstance(task, seqio.Mixture) else [task]
+  out = []
+  for t in tasks:
+    source = getattr(t, 'source', None)
+    if isinstance(source, seqio.TfdsDataSource) and source.tfds_dataset.name:
+      entry = (source.tfds_dataset.name, source.tfds_dataset.data_dir)
+      if entry not in out:
+        out.append(entry)
+  return out
+
+
+def tfds_build_command(name: str, data_dir: str) -> str:
+  return f'tfds build {name} --data_dir={data_dir}'
+
+
+@contextlib.contextmanager
+def _tfds_download_settings():
+  """TFDS's download as this package runs it: `TFDS_DOWNLOAD_ATTEMPTS`
+  attempts per URL, no retry warnings, TFDS's own messages dropped (they go
+  to stdout, the commands' JSON; `ensure_tfds_prepared` says what happens),
+  its progress bars on stderr only on a terminal."""
+  from tensorflow_datasets.core.download import downloader  # pylint: disable=g-import-not-at-top
+  from tensorflow_datasets.core.utils import tqdm_utils  # pylint: disable=g-import-not-at-top
+  retries, bars = downloader.MAX_RETRIES, tqdm_utils._active  # pylint: disable=protected-access
+  urllib3_log = logging.getLogger('urllib3')
+  level = urllib3_log.level
+  downloader.MAX_RETRIES = TFDS_DOWNLOAD_ATTEMPTS - 1
+  tqdm_utils.display_progress_bar(bars and sys.stderr.isatty())
+  urllib3_log.setLevel(logging.ERROR)
+  try:
+    with contextlib.redirect_stdout(io.StringIO()):
+      yield
+  finally:
+    downloader.MAX_RETRIES = retries
+    tqdm_utils.display_progress_bar(bars)
+    urllib3_log.setLevel(level)
+
+
+def _is_prepared(builder) -> bool:
+  """`builder.is_prepared()` without TFDS's warning about the missing files."""
+  absl_log = logging.getLogger('absl')
+  level = absl_log.level
+  absl_log.setLevel(logging.ERROR)
+  try:
+    return builder.is_prepared()
+  finally:
+    absl_log.setLevel(level)
+
+
+def ensure_tfds_prepared(*dataset_cfgs: Optional[DatasetConfig]) -> None:
+  """Makes sure the TFDS datasets of the configs' tasks (None: skipped) are
+  prepared where seqio will read them, before a run reads its checkpoint.
+
+  A dataset that is not prepared is named on stderr in one line (with the
+  TFDS_DATA_DIR looked in and the ``tfds build`` command that prepares it),
+  then TFDS downloads and prepares it as seqio would have, with
+  `TFDS_DOWNLOAD_ATTEMPTS` attempts per URL.
+
+  Raises:
+    errors.DataError: the download or preparation failed (one line: the
+      dataset, the directory, the reason, the ``tfds build`` command).
+  """
+  names = [cfg.mixture_or_task_name for cfg in dataset_cfgs if cfg is not None]
+  datasets = []
+  for name in dict.fromkeys(names):
+    datasets += [d for d in tfds_datasets(get_task(name)) if d not in datasets]
+  if not datasets:
+    return
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  for name, data_dir in datasets:
+    # As seqio loads it: the public GCS copy when there is one (try_gcs).
+    builder = tfds.builder(name, data_dir=data_dir, try_gcs=data_dir is None)
+    if _is_prepared(builder):
+      continue
+    root = str(builder.data_dir_root)
+    command = tfds_build_command(name, root)
+    print(f'coda-jax: TFDS dataset {name} is not prepared in TFDS_DATA_DIR {root}; '
+          f'TFDS downloads it now (to prepare it yourself: {command})', file=sys.stderr,
+          flush=True)
+    try:
+      with _tfds_download_settings():
+        builder.download_and_prepare()
+    except Exception as e:  # pylint: disable=broad-except
+      reason = (str(e).strip().splitlines() or [''])[0]
+      raise errors.DataError(
+          f'TFDS could not download {name} into {root} ({type(e).__name__}: {reason}); '
+          f'prepare it where it can be downloaded ({command}) and set TFDS_DATA_DIR to '
+          'that directory') from e
+    print(f'coda-jax: TFDS prepared {name} in {root}', file=sys.stderr, flush=True)
 
 
 def check_lengths(lengths: Mapping[str, int]) -> Dict[str, int]:

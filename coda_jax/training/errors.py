@@ -23,3 +23,8 @@ class NonFiniteLossError(UserFacingError, FloatingPointError):
 
 class PreemptedError(UserFacingError):
   """A multi-process run stopped at a preemption notice, after a checkpoint."""
+
+
+class DataError(ConfigError):
+  """The run's data is not there and cannot be fetched (found before any
+  checkpoint is read)."""

@@ -210,6 +210,7 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
   task, eval_cfg = _prepare_tasks(train_cfg, infer_eval_dataset_cfg, vocabulary,
                                   register_tasks, model)
   mesh = make_mesh(mesh_shape, train_cfg.batch_size)
+  data_lib.ensure_tfds_prepared(train_cfg, eval_cfg)
   if train_cfg.shuffle and train_cfg.seed is None and jax.process_count() > 1:
     raise ConfigError(f'the train dataset has no shuffling seed (DATA_SEED = None): the '
                       f'{jax.process_count()} processes would read different orders; '

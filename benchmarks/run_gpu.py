@@ -1,0 +1,248 @@
+"""The GPU measurement of benchmarks/README.md, in one command.
+
+  python benchmarks/run_gpu.py [--out_dir DIR] [--steps NAME,...] [--dry_run]
+                               [--smoke] [--allow_cpu]
+
+Runs each step below as its own process, one after the other, on the GPU JAX
+sees (the repository's tools and `coda-jax benchmark`, with the settings the
+README's targets are stated for):
+
+  pallas_soft_topk     tools/bench_soft_topk.py --pallas_vs_xla: the fused Pallas
+                       soft top-k kernel against the XLA path (agreement, ms)
+  routing              tools/bench_routing.py: each routing primitive next to one
+                       FFN matmul (base / boolq shape: 128 x 384 x 768, r = 3)
+  decoding_base_boolq  coda-jax benchmark --model base --strict: CoDA vs Parallel
+                       Adapter decoding latency (boolq shape, batch 128, bfloat16),
+                       with the target lines ([ok] / [MISS])
+  encoder_xl           tools/bench_encoder.py: the encoder alone, T5 v1.1-XL,
+                       batch 32, n = 512, r = 1, 3, 5
+  decoding_xl_boolq    coda-jax benchmark --model xl (its wall time is a target)
+  acm_base             tools/bench_acm.py: ACM encoder against the dense one,
+                       T5 v1.1-base, batch 64, n = 384
+
+Each step writes its JSON (the tool's own, with the device, the jax version
+and its command inside; the decoding benchmark a PNG too) into --out_dir
+(default: benchmarks/gpu_<device>), its output into <step>.log there, and the
+run as a whole goes into run_gpu.json (this command, the device, the jax
+version, per step the command, exit status and wall seconds). The command
+ends with the rows of benchmarks/README.md's table for the files it wrote.
+
+--smoke runs every step at toy sizes (T5 v1.1-small shapes, a few tokens,
+one repeat): a check of the set-up, on a GPU or (it allows a CPU) anywhere;
+its numbers are not measurements. --dry_run prints the
+commands only. Exit status: 0; 1 when a step failed (its log says why; a
+MISS of a target line is a result, not a failure); 2 when JAX sees no GPU
+(--allow_cpu runs anyway).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """One measurement: `args` after ``python`` (the flags of the full run),
+  `smoke` the flags that replace them with toy sizes."""
+  name: str
+  what: str
+  args: Sequence[str]
+  smoke: Sequence[str]
+
+
+STEPS = (
+    Step('pallas_soft_topk', 'Pallas soft top-k kernel vs the XLA path',
+         ['tools/bench_soft_topk.py', '--pallas_vs_xla', '128x384,128x512,4096x512'],
+         ['tools/bench_soft_topk.py', '--pallas_vs_xla', '8x64', '--repeats', '2']),
+    Step('routing', 'routing primitives vs one FFN matmul, 128 x 384 x 768, r = 3',
+         ['tools/bench_routing.py'],
+         ['tools/bench_routing.py', '--batch_size', '2', '--length', '64', '--emb_dim', '32',
+          '--mlp_dim', '64', '--repeats', '2']),
+    Step('decoding_base_boolq', 'decoding latency, T5 v1.1-base, boolq shape, batch 128',
+         ['-m', 'coda_jax.cli', 'benchmark', '--model', 'base', '--strict'],
+         ['-m', 'coda_jax.cli', 'benchmark', '--model', 'small', '--strict',
+          '--input_length', '64', '--output_length', '2', '--batch_size', '2',
+          '--reduction_factors', '1,3', '--attention', 'k_to_all', '--repeats', '1',
+          '--acm_budgets', '0.5']),
+    Step('encoder_xl', 'encoder, T5 v1.1-XL, batch 32, n = 512, r = 1, 3, 5',
+         ['tools/bench_encoder.py', '--model', 'xl', '--batch_size', '32', '--length', '512',
+          '--reduction_factors', '1,3,5', '--no_progress'],
+         ['tools/bench_encoder.py', '--model', 'small', '--batch_size', '2', '--length', '64',
+          '--reduction_factors', '1,3', '--repeats', '1', '--no_progress']),
+    Step('decoding_xl_boolq', 'decoding latency, T5 v1.1-XL, boolq shape (target: < 5 min)',
+         ['-m', 'coda_jax.cli', 'benchmark', '--model', 'xl'],
+         ['-m', 'coda_jax.cli', 'benchmark', '--model', 'small', '--input_length', '64',
+          '--output_length', '2', '--batch_size', '2', '--reduction_factors', '1,3',
+          '--attention', 'k_to_all', '--repeats', '1', '--acm_budgets', '']),
+    Step('acm_base', 'ACM encoder vs dense, T5 v1.1-base, batch 64, n = 384',
+         ['tools/bench_acm.py', '--model', 'base', '--batch_size', '64', '--length', '384'],
+         ['tools/bench_acm.py', '--model', 'small', '--batch_size', '2', '--length', '64',
+          '--budgets', '0.5', '--repeats', '1']),
+)
+STEP_NAMES = tuple(step.name for step in STEPS)
+# `coda-jax benchmark --strict`'s status when a target line is a MISS.
+MISS_EXIT_CODE = 1
+XL_DECODING_TARGET_S = 300.0
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      prog='python benchmarks/run_gpu.py', description=__doc__,
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--out_dir', default=None,
+                      help='where the files go (default: benchmarks/gpu_<device>)')
+  parser.add_argument('--steps', default=','.join(STEP_NAMES),
+                      help=f'comma-separated steps to run, of {", ".join(STEP_NAMES)}')
+  parser.add_argument('--smoke', action='store_true',
+                      help='toy sizes: checks the set-up, measures nothing')
+  parser.add_argument('--allow_cpu', action='store_true',
+                      help='run even when JAX sees no GPU')
+  parser.add_argument('--dry_run', action='store_true', help='print the commands only')
+  args = parser.parse_args(argv)
+  names = [n for n in args.steps.split(',') if n]
+  unknown = [n for n in names if n not in STEP_NAMES]
+  if unknown or not names or len(set(names)) != len(names):
+    parser.error(f'--steps: give distinct names of {", ".join(STEP_NAMES)}; got '
+                 f'{args.steps!r}')
+  args.steps = [step for step in STEPS if step.name in names]
+  return args
+
+
+def device_info() -> Dict[str, str]:
+  """The first device JAX sees: platform ('gpu', 'cpu', ...), kind, jax version."""
+  import jax  # pylint: disable=import-outside-toplevel
+  device = jax.devices()[0]
+  return {'platform': device.platform, 'device': device.device_kind,
+          'jax': jax.__version__}
+
+
+def slug(text: str) -> str:
+  return re.sub(r'[^a-z0-9]+', '_', text.lower()).strip('_') or 'device'
+
+
+def step_command(step: Step, out_file: str, smoke: bool) -> List[str]:
+  """The step's command (run from the repository root, so paths inside it
+  are given relative to it)."""
+  if out_file.startswith(REPO + os.sep):
+    out_file = os.path.relpath(out_file, REPO)
+  return [sys.executable] + list(step.smoke if smoke else step.args) + ['--out', out_file]
+
+
+def shown(command: Sequence[str]) -> str:
+  """A command as a user types it (``python`` for this interpreter)."""
+  return shlex.join(['python'] + list(command[1:]))
+
+
+def run_step(step: Step, command: List[str], log_path: str) -> Dict[str, object]:
+  """Runs `command` from the repository root, its output into `log_path`."""
+  env = dict(os.environ)
+  env['PYTHONPATH'] = os.pathsep.join(
+      [REPO] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+  env.setdefault('PYTHONUNBUFFERED', '1')
+  start = time.perf_counter()
+  with open(log_path, 'w') as log:
+    rc = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                        check=False).returncode
+  return {'name': step.name, 'what': step.what, 'command': shown(command), 'rc': rc,
+          'wall_s': round(time.perf_counter() - start, 1)}
+
+
+def outcome(record: Dict[str, object], out_file: str) -> str:
+  """'ok', 'targets missed' (--strict's MISS) or 'failed'."""
+  if record['rc'] == 0:
+    return 'ok'
+  if record['rc'] == MISS_EXIT_CODE and '--strict' in str(record['command']) and (
+      os.path.isfile(out_file)):
+    return 'targets missed'
+  return 'failed'
+
+
+def headline(record: Dict[str, object], out_file: str) -> str:
+  """What the table's last column can say without reading the numbers: the
+  target lines met, the XL decoding run's wall time against its target."""
+  parts = []
+  try:
+    with open(out_file) as f:
+      result = json.load(f)
+  except (OSError, ValueError):
+    return record['status']
+  checks = result.get('checks') if isinstance(result, dict) else None
+  if isinstance(checks, list) and checks:
+    parts.append(f'{sum(bool(c.get("ok")) for c in checks)} of {len(checks)} target lines ok')
+  if record['name'] == 'decoding_xl_boolq':
+    wall = float(record['wall_s'])
+    parts.append(f'{wall:.0f} s wall ({"under" if wall < XL_DECODING_TARGET_S else "over"} '
+                 f'the {XL_DECODING_TARGET_S / 60:.0f}-minute target)')
+  return '; '.join(parts)
+
+
+def table(records: Sequence[Dict[str, object]], info: Dict[str, str], smoke: bool) -> str:
+  """The rows of benchmarks/README.md's table for this run's files (paths
+  relative to benchmarks/ when they are inside it)."""
+  benchmarks = os.path.join(REPO, 'benchmarks')
+  rows = ['| file | device | jax | what | headline |', '| --- | --- | --- | --- | --- |']
+  for record in records:
+    path = str(record['json'])
+    if path.startswith(benchmarks + os.sep):
+      path = os.path.relpath(path, benchmarks)
+    what = f'{record["what"]}' + (' (--smoke: toy sizes, not a measurement)' if smoke else '')
+    rows.append(f'| [{path}]({path}) | {info["device"]} | {info["jax"]} | {what} | '
+                f'{record["headline"]} |')
+  return '\n'.join(rows)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  args = parse_args(argv)
+  info = device_info()
+  if info['platform'] != 'gpu' and not (args.allow_cpu or args.smoke or args.dry_run):
+    print(f'run_gpu.py: error: JAX sees no GPU (its first device is {info["platform"]}: '
+          f'{info["device"]}); install jax with CUDA (pip install -U "jax[cuda12]"), or '
+          'pass --allow_cpu', file=sys.stderr)
+    return 2
+  out_dir = os.path.abspath(args.out_dir or os.path.join(
+      REPO, 'benchmarks', 'gpu_' + slug(info['device']) + ('_smoke' if args.smoke else '')))
+  planned = [(step, os.path.join(out_dir, step.name + '.json')) for step in args.steps]
+  if args.dry_run:
+    for step, out_file in planned:
+      print(shown(step_command(step, out_file, args.smoke)))
+    return 0
+  os.makedirs(out_dir, exist_ok=True)
+  run = {'command': shown([sys.executable, 'benchmarks/run_gpu.py'] + list(
+      sys.argv[1:] if argv is None else argv)), **info, 'smoke': args.smoke,
+         'started': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+         'steps': []}
+  for i, (step, out_file) in enumerate(planned, 1):
+    command = step_command(step, out_file, args.smoke)
+    log_path = os.path.join(out_dir, step.name + '.log')
+    print(f'[{i}/{len(planned)}] {step.name}: {shown(command)}', file=sys.stderr, flush=True)
+    record = run_step(step, command, log_path)
+    record.update(json=out_file, log=log_path)
+    record['status'] = outcome(record, out_file)
+    record['headline'] = headline(record, out_file)
+    print(f'  {record["status"]} in {record["wall_s"]} s (exit status {record["rc"]}; log: '
+          f'{log_path})', file=sys.stderr, flush=True)
+    run['steps'].append(record)
+    with open(os.path.join(out_dir, 'run_gpu.json'), 'w') as f:
+      json.dump(run, f, indent=2)
+  print(table(run['steps'], info, args.smoke))
+  failed = [r['name'] for r in run['steps'] if r['status'] == 'failed']
+  if failed:
+    print(f'run_gpu.py: {len(failed)} step(s) failed: {", ".join(failed)} (see their logs '
+          f'in {out_dir})', file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

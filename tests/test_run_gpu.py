@@ -1,0 +1,87 @@
+"""benchmarks/run_gpu.py: the commands it runs, what it writes, how it ends."""
+import importlib.util
+import json
+import os
+import shlex
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def run_gpu():
+  spec = importlib.util.spec_from_file_location(
+      'run_gpu', os.path.join(REPO, 'benchmarks', 'run_gpu.py'))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules['run_gpu'] = module  # its dataclass looks its module up there
+  try:
+    spec.loader.exec_module(module)
+    yield module
+  finally:
+    sys.modules.pop('run_gpu', None)
+
+
+def test_dry_run_prints_each_tool_of_the_readme(run_gpu, capsys):
+  assert run_gpu.main(['--dry_run', '--out_dir', '/tmp/x']) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert [shlex.split(line)[1:3] for line in lines] == [
+      ['tools/bench_soft_topk.py', '--pallas_vs_xla'], ['tools/bench_routing.py', '--out'],
+      ['-m', 'coda_jax.cli'], ['tools/bench_encoder.py', '--model'],
+      ['-m', 'coda_jax.cli'], ['tools/bench_acm.py', '--model']]
+  for line, step in zip(lines, run_gpu.STEPS):
+    words = shlex.split(line)
+    assert words[0] == 'python' and words[-2:] == ['--out', f'/tmp/x/{step.name}.json']
+    if words[1].startswith('tools/'):
+      assert os.path.isfile(os.path.join(REPO, words[1]))
+  with open(os.path.join(REPO, 'benchmarks', 'README.md')) as f:
+    readme = f.read()
+  for step in run_gpu.STEPS:  # the README's table of steps shows each full command
+    shown = shlex.join(['python'] + [a for a in step.args if a != '--no_progress'])
+    assert f'`{shown}`' in readme, shown
+
+
+def test_refuses_without_a_gpu(run_gpu, monkeypatch, capsys, tmp_path):
+  monkeypatch.setattr(run_gpu, 'device_info',
+                      lambda: {'platform': 'cpu', 'device': 'cpu', 'jax': '0'})
+  assert run_gpu.main(['--out_dir', str(tmp_path)]) == 2
+  err = capsys.readouterr().err.splitlines()
+  assert len(err) == 1 and err[0].startswith('run_gpu.py: error: JAX sees no GPU')
+  assert not list(tmp_path.iterdir())
+
+
+def test_unknown_or_repeated_steps_are_refused(run_gpu):
+  for steps in ('routing,nope', 'routing,routing', ','):
+    with pytest.raises(SystemExit) as e:
+      run_gpu.parse_args(['--steps', steps])
+    assert e.value.code == 2
+
+
+def test_a_miss_of_a_target_is_a_result_a_crash_is_a_failure(run_gpu, tmp_path):
+  out = tmp_path / 'decoding.json'
+  strict = {'rc': 1, 'command': 'python -m coda_jax.cli benchmark --strict'}
+  assert run_gpu.outcome(strict, str(out)) == 'failed'  # no JSON: it crashed
+  out.write_text(json.dumps({'checks': [{'ok': True}, {'ok': False}, {'ok': True}]}))
+  assert run_gpu.outcome(strict, str(out)) == 'targets missed'
+  assert run_gpu.outcome({'rc': 1, 'command': 'python tools/bench_acm.py'}, str(out)) == 'failed'
+  record = {'name': 'decoding_xl_boolq', 'wall_s': 290.0, 'status': 'ok'}
+  assert run_gpu.headline(record, str(out)) == (
+      '2 of 3 target lines ok; 290 s wall (under the 5-minute target)')
+
+
+def test_smoke_step_writes_its_json_the_run_record_and_the_table_row(run_gpu, tmp_path,
+                                                                     capsys):
+  """One real step (the smallest), end to end."""
+  assert run_gpu.main(['--smoke', '--steps', 'routing', '--out_dir', str(tmp_path)]) == 0
+  out = capsys.readouterr().out.splitlines()
+  run = json.loads((tmp_path / 'run_gpu.json').read_text())
+  [step] = run['steps']
+  assert step['name'] == 'routing' and step['rc'] == 0 and step['status'] == 'ok'
+  assert run['smoke'] is True and run['jax'] and run['device']
+  result = json.loads((tmp_path / 'routing.json').read_text())
+  assert result  # the tool's own JSON
+  assert (tmp_path / 'routing.log').is_file()
+  assert out[0] == '| file | device | jax | what | headline |'
+  assert out[2].startswith(f'| [{tmp_path}/routing.json]({tmp_path}/routing.json) | ')
+  assert '--smoke: toy sizes' in out[2]
