@@ -383,8 +383,22 @@ def test_benchmark_quick_run():
                 'exact_over_iterative_fwd', 'exact_over_iterative_fwd_bwd'):
       assert row[key] > 0, key
     assert row['exact_mass_ratio'] == pytest.approx(1.0, abs=1e-4)
+  assert report['targets']['exact_fwd_le_2x_iterative_fwd'] == all(
+      r['exact_over_iterative_fwd'] <= 2.0 for r in report['rows'])
+  # The layer row: measured (not skipped) at the --quick sizes, its ratios
+  # the quotients of its own times.
   layer = report['soft_topk_vs_encoder_layer']
-  assert set(layer) >= {'status'}
+  assert layer['status'] == 'ok'
+  assert (layer['batch'], layer['n'], layer['k']) == (
+      bench.LAYER_BATCH, bench.QUICK_LAYER_LENGTH, bench.QUICK_LAYER_LENGTH // 4)
+  assert layer['model'].startswith('t5_1_1 small, num_encoder_layers=1')
+  for method in st.METHODS:
+    assert 0 < layer[f'{method}_fwd_ms'] < 1e4
+    assert layer[f'{method}_over_layer'] == pytest.approx(
+        layer[f'{method}_fwd_ms'] / layer['encoder_layer_fwd_ms'], rel=0.05, abs=2e-5)
+  assert 0 < layer['encoder_layer_fwd_ms'] < 1e4
+  assert report['targets']['soft_topk_le_1pct_of_layer'] == {
+      m: layer[f'{m}_over_layer'] <= 0.01 for m in st.METHODS}
 
 
 # ------------------------------------- no device loop: the new paths = the old
