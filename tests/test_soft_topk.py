@@ -4,7 +4,10 @@ import importlib.util
 import io
 import json
 import math
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -388,7 +391,6 @@ def test_benchmark_quick_run():
   # The layer row: measured (not skipped) at the --quick sizes, its ratios
   # the quotients of its own times.
   layer = report['soft_topk_vs_encoder_layer']
-  assert layer['status'] == 'ok'
   assert (layer['batch'], layer['n'], layer['k']) == (
       bench.LAYER_BATCH, bench.QUICK_LAYER_LENGTH, bench.QUICK_LAYER_LENGTH // 4)
   assert layer['model'].startswith('t5_1_1 small, num_encoder_layers=1')
@@ -399,6 +401,32 @@ def test_benchmark_quick_run():
   assert 0 < layer['encoder_layer_fwd_ms'] < 1e4
   assert report['targets']['soft_topk_le_1pct_of_layer'] == {
       m: layer[f'{m}_over_layer'] <= 0.01 for m in st.METHODS}
+
+
+def test_benchmark_without_the_model_code_fails():
+  """A broken install of the model code is an error (exit 1), never a skip."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  script = ("import runpy, sys; sys.modules['coda_jax.network'] = None; "
+            "sys.argv = ['bench_soft_topk.py', '--quick']; "
+            "runpy.run_path('tools/bench_soft_topk.py', run_name='__main__')")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(root)] + os.environ.get('PYTHONPATH', '').split(os.pathsep)))
+  done = subprocess.run([sys.executable, '-c', script], cwd=root, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1, done.stderr
+  assert "ModuleNotFoundError: import of coda_jax.network halted" in done.stderr
+  assert 'skipped' not in done.stdout + done.stderr
+
+
+def test_benchmark_without_the_transformer_fails(monkeypatch):
+  from coda_jax import network  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).resolve().parents[1] / 'tools' / 'bench_soft_topk.py'
+  spec = importlib.util.spec_from_file_location('bench_soft_topk', path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  monkeypatch.delattr(network, 'Transformer')
+  with pytest.raises(AttributeError, match='Transformer'):
+    bench.main(['--quick', '--repeats', '1'])
 
 
 # ------------------------------------- no device loop: the new paths = the old
