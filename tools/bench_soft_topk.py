@@ -113,17 +113,16 @@ QUICK_LAYER_OVERRIDES = dict(vocab_size=512, emb_dim=64, num_heads=2,
 def bench_layer(length: int, repeats: int, seed: int = 0,
                 overrides: Optional[dict] = None) -> dict:
   """One soft top-k vs. a one-layer T5 v1.1-small `Transformer.encode`."""
-  transformer_cls = network.Transformer
-  cfg =  config_lib.t5_1_1('small', num_encoder_layers=1, num_decoder_layers=1,
-                          **(overrides or {}))
-  model = transformer_cls(config=cfg)
+  cfg = config_lib.t5_1_1('small', num_encoder_layers=1, num_decoder_layers=1,
+                         **(overrides or {}))
+  model = network.Transformer(config=cfg)
   batch = LAYER_BATCH
   k = length // K_FRACTION
   key_tok, key_init, key_s = jax.random.split(jax.random.PRNGKey(seed), 3)
   tokens = jax.random.randint(key_tok, (batch, length), 1, cfg.vocab_size)
   params = {'params': params_lib.init_params(model, key_init)}
   encode = jax.jit(lambda p, t: model.apply(p, t, enable_dropout=False,
-                                            method=transformer_cls.encode))
+                                            method=network.Transformer.encode))
   scores = jax.random.normal(key_s, (batch, length), jnp.float32)
   fns = {'encoder_layer_fwd': lambda: encode(params, tokens)}
   for method in st.METHODS:
