@@ -123,10 +123,10 @@ def coordinate_descent_jacobian(s, k, mask=None, *, epsilon, epsilon_init,
 def converged_a(s, k, mask=None, *, epsilon):
   """The multiplier a [..., 1] of the solution: Σ_real min(1, e^((s+a)/ε)) = k.
 
-  Bisection on [ε ln k - ε ln Σ e^(s/ε), -min s] (there the sum is <= k and
-  n_real > k) until no float64 lies strictly between the ends. Rows with at
-  most k real tokens have no root: a = 0 there (their λ is set by the rows
-  rule, not by a).
+  Bisection on [lo, hi] = [ε ln k - ε ln Σ e^(s/ε), -min s], where the sum is
+  <= k at lo (each term <= e^((s+lo)/ε), which sum to k) and n_real > k at hi
+  (every term 1), until no float64 lies strictly between the ends. Rows with
+  at most k real tokens have no root: a = 0 there (their λ is all ones).
   """
   s, real = _prepare(s, mask)
   open_ = real.sum(-1, keepdims=True) > k
