@@ -252,7 +252,12 @@ class CodaConfig:
   normalizer: str = 'soft_topk'
   # Soft top-k settings (App. C), handed whole to the router.
   soft_topk: SoftTopKConfig = SoftTopKConfig()
-  router_init_stddev: float = 0.02
+  # Standard deviation of the router's score vector w at initialisation. 0:
+  # every token scores 0 at the start (the soft top-k gates are all k/n) and
+  # the training signal alone decides which tokens are dropped first as k
+  # anneals; a random w makes that choice at random, and in the router
+  # ablation (benchmarks/router_ablation/) fewer seeds learned the task.
+  router_init_stddev: float = 0.0
   # Encoder layers that route (None: every encoder layer).
   routed_layers: Optional[Sequence[int]] = None
   # 'parallel', 'sequential_houlsby', 'sequential_pfeiffer', 'lora' or 'none'.

@@ -1,147 +1,184 @@
-"""The soft top-k solvers as coda_jax 0.1 wrote them: the references new paths are held to.
+"""Soft top-k from the CoDA paper's equations, in float64 NumPy: the reference
+the library's solvers are held to. Nothing here imports coda_jax.
 
-* `iterative_fori_loop`: the paper's T coordinate-descent steps in a
-  `lax.fori_loop` (a device while loop); the library now unrolls them.
-* `exact_root_search`: the converged solution by a safeguarded root search on
-  the scalar `a` in a `lax.while_loop`; the library now solves it in closed
-  form after a sort.
+The problem (CoDA, arXiv 2304.04947, eq. (10)): for scores s of n tokens,
+
+  λ* = argmax_λ  sᵀλ + ε H(λ)   s.t.  1ᵀλ = k,  λ ∈ [0, 1]ⁿ,
+  H(λ) = -Σ λ_i ln λ_i.
+
+App. C: the Lagrangian's stationary point is λ = exp((s + a + b) / ε) with a
+multiplier a ∈ ℝ for 1ᵀλ = k and b ≤ 0 for λ ≤ 1; the dual is
+
+  max_{a, b ≤ 0}  k a + 1ᵀb - ε 1ᵀexp((s + a + b) / ε)
+
+(the paper prints it without the ε factor of the last term; its updates (11)
+are the coordinate maxima of this form), and coordinate ascent on (a, b) is
+eq. (11):
+
+  a' = ε ln k - ε ln Σ_i exp((s_i + b_i) / ε),   b' = min(-s - a', 0).
+
+* `coordinate_descent`: T steps of (11) with ε-scaling (App. C.2) — the
+  paper's operator, `method='iterative'`. Step t = 1..T runs at
+  ε_t = max(ε₀ β^(t-1), ε) and λ = exp((s + a + b) / ε_{T+1}) (colt5-attention's
+  `coor_descent` convention: ε starts at ε₀ and shrinks after each step).
+* `coordinate_descent_jacobian`: ∂λ/∂s of those T steps, by differentiating
+  each update (forward mode, every input direction at once).
+* `converged`: the solution of (10) itself, `method='exact'`. At a fixed point
+  of (11), b = min(-s - a, 0), so λ = min(1, exp((s + a) / ε)) and a solves
+  Σ_i min(1, exp((s_i + a) / ε)) = k, an increasing function of a: bisection to
+  the last float64 bit.
+* `converged_vjp`: the gradient of the converged λ by the implicit function
+  theorem on the unsaturated set U = {i : 0 < λ_i < 1}:
+  ∂λ_U/∂s_U = (diag(λ_U) - λ_U λ_Uᵀ / Σ_U λ) / ε, zero elsewhere.
+* `duality_gap`: primal value of (12) minus the dual value at (a, b); zero at
+  the optimum (strong duality, App. C).
+
+Every function takes s [..., n] and an optional boolean mask [..., n] (True =
+real token). Padding is ignored and gets λ = 0; a row with at most k real
+tokens selects all of them (λ = 1 on each: the only feasible point when there
+are exactly k, the library's convention when fewer).
 """
 import math
 
-import jax
-from jax import lax
-import jax.numpy as jnp
-
-Array = jax.Array
-
-EXACT_MAX_PASSES = 64
-_PIECE_STEP = 1.0
-_PAD_SCORE = -1e30
+import numpy as np
 
 
-def iterative_fori_loop(s, real, k, eps_sched):
-  """Coordinate descent with ε-scaling in a device loop; s [..., n], real [..., n]."""
-  num_iters = len(eps_sched) - 1
-  eps = jnp.asarray(eps_sched, s.dtype)
-  log_k = math.log(k)
-
-  def step(t, carry):
-    a, b = carry
-    e = eps[t]
-    x = jnp.where(real, (s + b) / e, _PAD_SCORE)
-    a = e * log_k - e * jax.nn.logsumexp(x, axis=-1, keepdims=True)
-    b = jnp.minimum(-s - a, 0.0)
-    return a, b
-
-  a0 = jnp.zeros(s.shape[:-1] + (1,), s.dtype)
-  a, b = lax.fori_loop(0, num_iters, step, (a0, -s))
-  lam = jnp.exp((s + a + b) / eps[num_iters])
-  return jnp.where(real, lam, 0.0)
+def epsilon_schedule(num_iters, epsilon, epsilon_init, epsilon_decay):
+  """[ε_1, ..., ε_{T+1}], ε_t = max(ε₀ β^(t-1), ε)."""
+  return [max(epsilon_init * epsilon_decay ** t, epsilon)
+          for t in range(num_iters + 1)]
 
 
-def exact_root_search(s, real, k, epsilon):
-  """λ of the converged soft top-k; rows with k >= n_real are left to the caller."""
-  return _exact_forward(s, real, k, epsilon)[0]
+def _prepare(s, mask):
+  s = np.asarray(s, np.float64)
+  real = np.ones(s.shape, bool) if mask is None else np.broadcast_to(
+      np.asarray(mask, bool), s.shape)
+  return np.where(real, s, 0.0), real  # padding may be garbage: never read
 
 
-def _exact_forward(s: Array, real: Array, k: int, epsilon: float
-                   ) -> tuple[Array, Array, Array]:
-  """Converged soft top-k by a safeguarded root search on the scalar `a`.
+def _logsumexp(z, real):
+  """ln Σ_real exp(z) over the last axis, keepdims; rows with no real token: 0."""
+  z = np.where(real, z, -np.inf)
+  zmax = np.max(z, axis=-1, keepdims=True)
+  zmax = np.where(np.isfinite(zmax), zmax, 0.0)
+  total = np.sum(np.exp(z - zmax), axis=-1, keepdims=True)
+  return zmax + np.log(np.where(total > 0, total, 1.0))
 
-  F(a) = Σ_real min(1, exp((s + a) / ε)) is continuous and increasing; the
-  solution is its root F(a) = k. Each pass at a point c gives the number m of
-  saturated entries and the unsaturated mass μ = Σ_U exp((s + c)/ε), hence
 
-  * F(c) = m + μ, which moves one end of the bracket [lo, hi] to c;
-  * the root of the piece of F on which c lies (the same m saturated
-    entries): r = c + ε ln((k - m) / μ). Because m + Σ_U exp(...) >= F
-    everywhere, r <= a* always: r is a lower bound, and it is a* exactly
-    once c lies in the solution's piece;
-  * a Newton step on ln F (slope μ / (ε F)), used when inside the bracket;
-    otherwise bisection.
+def _finish(lam, real, k):
+  """λ on real tokens, 0 on padding, 1 on every real token of rows with <= k."""
+  all_selected = real.sum(-1, keepdims=True) <= k
+  return np.where(real, np.where(all_selected, 1.0, lam), 0.0)
 
-  Starts from lo = the m = 0 piece root ε ln k - ε logsumexp(s / ε) and
-  hi = -min(s) + ε ln(k / n_real) (every λ >= k / n_real). A row stops when
-  r agrees with c to 64 float ulps (then a* = r, exact to float precision)
-  or when its bracket has no float left inside; rows still open after
-  `EXACT_MAX_PASSES` passes use their best lower bound. Rows with
-  k >= n_real have no root and are left to the caller.
 
-  Returns (λ, unsaturated, passes): λ and unsaturated [..., n], and the
-  number of passes the root search took (a diagnostic).
+def _steps(s, real, k, eps_sched, b_init, jacobian):
+  """(11) with ε-scaling; with `jacobian`, also d(s + a + b)/ds [..., n, n]."""
+  if b_init not in ('colt5', 'zeros'):
+    raise ValueError(f"b_init must be 'colt5' or 'zeros', got {b_init!r}")
+  n = s.shape[-1]
+  b = -s if b_init == 'colt5' else np.zeros_like(s)
+  # Tangents: d[..., j, i] = ∂(·)_i / ∂s_j.
+  ds = np.broadcast_to(np.eye(n), s.shape[:-1] + (n, n))
+  db = -ds if b_init == 'colt5' else np.zeros_like(ds)
+  a = da = None
+  for e in eps_sched[:-1]:
+    z = (s + b) / e
+    a = e * math.log(k) - e * _logsumexp(z, real)
+    b_free = -s - a < 0.0
+    if jacobian:
+      p = np.where(real, np.exp(z - _logsumexp(z, real)), 0.0)  # softmax
+      da = -np.einsum('...ji,...i->...j', ds + db, p)[..., None]
+      db = np.where(b_free[..., None, :], -ds - da, 0.0)
+    b = np.where(b_free, -s - a, 0.0)
+  dx = ds + da + db if jacobian else None
+  return s + a + b, dx
+
+
+def coordinate_descent(s, k, mask=None, *, epsilon, epsilon_init, epsilon_decay,
+                       num_iters, b_init='colt5'):
+  """λ [..., n] after `num_iters` steps of (11) with ε-scaling.
+
+  b_init: 'colt5' starts from a = 0, b = -s (colt5-attention's start);
+  'zeros' from a = b = 0 (the paper: "can be initialized to zeros").
   """
-  dtype = s.dtype
-  tol = 64 * float(jnp.finfo(dtype).eps)
-  log_k = math.log(k)
-  n_real = jnp.sum(real.astype(dtype), axis=-1, keepdims=True)
-  s_max = jnp.max(jnp.where(real, s, -jnp.inf), axis=-1, keepdims=True)
-  s_min = jnp.min(jnp.where(real, s, jnp.inf), axis=-1, keepdims=True)
-  open_ = n_real > k  # rows that have a root
-  s_max = jnp.where(open_, s_max, 0.0)
-  s_min = jnp.where(open_, s_min, 0.0)
-  lse = jnp.log(jnp.sum(jnp.where(real, jnp.exp((s - s_max) / epsilon), 0.0),
-                        axis=-1, keepdims=True))
-  lo = -s_max + epsilon * (log_k - lse)
-  hi = -s_min + epsilon * (log_k - jnp.log(jnp.maximum(n_real, 1.0)))
-
-  def evaluate(c):
-    u = (s + c) / epsilon
-    saturated = real & (u >= 0.0)
-    m = jnp.sum(saturated.astype(dtype), axis=-1, keepdims=True)
-    mu = jnp.sum(jnp.where(real & ~saturated, jnp.exp(jnp.minimum(u, 0.0)),
-                           0.0), axis=-1, keepdims=True)
-    return m, mu
-
-  def cond(state):
-    it, _, _, _, done, _ = state
-    return (it < EXACT_MAX_PASSES) & ~jnp.all(done)
-
-  def body(state):
-    it, lo, hi, c, done, a = state
-    m, mu = evaluate(c)
-    f = m + mu
-    has_mu = mu > 0.0
-    safe_mu = jnp.where(has_mu, mu, 1.0)
-    below = f <= k
-    new_lo = jnp.where(below, jnp.maximum(lo, c), lo)
-    new_hi = jnp.where(below, hi, jnp.minimum(hi, c))
-    # Piece root: a lower bound on a*, exact on the solution's piece.
-    piece_ok = has_mu & (m < k)
-    r = c + epsilon * (jnp.log(jnp.where(piece_ok, k - m, 1.0))
-                       - jnp.log(safe_mu))
-    r = jnp.where(piece_ok, r, -jnp.inf)
-    # On the solution's piece r = c up to rounding; then a* = r exactly.
-    converged = piece_ok & (jnp.abs(r - c) <= epsilon * tol)
-    raised = r > new_lo
-    new_lo = jnp.where(raised, r, new_lo)
-    newton = c + epsilon * (log_k - jnp.log(f)) * f / safe_mu
-    newton_ok = has_mu & (newton > new_lo) & (newton < new_hi)
-    mid = 0.5 * (new_lo + new_hi)
-    nxt = jnp.where(newton_ok, newton, mid)
-    # Coming from above, the piece root is usually a* already: try it. From
-    # below, Newton on ln F overshoots r (F is convex on a piece); take r
-    # itself when it moved little, i.e. few entries can have crossed.
-    try_r = raised & (~below | (r - c <= _PIECE_STEP * epsilon))
-    nxt = jnp.where(try_r, r, nxt)
-    # A collapsed bracket (no float strictly inside) ends the row too.
-    inside = (nxt > new_lo) & (nxt < new_hi)
-    finished = converged | ~(inside | try_r)
-    new_a = jnp.where(converged, r, new_lo)
-    keep = done
-    return (it + 1,
-            jnp.where(keep, lo, new_lo),
-            jnp.where(keep, hi, new_hi),
-            jnp.where(keep, c, nxt),
-            keep | finished,
-            jnp.where(keep, a, new_a))
-
-  state = (jnp.asarray(0, jnp.int32), lo, hi, lo, ~open_, lo)
-  passes, lo, _, _, done, a = lax.while_loop(cond, body, state)
-  a = jnp.where(done, a, lo)
-  a = jnp.where(open_, a, 0.0)
-  u = (s + a) / epsilon
-  lam = jnp.where(real, jnp.exp(jnp.minimum(u, 0.0)), 0.0)
-  unsaturated = real & (u < 0.0) & open_
-  return lam, unsaturated, passes
+  s, real = _prepare(s, mask)
+  sched = epsilon_schedule(num_iters, epsilon, epsilon_init, epsilon_decay)
+  x, _ = _steps(s, real, k, sched, b_init, jacobian=False)
+  return _finish(np.exp(x / sched[-1]), real, k)
 
 
+def coordinate_descent_jacobian(s, k, mask=None, *, epsilon, epsilon_init,
+                                epsilon_decay, num_iters, b_init='colt5'):
+  """J [..., n, n], J[..., j, i] = ∂λ_i / ∂s_j of `coordinate_descent`."""
+  s, real = _prepare(s, mask)
+  sched = epsilon_schedule(num_iters, epsilon, epsilon_init, epsilon_decay)
+  x, dx = _steps(s, real, k, sched, b_init, jacobian=True)
+  lam = np.exp(x / sched[-1])
+  jac = lam[..., None, :] * dx / sched[-1]
+  keep = real[..., None, :] & real[..., :, None] & (
+      real.sum(-1, keepdims=True) > k)[..., None]
+  return np.where(keep, jac, 0.0)
+
+
+def converged_a(s, k, mask=None, *, epsilon):
+  """The multiplier a [..., 1] of the solution: Σ_real min(1, e^((s+a)/ε)) = k.
+
+  Bisection on [lo, hi] = [ε ln k - ε ln Σ e^(s/ε), -min s], where the sum is
+  <= k at lo (each term <= e^((s+lo)/ε), which sum to k) and n_real > k at hi
+  (every term 1), until no float64 lies strictly between the ends. Rows with
+  at most k real tokens have no root: a = 0 there (their λ is all ones).
+  """
+  s, real = _prepare(s, mask)
+  open_ = real.sum(-1, keepdims=True) > k
+
+  def mass(a):
+    u = np.minimum((s + a) / epsilon, 0.0)
+    return np.sum(np.where(real, np.exp(u), 0.0), axis=-1, keepdims=True)
+
+  lo = epsilon * (math.log(k) - _logsumexp(s / epsilon, real))
+  hi = -np.min(np.where(real, s, np.inf), axis=-1, keepdims=True)
+  lo, hi = np.where(open_, lo, 0.0), np.where(open_, hi, 0.0)
+  for _ in range(2200):  # > the float64 exponent range: ends always meet
+    mid = 0.5 * (lo + hi)
+    inside = (mid > lo) & (mid < hi)
+    if not inside.any():
+      break
+    below = mass(mid) <= k
+    lo = np.where(inside & below, mid, lo)
+    hi = np.where(inside & ~below, mid, hi)
+  # Of the two ends, the one whose mass is nearer k.
+  return np.where(np.abs(mass(lo) - k) <= np.abs(mass(hi) - k), lo, hi)
+
+
+def converged(s, k, mask=None, *, epsilon):
+  """λ* [..., n] of problem (10): min(1, exp((s + a) / ε)), Σ_real λ* = k."""
+  s, real = _prepare(s, mask)
+  a = converged_a(s, k, real, epsilon=epsilon)
+  return _finish(np.exp(np.minimum((s + a) / epsilon, 0.0)), real, k)
+
+
+def converged_vjp(lam, g, epsilon):
+  """gᵀ ∂λ*/∂s [..., n] from λ* (implicit function theorem on U)."""
+  lam, g = np.asarray(lam, np.float64), np.asarray(g, np.float64)
+  u = (lam > 0) & (lam < 1)
+  lu = np.where(u, lam, 0.0)
+  mass = lu.sum(-1, keepdims=True)
+  mean = np.where(mass > 0, (lu * g).sum(-1, keepdims=True)
+                  / np.where(mass > 0, mass, 1.0), 0.0)
+  return lu * (np.where(u, g, 0.0) - mean) / epsilon
+
+
+def duality_gap(s, k, lam, a, *, epsilon):
+  """[...]: value of (12) at λ minus the dual value at (a, b = min(-s - a, 0)).
+
+  (12): min_λ -sᵀλ - εH(λ) - ε1ᵀλ; dual: k a + 1ᵀb - ε 1ᵀexp((s + a + b)/ε).
+  Both >= 0 apart: zero exactly at the optimum. No mask (every token real).
+  """
+  s, lam = np.asarray(s, np.float64), np.asarray(lam, np.float64)
+  entropy = -np.sum(np.where(lam > 0, lam * np.log(np.where(lam > 0, lam, 1.0)),
+                             0.0), axis=-1)
+  primal = -np.sum(s * lam, axis=-1) - epsilon * entropy - epsilon * lam.sum(-1)
+  b = np.minimum(-s - a, 0.0)
+  dual = (k * a[..., 0] + b.sum(-1)
+          - epsilon * np.exp((s + a + b) / epsilon).sum(-1))
+  return primal - dual

@@ -39,6 +39,9 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from coda_jax import config as config_lib
+from coda_jax import network
+from coda_jax import params as params_lib
 from coda_jax import soft_topk as st
 from coda_jax.bench import report as bench_report
 from coda_jax.bench import timing
@@ -110,33 +113,23 @@ QUICK_LAYER_OVERRIDES = dict(vocab_size=512, emb_dim=64, num_heads=2,
 def bench_layer(length: int, repeats: int, seed: int = 0,
                 overrides: Optional[dict] = None) -> dict:
   """One soft top-k vs. a one-layer T5 v1.1-small `Transformer.encode`."""
-  # Imported here so that the solver rows run without the model code.
-  # pylint: disable=import-outside-toplevel
-  try:
-    from coda_jax import config as config_lib
-    from coda_jax import network
-    from coda_jax import params as params_lib
-    transformer_cls = network.Transformer
-  except (ImportError, AttributeError) as e:
-    return {'status': f'skipped: coda_jax.network.Transformer unavailable '
-                      f'({e})'}
   cfg = config_lib.t5_1_1('small', num_encoder_layers=1, num_decoder_layers=1,
-                          **(overrides or {}))
-  model = transformer_cls(config=cfg)
+                         **(overrides or {}))
+  model = network.Transformer(config=cfg)
   batch = LAYER_BATCH
   k = length // K_FRACTION
   key_tok, key_init, key_s = jax.random.split(jax.random.PRNGKey(seed), 3)
   tokens = jax.random.randint(key_tok, (batch, length), 1, cfg.vocab_size)
   params = {'params': params_lib.init_params(model, key_init)}
   encode = jax.jit(lambda p, t: model.apply(p, t, enable_dropout=False,
-                                            method=transformer_cls.encode))
+                                            method=network.Transformer.encode))
   scores = jax.random.normal(key_s, (batch, length), jnp.float32)
   fns = {'encoder_layer_fwd': lambda: encode(params, tokens)}
   for method in st.METHODS:
     fwd = jax.jit(lambda s, m=method: st.soft_topk(s, k, method=m))
     fns[f'{method}_fwd'] = lambda f=fwd: f(scores)
   ms = _median_ms(fns, repeats)
-  out = {'status': 'ok', 'batch': batch, 'n': length, 'k': k,
+  out = {'batch': batch, 'n': length, 'k': k,
          'model': ('t5_1_1 small, num_encoder_layers=1 (embedding + 1 layer '
                    '+ final norm), dtype ' + jnp.dtype(cfg.dtype).name
                    + (f', overrides {overrides}' if overrides else ''))}
@@ -247,9 +240,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
           r['exact_over_iterative_fwd_bwd'] <= 1.0 for r in rows),
   }
   layer = report['soft_topk_vs_encoder_layer']
-  if layer.get('status') == 'ok':
-    report['targets']['soft_topk_le_1pct_of_layer'] = {
-        m: layer[f'{m}_over_layer'] <= 0.01 for m in st.METHODS}
+  report['targets']['soft_topk_le_1pct_of_layer'] = {
+      m: layer[f'{m}_over_layer'] <= 0.01 for m in st.METHODS}
   return _emit(report, args.out)
 
 
