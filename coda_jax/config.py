@@ -460,13 +460,6 @@ class AcmConfig:
 # Configs as JSON (benchmark results, adapter files, run summaries).
 # ----------------------------------------------------------------------------
 
-# CodaConfig's soft top-k fields before they moved into `soft_topk` (adapter
-# files written by coda_jax 0.1 carry them flat).
-_LEGACY_SOFT_TOPK_FIELDS = {'soft_topk_method': 'method', 'epsilon': 'epsilon',
-                            'epsilon_init': 'epsilon_init',
-                            'epsilon_decay': 'epsilon_decay', 'num_iters': 'num_iters'}
-
-
 def to_dict(config: Any) -> dict:
   """A config dataclass as plain JSON values: nested configs as dicts, tuples
   as lists, the dtype by its name."""
@@ -487,12 +480,8 @@ def from_dict(cls, values: dict):
   """The inverse of `to_dict` for `T5Config`, `SoftTopKConfig`, `CodaConfig`
   or `AcmConfig`."""
   values = dict(values)
-  if cls is CodaConfig:
-    legacy = {new: values.pop(old) for old, new in _LEGACY_SOFT_TOPK_FIELDS.items()
-              if old in values}
-    soft = values.get('soft_topk')
-    if isinstance(soft, dict) or legacy:
-      values['soft_topk'] = SoftTopKConfig(**{**(soft or {}), **legacy})
+  if cls is CodaConfig and isinstance(values.get('soft_topk'), dict):
+    values['soft_topk'] = SoftTopKConfig(**values['soft_topk'])
   known = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - known)
   if unknown:

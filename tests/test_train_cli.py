@@ -22,6 +22,7 @@ from coda_jax import tasks  # pylint: disable=g-import-not-at-top
 from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
 from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
 from coda_jax.training import distributed  # pylint: disable=g-import-not-at-top
+from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
 from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top
 from coda_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
 
@@ -288,5 +289,5 @@ def test_resumed_stream_continues_where_it_stopped(byte_tasks):
     ('gs://bucket/ckpt', "X = 'gs://bucket/ckpt'"), ('2024-01-01_run', "X = '2024-01-01_run'"),
 ])
 def test_override_values(value, line):
-  assert train_cli._binding_line('X', value) == line
-  assert train_cli.split_gin_overrides([f'--gin.X={value}', '--other'])[0] == [('X', value)]
+  assert gin_utils.binding_line('X', value) == line
+  assert gin_utils.split_gin_overrides([f'--gin.X={value}', '--other'])[0] == [('X', value)]

@@ -246,6 +246,7 @@ def test_schedule_errors_name_the_problem():
 def test_rungs_macro_reaches_the_schedule(tmp_path, capsys):
   pytest.importorskip('seqio')
   from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
   quickstart = os.path.join(REPO, 'gin_configs', 'runs', 'quickstart.gin')
   # A value the ladder cannot have: one line naming the macro, exit status 2,
   # before anything is built or written.
@@ -261,7 +262,7 @@ def test_rungs_macro_reaches_the_schedule(tmp_path, capsys):
     assert not model_dir.exists()
   # 5 rungs over the quickstart's 400 annealing steps: 100 steps each, at the
   # ramp's 45, 39, 33, 27 in their middles.
-  train_cli.parse_gin([quickstart], [('MODEL_DIR', repr(str(tmp_path / 'run'))),
+  gin_utils.parse_gin([quickstart], [('MODEL_DIR', repr(str(tmp_path / 'run'))),
                                      ('K_ANNEAL_MAX_RUNGS', '5'), ('BATCH_SIZE', '2')])
   summary = train_cli.check_config()
   assert [tuple(r) for r in summary['k_ladder']] == [
