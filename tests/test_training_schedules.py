@@ -93,8 +93,8 @@ def test_fixed_k_for_every_k():
       assert CodaConfig(reduction_factor=3.0, num_routed_tokens=k).num_selected(n) == k
   # More than n tokens: every token.
   assert CodaConfig(num_routed_tokens=9).num_selected(8) == 8
-  with pytest.raises(ValueError, match=r'num_routed_tokens must be None or an int >= 1, '
-                     r'got 0'):
+  with pytest.raises(ValueError, match=r'CodaConfig.num_routed_tokens must be a positive '
+                     r'integer, got 0'):
     CodaConfig(num_routed_tokens=0)
 
 
@@ -234,7 +234,8 @@ def test_schedule_errors_name_the_problem():
     schedules.create_learning_rate_scheduler('constant * linear_warmup')
   with pytest.raises(ValueError, match='need total_steps'):
     schedules.create_learning_rate_scheduler('constant * cosine_decay')
-  with pytest.raises(ValueError, match='cosine schedule needs total_steps >= 1, got None'):
+  with pytest.raises(ValueError, match="the cosine schedule's total_steps must be a positive "
+                     'integer, got None'):
     schedules.cosine(1e-2)
 
 
