@@ -291,3 +291,17 @@ def test_resumed_stream_continues_where_it_stopped(byte_tasks):
 def test_override_values(value, line):
   assert gin_utils.binding_line('X', value) == line
   assert gin_utils.split_gin_overrides([f'--gin.X={value}', '--other'])[0] == [('X', value)]
+
+
+@pytest.mark.parametrize('args,message', [
+    (('/tmp/run', 2, 0), 'CHECKPOINT_PERIOD (checkpoint_period) must be a positive integer, '
+     'got 0'),
+    (('/tmp/run', 2, 2.5), 'CHECKPOINT_PERIOD (checkpoint_period) must be a positive integer, '
+     'got 2.5'),
+    (('/tmp/run', 2, 100, -1), 'acm_usage_batches must be >= 0, got -1'),
+    (('', 2, 100), 'MODEL_DIR must be set'),
+])
+def test_train_options_are_checked_before_anything_is_built(args, message):
+  with pytest.raises(train_lib.ConfigError) as error:
+    train_lib.check_options(*args)
+  assert error.value.message == message

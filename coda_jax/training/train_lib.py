@@ -226,7 +226,7 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
 
 
 def check_options(model_dir: Optional[str], k_anneal_max_rungs: int,
-                  checkpoint_period: int) -> None:
+                  checkpoint_period: int, acm_usage_batches: int = 0) -> None:
   """The options of `train` that `setup` does not see."""
   if not model_dir:
     raise ConfigError('MODEL_DIR must be set')
@@ -239,6 +239,8 @@ def check_options(model_dir: Optional[str], k_anneal_max_rungs: int,
   except ValueError as e:
     raise ConfigError(str(e)) from e
   positive_int(checkpoint_period, 'CHECKPOINT_PERIOD (checkpoint_period)', ConfigError)
+  if acm_usage_batches < 0:
+    raise ConfigError(f'acm_usage_batches must be >= 0, got {acm_usage_batches}')
 
 
 def check_shared_model_dir(model_dir: str) -> None:
@@ -607,9 +609,7 @@ def train(*,
   """
   global _TRAIN_CALLS
   _TRAIN_CALLS += 1
-  check_options(model_dir, k_anneal_max_rungs, checkpoint_period)
-  if acm_usage_batches < 0:
-    raise ConfigError(f'acm_usage_batches must be >= 0, got {acm_usage_batches}')
+  check_options(model_dir, k_anneal_max_rungs, checkpoint_period, acm_usage_batches)
   run = setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps, mesh_shape,
               logical_axis_rules, learning_rate_fn, optimizer_fn, trainable_params,
               k_anneal_fraction, k_anneal_max_rungs, z_loss, vocabulary, register_tasks,
