@@ -41,6 +41,7 @@ from coda_jax.config import (ADAPTER_AXIS, ADAPTER_TYPES, DEFAULT_ADAPTER_ACTIVA
                              DEFAULT_ADAPTER_DIM, DEFAULT_ADAPTER_SCALE, LORA, NO_ADAPTER,
                              PARALLEL, SEQUENTIAL_HOULSBY, SEQUENTIAL_PFEIFFER,
                              check_adapter_type)
+from coda_jax.validation import positive_int
 
 Array = jax.Array
 DType = Any
@@ -89,9 +90,7 @@ class Adapter(nn.Module):
   up_init: Initializer = nn.initializers.zeros
 
   def __post_init__(self):
-    if int(self.adapter_dim) != self.adapter_dim or self.adapter_dim < 1:
-      raise ValueError(f'Adapter.adapter_dim must be a positive integer, '
-                       f'got {self.adapter_dim!r}')
+    positive_int(self.adapter_dim, 'Adapter.adapter_dim')
     get_adapter_activation(self.activation)
     super().__post_init__()
 

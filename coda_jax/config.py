@@ -14,11 +14,12 @@ import dataclasses
 import difflib
 import math
 import numbers
-import operator
 from typing import Any, Optional, Sequence, Tuple
 
 import gin
 import jax.numpy as jnp
+
+from coda_jax.validation import is_int, positive_int
 
 
 @gin.configurable
@@ -55,8 +56,7 @@ class T5Config:
     for name in ('vocab_size', 'emb_dim', 'num_heads', 'head_dim', 'mlp_dim',
                  'relative_attention_num_buckets',
                  'relative_attention_max_distance'):
-      if int(getattr(self, name)) < 1:
-        raise ValueError(f'T5Config.{name} must be >= 1, got {getattr(self, name)}')
+      positive_int(getattr(self, name), f'T5Config.{name}')
     for name in ('num_encoder_layers', 'num_decoder_layers'):
       if int(getattr(self, name)) < 0:
         raise ValueError(f'T5Config.{name} must be >= 0, got {getattr(self, name)}')
@@ -178,16 +178,6 @@ def coda_k(n: int, reduction_factor: float) -> int:
   return math.ceil(int(n) / reduction_factor)
 
 
-def _is_int(value) -> bool:
-  if isinstance(value, bool):
-    return False
-  try:
-    operator.index(value)
-  except TypeError:
-    return False
-  return True
-
-
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class SoftTopKConfig:
@@ -225,9 +215,7 @@ class SoftTopKConfig:
     if not 0 < self.epsilon_decay <= 1:
       raise ValueError(f'SoftTopKConfig.epsilon_decay must be in (0, 1], '
                        f'got {self.epsilon_decay}')
-    if not _is_int(self.num_iters) or self.num_iters < 1:
-      raise ValueError(f'SoftTopKConfig.num_iters must be an int >= 1, '
-                       f'got {self.num_iters!r}')
+    positive_int(self.num_iters, 'SoftTopKConfig.num_iters')
     for name in ('epsilon', 'epsilon_init', 'epsilon_decay'):
       object.__setattr__(self, name, float(getattr(self, name)))
     object.__setattr__(self, 'num_iters', int(self.num_iters))
@@ -288,14 +276,11 @@ class CodaConfig:
       raise ValueError(f'CodaConfig.soft_topk must be a SoftTopKConfig, '
                        f'got {type(self.soft_topk).__name__}')
     check_adapter_type(self.adapter)
-    k = self.num_routed_tokens
-    if k is not None and (not _is_int(k) or k < 1):
-      raise ValueError(f'CodaConfig.num_routed_tokens must be None or an int >= 1, '
-                       f'got {k!r}')
-    if self.adapter_dim < 1:
-      raise ValueError(f'CodaConfig.adapter_dim must be >= 1, got {self.adapter_dim}')
-    if self.adapter == LORA and self.lora_rank < 1:
-      raise ValueError(f'CodaConfig.lora_rank must be >= 1 for LoRA, got {self.lora_rank}')
+    if self.num_routed_tokens is not None:
+      positive_int(self.num_routed_tokens, 'CodaConfig.num_routed_tokens')
+    positive_int(self.adapter_dim, 'CodaConfig.adapter_dim')
+    if self.adapter == LORA:
+      positive_int(self.lora_rank, 'CodaConfig.lora_rank')
     if self.routed_layers is not None:
       object.__setattr__(self, 'routed_layers', tuple(int(i) for i in self.routed_layers))
 
@@ -401,8 +386,7 @@ class AcmConfig:
   attention_rank_fraction: float = 1.0
 
   def __post_init__(self):
-    if not _is_int(self.num_learners) or self.num_learners < 1:
-      raise ValueError(f'AcmConfig.num_learners must be an int >= 1, got {self.num_learners!r}')
+    positive_int(self.num_learners, 'AcmConfig.num_learners')
     if isinstance(self.modules, str):
       raise ValueError(f'AcmConfig.modules must be a sequence of module names from '
                        f'{ACM_MODULES}, e.g. {(self.modules,)!r}, not the string '
@@ -419,14 +403,12 @@ class AcmConfig:
         raise ValueError(f'AcmConfig.{name} must be one of {choices}, '
                          f'got {getattr(self, name)!r}')
     k = self.force_learners
-    if k is not None and (not _is_int(k) or not 0 <= k <= self.num_learners):
+    if k is not None and (not is_int(k) or not 0 <= k <= self.num_learners):
       raise ValueError(f'AcmConfig.force_learners must be None or an int in '
                        f'[0, {self.num_learners}], got {k!r}')
     if not 0.0 <= self.budget <= 1.0:
       raise ValueError(f'AcmConfig.budget must be in [0, 1], got {self.budget}')
-    for name in ('gate_dim',):
-      if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-        raise ValueError(f'AcmConfig.{name} must be an int >= 1, got {getattr(self, name)!r}')
+    positive_int(self.gate_dim, 'AcmConfig.gate_dim')
     for name in ('gumbel_temperature', 'label_error_factor', 'capacity_factor'):
       if not getattr(self, name) > 0:
         raise ValueError(f'AcmConfig.{name} must be > 0, got {getattr(self, name)}')
@@ -465,13 +447,6 @@ class AcmConfig:
 # Configs as JSON (benchmark results, adapter files, run summaries).
 # ----------------------------------------------------------------------------
 
-# CodaConfig's soft top-k fields before they moved into `soft_topk` (adapter
-# files written by coda_jax 0.1 carry them flat).
-_LEGACY_SOFT_TOPK_FIELDS = {'soft_topk_method': 'method', 'epsilon': 'epsilon',
-                            'epsilon_init': 'epsilon_init',
-                            'epsilon_decay': 'epsilon_decay', 'num_iters': 'num_iters'}
-
-
 def to_dict(config: Any) -> dict:
   """A config dataclass as plain JSON values: nested configs as dicts, tuples
   as lists, the dtype by its name."""
@@ -492,12 +467,8 @@ def from_dict(cls, values: dict):
   """The inverse of `to_dict` for `T5Config`, `SoftTopKConfig`, `CodaConfig`
   or `AcmConfig`."""
   values = dict(values)
-  if cls is CodaConfig:
-    legacy = {new: values.pop(old) for old, new in _LEGACY_SOFT_TOPK_FIELDS.items()
-              if old in values}
-    soft = values.get('soft_topk')
-    if isinstance(soft, dict) or legacy:
-      values['soft_topk'] = SoftTopKConfig(**{**(soft or {}), **legacy})
+  if cls is CodaConfig and isinstance(values.get('soft_topk'), dict):
+    values['soft_topk'] = SoftTopKConfig(**values['soft_topk'])
   known = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - known)
   if unknown:

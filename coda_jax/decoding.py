@@ -9,12 +9,14 @@ then search. Decoding starts from token 0 (T5's decoder start) and stops at EOS.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import flax
 import jax
 from jax import lax
 import jax.numpy as jnp
+
+from coda_jax.validation import positive_int
 
 Array = jax.Array
 Cache = Any
@@ -122,6 +124,89 @@ def expand_to_beams(tree: Any, num_beams: int) -> Any:
   return jax.tree_util.tree_map(expand, tree)
 
 
+class _Beams(NamedTuple):
+  """Beam search's loop state after step `i`. Sequences hold rows 0..length,
+  row 0 the decoder start token; `live_*` are the k best hypotheses that have
+  not ended, `finished_*` the k best that have (flags False on empty slots)."""
+  i: Array                # [] int32
+  live_seqs: Array        # [batch, k, length + 1]
+  live_logprobs: Array    # [batch, k]
+  finished_seqs: Array    # [batch, k, length + 1]
+  finished_scores: Array  # [batch, k] log-prob / brevity_penalty
+  finished_flags: Array   # [batch, k]
+  cache: Cache
+
+
+def _initial_beams(cache: Cache, b: int, k: int, length: int,
+                   decoder_start_id: int) -> _Beams:
+  """One live hypothesis per example (the decoder start; the other k - 1
+  beams at -inf), nothing finished."""
+  live_seqs = jnp.full((b, k, length + 1), decoder_start_id, jnp.int32)
+  return _Beams(
+      i=jnp.array(0, jnp.int32), live_seqs=live_seqs.at[:, :, 1:].set(0),
+      live_logprobs=jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1)),
+      finished_seqs=jnp.zeros((b, k, length + 1), jnp.int32),
+      finished_scores=jnp.full((b, k), NEG_INF, jnp.float32),
+      finished_flags=jnp.zeros((b, k), jnp.bool_), cache=cache)
+
+
+def _merge_finished(beams: _Beams, top_seqs: Array, top_logprobs: Array, is_eos: Array,
+                    alpha: float) -> Tuple[Array, Array, Array]:
+  """The k best of the finished set and the step's 2k candidates
+  (`top_seqs [b, 2k, length + 1]`, best first) that ended; as in HF's beam
+  search, only a candidate ranked within the best k may end (so one beam is
+  greedy). Returns the new `finished_seqs`, `finished_scores`, `finished_flags`."""
+  k = beams.finished_flags.shape[1]
+  ends = is_eos & (jnp.arange(2 * k) < k)[None, :]
+  ended_scores = jnp.where(ends, top_logprobs / brevity_penalty(alpha, beams.i + 1), NEG_INF)
+  all_seqs = jnp.concatenate([beams.finished_seqs, top_seqs], axis=1)
+  all_scores = jnp.concatenate([beams.finished_scores, ended_scores], axis=1)
+  all_flags = jnp.concatenate([beams.finished_flags, ends], axis=1)
+  scores, best = lax.top_k(jnp.where(all_flags, all_scores, NEG_INF * 2), k)
+  return (jnp.take_along_axis(all_seqs, best[..., None], axis=1), scores,
+          jnp.take_along_axis(all_flags, best, axis=1))
+
+
+def _beam_step(beams: _Beams, tokens_to_logits: TokensToLogits, alpha: float,
+               eos_id: int) -> _Beams:
+  """Step `i`: every live beam's 2k best one-token extensions; the k best that
+  did not end stay live (their cache rows follow them), those that ended
+  merge into the finished set."""
+  b, k, _ = beams.live_seqs.shape
+  i = beams.i
+  tokens = lax.dynamic_slice_in_dim(beams.live_seqs, i, 1, axis=2).reshape(b * k, 1)
+  logits, cache = tokens_to_logits(tokens, beams.cache)
+  vocab = logits.shape[-1]
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, vocab)
+  candidates = (beams.live_logprobs[..., None] + log_probs).reshape(b, k * vocab)
+  top_logprobs, top_idx = lax.top_k(candidates, 2 * k)
+  top_beam = top_idx // vocab
+  top_token = (top_idx % vocab).astype(jnp.int32)
+  top_seqs = jnp.take_along_axis(beams.live_seqs, top_beam[..., None], axis=1)
+  top_seqs = lax.dynamic_update_slice(top_seqs, top_token[..., None], (0, 0, i + 1))
+  is_eos = top_token == eos_id
+  # Keep the best k candidates that did not end.
+  live_logprobs, keep = lax.top_k(jnp.where(is_eos, NEG_INF, top_logprobs), k)
+  cache = _gather_beams(cache, jnp.take_along_axis(top_beam, keep, axis=1), b, k, k)
+  finished = _merge_finished(beams, top_seqs, top_logprobs, is_eos, alpha)
+  return _Beams(i + 1, jnp.take_along_axis(top_seqs, keep[..., None], axis=1),
+                live_logprobs, *finished, cache)
+
+
+def _ranked_hypotheses(beams: _Beams, min_penalty: float) -> Tuple[Array, Array]:
+  """The finished hypotheses best first (an example with none: its live
+  beams, scored with the longest length's penalty), without row 0."""
+  live_scores = beams.live_logprobs / min_penalty
+  any_finished = jnp.any(beams.finished_flags, axis=1)
+  seqs = jnp.where(any_finished[:, None, None], beams.finished_seqs, beams.live_seqs)
+  scores = jnp.where(any_finished[:, None],
+                     jnp.where(beams.finished_flags, beams.finished_scores, NEG_INF),
+                     live_scores)
+  order = jnp.argsort(-scores, axis=1)
+  return (jnp.take_along_axis(seqs, order[..., None], axis=1)[:, :, 1:],
+          jnp.take_along_axis(scores, order, axis=1))
+
+
 def beam_search(cache: Cache,
                 tokens_to_logits: TokensToLogits,
                 *,
@@ -143,72 +228,21 @@ def beam_search(cache: Cache,
     `sequences [batch, num_beams, max_decode_len]` best first (0 after EOS) and
     their scores `[batch, num_beams]`.
   """
-  if num_beams < 1:
-    raise ValueError(f'num_beams must be >= 1, got {num_beams}')
-  b, k, length = batch_size, num_beams, max_decode_len
-  # Row 0 is the decoder start token; rows 1..length hold the output.
-  live_seqs = jnp.full((b, k, length + 1), decoder_start_id, jnp.int32)
-  live_seqs = live_seqs.at[:, :, 1:].set(0)
-  live_logprobs = jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1))
-  finished_seqs = jnp.zeros((b, k, length + 1), jnp.int32)
-  finished_scores = jnp.full((b, k), NEG_INF, jnp.float32)
-  finished_flags = jnp.zeros((b, k), jnp.bool_)
+  k = positive_int(num_beams, 'num_beams')
+  length = max_decode_len
   min_penalty = brevity_penalty(alpha, length)
 
-  def cond(state):
-    i, live_seqs, live_logprobs, finished_seqs, finished_scores, finished_flags, _ = state
-    best_live = jnp.max(live_logprobs, axis=1) / min_penalty
-    worst_finished = jnp.where(jnp.all(finished_flags, axis=1),
-                               jnp.min(finished_scores, axis=1), NEG_INF)
-    done = jnp.all(worst_finished > best_live)
-    return (i < length) & ~done
+  def searching(beams: _Beams) -> Array:
+    # Stop once no live beam can beat the worst of k finished hypotheses.
+    best_live = jnp.max(beams.live_logprobs, axis=1) / min_penalty
+    worst_finished = jnp.where(jnp.all(beams.finished_flags, axis=1),
+                               jnp.min(beams.finished_scores, axis=1), NEG_INF)
+    return (beams.i < length) & ~jnp.all(worst_finished > best_live)
 
-  def body(state):
-    i, live_seqs, live_logprobs, finished_seqs, finished_scores, finished_flags, cache = state
-    tokens = lax.dynamic_slice_in_dim(live_seqs, i, 1, axis=2).reshape(b * k, 1)
-    logits, cache = tokens_to_logits(tokens, cache)
-    vocab = logits.shape[-1]
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, vocab)
-    candidates = (live_logprobs[..., None] + log_probs).reshape(b, k * vocab)
-    top_logprobs, top_idx = lax.top_k(candidates, 2 * k)
-    top_beam = top_idx // vocab
-    top_token = (top_idx % vocab).astype(jnp.int32)
-    top_seqs = jnp.take_along_axis(live_seqs, top_beam[..., None], axis=1)
-    top_seqs = lax.dynamic_update_slice(
-        top_seqs, top_token[..., None], (0, 0, i + 1))
-    is_eos = top_token == eos_id
-    # Keep the best k candidates that did not end.
-    alive_scores = jnp.where(is_eos, NEG_INF, top_logprobs)
-    new_live_logprobs, keep = lax.top_k(alive_scores, k)
-    new_live_seqs = jnp.take_along_axis(top_seqs, keep[..., None], axis=1)
-    cache = _gather_beams(cache, jnp.take_along_axis(top_beam, keep, axis=1), b, k, k)
-    # Merge the candidates that ended into the finished set; as in HF's beam
-    # search, only those ranked within the best k (so one beam is greedy).
-    ends = is_eos & (jnp.arange(2 * k) < k)[None, :]
-    ended_scores = jnp.where(ends, top_logprobs / brevity_penalty(alpha, i + 1), NEG_INF)
-    all_seqs = jnp.concatenate([finished_seqs, top_seqs], axis=1)
-    all_scores = jnp.concatenate([finished_scores, ended_scores], axis=1)
-    all_flags = jnp.concatenate([finished_flags, ends], axis=1)
-    finished_scores, best = lax.top_k(jnp.where(all_flags, all_scores, NEG_INF * 2), k)
-    finished_seqs = jnp.take_along_axis(all_seqs, best[..., None], axis=1)
-    finished_flags = jnp.take_along_axis(all_flags, best, axis=1)
-    return (i + 1, new_live_seqs, new_live_logprobs, finished_seqs, finished_scores,
-            finished_flags, cache)
-
-  state = (jnp.array(0, jnp.int32), live_seqs, live_logprobs, finished_seqs,
-           finished_scores, finished_flags, cache)
-  _, live_seqs, live_logprobs, finished_seqs, finished_scores, finished_flags, _ = (
-      lax.while_loop(cond, body, state))
-  # Examples with no finished hypothesis fall back to their live beams.
-  live_scores = live_logprobs / min_penalty
-  any_finished = jnp.any(finished_flags, axis=1)
-  seqs = jnp.where(any_finished[:, None, None], finished_seqs, live_seqs)
-  scores = jnp.where(any_finished[:, None],
-                     jnp.where(finished_flags, finished_scores, NEG_INF), live_scores)
-  order = jnp.argsort(-scores, axis=1)
-  seqs = jnp.take_along_axis(seqs, order[..., None], axis=1)[:, :, 1:]
-  scores = jnp.take_along_axis(scores, order, axis=1)
-  return seqs, scores
+  beams = lax.while_loop(
+      searching, lambda beams: _beam_step(beams, tokens_to_logits, alpha, eos_id),
+      _initial_beams(cache, batch_size, k, length, decoder_start_id))
+  return _ranked_hypotheses(beams, min_penalty)
 
 
 def sequence_score(log_prob: Array, sequences: Array, alpha: float,

@@ -26,11 +26,11 @@ With r = 1 (k = n) both CoDA variants cost the parallel adapter plus the router.
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any, Dict, Optional, Sequence
 
 from coda_jax.config import (ATTENTION_VARIANTS, DEFAULT_ADAPTER_DIM, AcmConfig, T5Config,
                              coda_k)
+from coda_jax.validation import positive_int
 
 DENSE = 'dense'
 PARALLEL_ADAPTER = 'parallel_adapter'
@@ -42,12 +42,6 @@ VARIANT_OF_ATTENTION = dict(zip(ATTENTION_VARIANTS, (CODA_K_TO_ALL, CODA_K_TO_K)
 
 ENCODER_COMPONENTS = ('q_proj', 'k_proj', 'v_proj', 'logits', 'attn_v', 'out_proj',
                       'mlp', 'adapter', 'router')
-
-
-def _check_positive_int(name: str, value) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-    raise ValueError(f'{name} must be a positive integer, got {value!r}')
-  return int(value)
 
 
 def _attention_mlp_macs(config: T5Config, q: int, s: int, kv_proj_tokens: int
@@ -89,11 +83,11 @@ def encoder_layer_macs(config: T5Config, n: int, *, variant: str = DENSE,
   """
   if variant not in VARIANTS:
     raise ValueError(f'unknown variant {variant!r}; expected one of {VARIANTS}')
-  n = _check_positive_int('n', n)
+  n = positive_int(n, 'n')
   k = coda_k(n, reduction_factor)
   if num_routed_tokens is not None:
-    k = min(n, _check_positive_int('num_routed_tokens', num_routed_tokens))
-  adapter_dim = _check_positive_int('adapter_dim', adapter_dim)
+    k = min(n, positive_int(num_routed_tokens, 'num_routed_tokens'))
+  adapter_dim = positive_int(adapter_dim, 'adapter_dim')
   if variant in (DENSE, PARALLEL_ADAPTER) and reduction_factor != 1:
     raise ValueError(f'variant {variant!r} processes every token; reduction_factor '
                      f'must be 1, got {reduction_factor!r}')
@@ -163,9 +157,9 @@ def decoder_step_macs(config: T5Config, encoder_length: int, prefix_length: int 
     Per-layer components summed over the decoder layers ('self_*', 'cross_*',
     'mlp', 'adapter'), 'logits_dense' (d·vocab) and 'total'.
   """
-  encoder_length = _check_positive_int('encoder_length', encoder_length)
-  prefix_length = _check_positive_int('prefix_length', prefix_length)
-  adapter_dim = _check_positive_int('adapter_dim', adapter_dim)
+  encoder_length = positive_int(encoder_length, 'encoder_length')
+  prefix_length = positive_int(prefix_length, 'prefix_length')
+  adapter_dim = positive_int(adapter_dim, 'adapter_dim')
   d, layers = config.emb_dim, config.num_decoder_layers
   self_att = _attention_mlp_macs(config, q=1, s=prefix_length, kv_proj_tokens=1)
   cross = _attention_mlp_macs(config, q=1, s=encoder_length,
@@ -182,7 +176,7 @@ def decoder_step_macs(config: T5Config, encoder_length: int, prefix_length: int 
 
 def cross_kv_macs(config: T5Config, encoder_length: int) -> int:
   """MACs of the cross-attention key/value projections of all decoder layers."""
-  encoder_length = _check_positive_int('encoder_length', encoder_length)
+  encoder_length = positive_int(encoder_length, 'encoder_length')
   return (config.num_decoder_layers * 2 * encoder_length * config.emb_dim *
           config.kv_heads * config.head_dim)
 
@@ -203,7 +197,7 @@ def end_to_end_macs(config: T5Config, n_in: int, n_out: int, *, variant: str,
     key/value projection of the encoder output (0 when not cached, as it is
     then part of every decoder step).
   """
-  n_out = _check_positive_int('n_out', n_out)
+  n_out = positive_int(n_out, 'n_out')
   decoder_adapters = variant != DENSE
   decoder = sum(
       decoder_step_macs(config, n_in, t, adapter_dim=adapter_dim,
@@ -228,7 +222,7 @@ def end_to_end_speedup_bound(config: T5Config, n_in: int, n_out: int,
   cross-attention key/value projections on `num_beams` rows per example, the
   encoder on one, so more beams bring the bound closer to 1.
   """
-  num_beams = _check_positive_int('num_beams', num_beams)
+  num_beams = positive_int(num_beams, 'num_beams')
 
   def total(macs):
     return macs['encoder'] + num_beams * (macs['cross_kv'] + macs['decoder'])
@@ -262,8 +256,8 @@ def teacher_forced_decoder_macs(config: T5Config, n_in: int, n_out: int, *,
   scoring): causal self-attention over the n_out positions (the full n_out x
   n_out logits, as they are computed), cross-attention over `n_in` encoder
   tokens (their key/value projections included), the MLPs and the logits."""
-  n_in = _check_positive_int('n_in', n_in)
-  n_out = _check_positive_int('n_out', n_out)
+  n_in = positive_int(n_in, 'n_in')
+  n_out = positive_int(n_out, 'n_out')
   d = config.emb_dim
   self_att = _attention_mlp_macs(config, q=n_out, s=n_out, kv_proj_tokens=n_out)
   cross = _attention_mlp_macs(config, q=n_out, s=n_in, kv_proj_tokens=n_in)
@@ -332,7 +326,7 @@ def acm_encoder_layer_macs(config: T5Config, n: int, learners_used: float,
   modules = tuple(modules)
   acm = AcmConfig(num_learners=num_learners, modules=modules, gate_dim=gate_dim,
                   attention_rank_fraction=attention_rank_fraction)
-  n = _check_positive_int('n', n)
+  n = positive_int(n, 'n')
   d, h, g, dh = config.emb_dim, config.num_heads, config.kv_heads, config.head_dim
   macs = _attention_mlp_macs(config, q=n, s=n, kv_proj_tokens=n)
   gate = 0

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax.config import LORA_AXIS
+from coda_jax.validation import positive_int
 
 Array = jax.Array
 DType = Any
@@ -72,9 +73,7 @@ def get_activation(name: Union[str, Callable]) -> Callable:
 
 def lora_scaling(rank: int, alpha: float) -> float:
   """LoRA's output multiplier `alpha / rank` (Hu et al. 2021, §4.1)."""
-  if int(rank) != rank or rank < 1:
-    raise ValueError(f'LoRA rank must be a positive integer, got {rank!r}')
-  return float(alpha) / int(rank)
+  return float(alpha) / positive_int(rank, 'LoRA rank')
 
 
 KV_LAYOUTS = ('bskd', 'heads_major')
@@ -599,6 +598,11 @@ class RelativePositionBiases(nn.Module):
     return jnp.take(by_distance, jnp.clip(relative, -m, m) + m, axis=1)[None]
 
 
+def real_token_mask(tokens: Array) -> Array:
+  """`[..., length]` token ids -> bool, True at real tokens (id 0 is padding)."""
+  return tokens > 0
+
+
 def make_attention_mask(query_input: Array, key_input: Array,
                         pairwise_fn: Callable = jnp.multiply,
                         dtype: DType = jnp.float32) -> Array:
@@ -625,9 +629,9 @@ def make_decoder_mask(decoder_target_tokens: Array,
                       dtype: DType = jnp.float32,
                       decoder_segment_ids: Optional[Array] = None) -> Array:
   """Causal mask over real (non-zero) targets, within segments."""
+  real = real_token_mask(decoder_target_tokens)
   masks = [make_causal_mask(decoder_target_tokens, dtype),
-           make_attention_mask(decoder_target_tokens > 0, decoder_target_tokens > 0,
-                               dtype=dtype)]
+           make_attention_mask(real, real, dtype=dtype)]
   if decoder_segment_ids is not None:
     masks.append(make_attention_mask(decoder_segment_ids, decoder_segment_ids,
                                      jnp.equal, dtype=dtype))

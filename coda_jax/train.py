@@ -48,13 +48,6 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 from coda_jax import quiet
 from coda_jax.training import gin_utils
 
-# The gin helpers' names from before they moved to `training.gin_utils`, for
-# callers of `coda_jax.train.<name>`.
-GinError = gin_utils.GinError
-parse_gin = gin_utils.parse_gin
-split_gin_overrides = gin_utils.split_gin_overrides
-_binding_line = gin_utils.binding_line
-
 
 # A run stopped by a preemption notice (SIGTERM), after its checkpoint: the
 # status of a process ended by SIGTERM, so schedulers see it as terminated.

@@ -18,6 +18,7 @@ import optax
 
 from coda_jax import params as params_lib
 from coda_jax.config import DEFAULT_ADAPTER_DIM, T5Config
+from coda_jax.validation import positive_int
 
 PyTree = Any
 Mask = Union[PyTree, Callable[[PyTree], PyTree]]
@@ -116,8 +117,7 @@ def coda_trainable_params(config: T5Config, adapter_dim: int = DEFAULT_ADAPTER_D
   Returns:
     {'adapters', 'routers', 'layer_norms', 'total'}.
   """
-  if int(adapter_dim) != adapter_dim or adapter_dim < 1:
-    raise ValueError(f'adapter_dim must be a positive integer, got {adapter_dim!r}')
+  adapter_dim = positive_int(adapter_dim, 'adapter_dim')
   d = config.emb_dim
   enc, dec = config.num_encoder_layers, config.num_decoder_layers
   adapter_layers = enc + (dec if decoder_adapters else 0)

@@ -115,9 +115,9 @@ def test_open_training_streams_are_closed_at_exit():
     (['--budgets', '0.5,half'], r"--budgets: 'half' is not a number"),
     (['--budgets', '0.25,0.25'], r'--budgets: budget 0.25 is given twice'),
     (['--budgets', ','], r'--budgets: names no budget'),
-    (['--gate_steps', '0'], r'--gate_steps: must be >= 1, got 0'),
+    (['--gate_steps', '0'], r'--gate_steps: must be a positive integer, got 0'),
     (['--dense_steps', 'many'], r"--dense_steps: 'many' is not an integer"),
-    (['--eval_examples', '-3'], r'--eval_examples: must be >= 1, got -3'),
+    (['--eval_examples', '-3'], r'--eval_examples: must be a positive integer, got -3'),
 ])
 def test_bad_flags_stop_before_any_work(argv, message, tmp_path, capsys):
   work = tmp_path / 'work'

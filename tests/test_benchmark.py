@@ -278,7 +278,7 @@ BAD_FLAGS = [
      'argument --reduction_factors: reduction factor 3.0 is given twice'),
     (['--attention', 'k_to_none'], "argument --attention: 'k_to_none' is not one of"),
     (['--tasks', 'boolq,glue'], "argument --tasks: 'glue' is not one of"),
-    (['--repeats', '0'], 'argument --repeats: must be >= 1, got 0'),
+    (['--repeats', '0'], 'argument --repeats: must be a positive integer, got 0'),
     (['--batch_size', 'four'], "argument --batch_size: 'four' is not an integer"),
     (['--dtype', 'float8'], "argument --dtype: invalid choice: 'float8'"),
     (['--input_length', '64'], '--input_length and --output_length go together'),

@@ -64,6 +64,7 @@ def reference(work: str) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   from coda_jax import checkpoints  # pylint: disable=g-import-not-at-top
   from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
   from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top
 
   def train(argv):
@@ -71,7 +72,7 @@ def reference(work: str) -> dict:
     train_cli.add_arguments(parser)
     args, rest = parser.parse_known_args(argv)
     assert not rest, rest
-    train_cli.parse_gin(args.gin_file, args.gin_overrides)
+    gin_utils.parse_gin(args.gin_file, args.gin_overrides)
     return train_lib.train(progress_bar=False)
 
   report = {'devices': jax.device_count(), 'processes': jax.process_count()}

@@ -116,7 +116,7 @@ def test_gin_presets_build_the_t5x_sizes():
 def test_config_errors_name_the_field():
   with pytest.raises(ValueError, match='num_kv_heads must divide num_heads=6, got 4'):
     t5_1_1('small', num_kv_heads=4)
-  with pytest.raises(ValueError, match='emb_dim must be >= 1'):
+  with pytest.raises(ValueError, match='T5Config.emb_dim must be a positive integer'):
     T5Config(emb_dim=0)
   with pytest.raises(ValueError, match="unknown T5 v1.1 size 'huge'"):
     t5_1_1('huge')

@@ -139,7 +139,7 @@ def test_writes_a_bar_chart(ablation):
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['--steps', '0'], r'--steps: must be >= 1, got 0'),
+    (['--steps', '0'], r'--steps: must be a positive integer, got 0'),
     (['--seeds', 'two'], r"--seeds: 'two' is not an integer"),
     (['--routers', 'soft_topk,top2'], r"--routers: 'top2' is not one of \['soft_topk', "
      r"'sigmoid', 'truncation'\]"),

@@ -33,6 +33,7 @@ import gin  # pylint: disable=g-import-not-at-top
 from coda_jax import tasks  # pylint: disable=g-import-not-at-top
 from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
 from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
+from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(REPO, 'gin_configs', 'runs')
@@ -70,7 +71,7 @@ def _required(tmp_path):
 def _check_config(gin_file, tmp_path, bindings=(), **macros):
   overrides = _required(tmp_path) + [('BATCH_SIZE', '2'), ('ACTIVATION_DTYPE', "'float32'")]
   overrides += list(macros.items())
-  train_cli.parse_gin([gin_file], overrides,
+  gin_utils.parse_gin([gin_file], overrides,
                       TEST_VOCABULARY + UNSHUFFLED + TINY_MODEL + list(bindings))
   return train_cli.check_config()
 
@@ -85,7 +86,7 @@ def test_finetune_file_holds_table8_settings(name, tmp_path):
   from coda_jax import network  # pylint: disable=g-import-not-at-top
   from coda_jax.training import optimizer  # pylint: disable=g-import-not-at-top
   task, n, m = FINETUNE[name]
-  train_cli.parse_gin([os.path.join(RUNS, f'finetune_{name}.gin')], _required(tmp_path))
+  gin_utils.parse_gin([os.path.join(RUNS, f'finetune_{name}.gin')], _required(tmp_path))
   q = gin.query_parameter
   assert q('%MIXTURE_OR_TASK_NAME') == task
   assert q('%TASK_FEATURE_LENGTHS') == {'inputs': n, 'targets': m}
@@ -144,7 +145,7 @@ def test_pretrain_file_builds_span_corruption_on_c4(mocked_tfds, tmp_path):
 
 def test_size_adapter_and_router_are_macros(tmp_path):
   from coda_jax import network  # pylint: disable=g-import-not-at-top
-  train_cli.parse_gin([os.path.join(RUNS, 'finetune_rte.gin')],
+  gin_utils.parse_gin([os.path.join(RUNS, 'finetune_rte.gin')],
                       _required(tmp_path) + [
                           ('MODEL_SIZE', "'large'"), ('REDUCTION_FACTOR', '5'),
                           ('ATTENTION', "'k_to_k'"), ('ROUTER', "'sigmoid'"),

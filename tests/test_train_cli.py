@@ -22,6 +22,7 @@ from coda_jax import tasks  # pylint: disable=g-import-not-at-top
 from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
 from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
 from coda_jax.training import distributed  # pylint: disable=g-import-not-at-top
+from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
 from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top
 from coda_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
 
@@ -288,5 +289,19 @@ def test_resumed_stream_continues_where_it_stopped(byte_tasks):
     ('gs://bucket/ckpt', "X = 'gs://bucket/ckpt'"), ('2024-01-01_run', "X = '2024-01-01_run'"),
 ])
 def test_override_values(value, line):
-  assert train_cli._binding_line('X', value) == line
-  assert train_cli.split_gin_overrides([f'--gin.X={value}', '--other'])[0] == [('X', value)]
+  assert gin_utils.binding_line('X', value) == line
+  assert gin_utils.split_gin_overrides([f'--gin.X={value}', '--other'])[0] == [('X', value)]
+
+
+@pytest.mark.parametrize('args,message', [
+    (('/tmp/run', 2, 0), 'CHECKPOINT_PERIOD (checkpoint_period) must be a positive integer, '
+     'got 0'),
+    (('/tmp/run', 2, 2.5), 'CHECKPOINT_PERIOD (checkpoint_period) must be a positive integer, '
+     'got 2.5'),
+    (('/tmp/run', 2, 100, -1), 'acm_usage_batches must be >= 0, got -1'),
+    (('', 2, 100), 'MODEL_DIR must be set'),
+])
+def test_train_options_are_checked_before_anything_is_built(args, message):
+  with pytest.raises(train_lib.ConfigError) as error:
+    train_lib.check_options(*args)
+  assert error.value.message == message

@@ -51,6 +51,7 @@ def run_scenarios(work: str) -> dict:
   from coda_jax import network  # pylint: disable=g-import-not-at-top
   from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
   from coda_jax import trainable  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
   from coda_jax.training import schedules  # pylint: disable=g-import-not-at-top
   from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top
   import gin  # pylint: disable=g-import-not-at-top
@@ -65,10 +66,10 @@ def run_scenarios(work: str) -> dict:
                  ('LEARNING_RATE', '0.05'), ('K_ANNEAL_FRACTION', '0.3'),
                  ('K_ANNEAL_MAX_RUNGS', '3')]
     overrides += [(k, v) for k, v in extra.items()]
-    train_cli.parse_gin([QUICKSTART], overrides)
+    gin_utils.parse_gin([QUICKSTART], overrides)
 
   # A "pretrained" T5 v1.1 of the quickstart shape, as a T5X checkpoint.
-  train_cli.parse_gin([QUICKSTART], [('MODEL_DIR', "'unused'")])
+  gin_utils.parse_gin([QUICKSTART], [('MODEL_DIR', "'unused'")])
   t5_config = gin.get_configurable(network.Transformer)().config
   t5 = network.Transformer(t5_config)
   ones = jnp.ones((1, 8), jnp.int32)

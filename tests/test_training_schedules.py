@@ -93,8 +93,8 @@ def test_fixed_k_for_every_k():
       assert CodaConfig(reduction_factor=3.0, num_routed_tokens=k).num_selected(n) == k
   # More than n tokens: every token.
   assert CodaConfig(num_routed_tokens=9).num_selected(8) == 8
-  with pytest.raises(ValueError, match=r'num_routed_tokens must be None or an int >= 1, '
-                     r'got 0'):
+  with pytest.raises(ValueError, match=r'CodaConfig.num_routed_tokens must be a positive '
+                     r'integer, got 0'):
     CodaConfig(num_routed_tokens=0)
 
 
@@ -234,7 +234,8 @@ def test_schedule_errors_name_the_problem():
     schedules.create_learning_rate_scheduler('constant * linear_warmup')
   with pytest.raises(ValueError, match='need total_steps'):
     schedules.create_learning_rate_scheduler('constant * cosine_decay')
-  with pytest.raises(ValueError, match='cosine schedule needs total_steps >= 1, got None'):
+  with pytest.raises(ValueError, match="the cosine schedule's total_steps must be a positive "
+                     'integer, got None'):
     schedules.cosine(1e-2)
 
 
@@ -246,6 +247,7 @@ def test_schedule_errors_name_the_problem():
 def test_rungs_macro_reaches_the_schedule(tmp_path, capsys):
   pytest.importorskip('seqio')
   from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
   quickstart = os.path.join(REPO, 'gin_configs', 'runs', 'quickstart.gin')
   # A value the ladder cannot have: one line naming the macro, exit status 2,
   # before anything is built or written.
@@ -261,7 +263,7 @@ def test_rungs_macro_reaches_the_schedule(tmp_path, capsys):
     assert not model_dir.exists()
   # 5 rungs over the quickstart's 400 annealing steps: 100 steps each, at the
   # ramp's 45, 39, 33, 27 in their middles.
-  train_cli.parse_gin([quickstart], [('MODEL_DIR', repr(str(tmp_path / 'run'))),
+  gin_utils.parse_gin([quickstart], [('MODEL_DIR', repr(str(tmp_path / 'run'))),
                                      ('K_ANNEAL_MAX_RUNGS', '5'), ('BATCH_SIZE', '2')])
   summary = train_cli.check_config()
   assert [tuple(r) for r in summary['k_ladder']] == [

@@ -10,6 +10,8 @@ import math
 import os
 from typing import Callable, List, Sequence
 
+from coda_jax.validation import positive_int
+
 
 def items(text: str) -> List[str]:
   """'a, b,,c' -> ['a', 'b', 'c']."""
@@ -79,9 +81,7 @@ def at_least_one(text: str) -> int:
     value = int(text)
   except ValueError:
     raise argparse.ArgumentTypeError(f'{text!r} is not an integer') from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f'must be >= 1, got {value}')
-  return value
+  return positive_int(value, error=argparse.ArgumentTypeError)
 
 
 def one_of_each(choices: Sequence[str], empty_ok: bool) -> Callable[[str], List[str]]:

@@ -29,6 +29,8 @@ import gin
 import jax.numpy as jnp
 import optax
 
+from coda_jax.validation import positive_int
+
 Schedule = Callable[[jnp.ndarray], jnp.ndarray]
 
 FACTORS = ('constant', 'linear_warmup', 'rsqrt_decay', 'rsqrt_normalized_decay',
@@ -101,9 +103,8 @@ def rsqrt(learning_rate: float = 1.0, warmup_steps: int = 10000) -> Schedule:
 def cosine(learning_rate: float = 1e-2, total_steps: Optional[int] = None,
            warmup_steps: int = 0, end_value: float = 0.0) -> Schedule:
   """Linear warmup to `learning_rate`, then cosine decay to `end_value`."""
-  if total_steps is None or int(total_steps) < 1:
-    raise ValueError(f'cosine schedule needs total_steps >= 1, got {total_steps!r}')
+  total_steps = positive_int(total_steps, "the cosine schedule's total_steps")
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0 if warmup_steps > 0 else learning_rate, peak_value=learning_rate,
-      warmup_steps=int(warmup_steps), decay_steps=max(int(total_steps), int(warmup_steps) + 1),
+      warmup_steps=int(warmup_steps), decay_steps=max(total_steps, int(warmup_steps) + 1),
       end_value=end_value)

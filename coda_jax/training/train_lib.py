@@ -53,6 +53,7 @@ from coda_jax.training import metrics as metrics_lib
 from coda_jax.training import optimizer as optimizer_lib
 from coda_jax.training import schedules
 from coda_jax.training import trainer as trainer_lib
+from coda_jax.validation import positive_int
 
 CHECKPOINT_SUBDIR = 'checkpoints'
 ADAPTERS_SUBDIR = 'adapters'
@@ -114,8 +115,7 @@ def check_run(model, train_dataset_cfg, total_steps: int, trainable_params: str
   if model is None:
     raise ConfigError('no model configured (bind train.model, e.g. '
                       '@network.Transformer())')
-  if not isinstance(total_steps, int) or total_steps < 1:
-    raise ConfigError(f'TRAIN_STEPS must be a positive integer, got {total_steps!r}')
+  positive_int(total_steps, 'TRAIN_STEPS', ConfigError)
   train_cfg = _check_dataset_cfg(train_dataset_cfg, 'train dataset')
   lengths = data_lib.check_lengths(train_cfg.task_feature_lengths)
   if train_cfg.pack and model.routes_tokens:
@@ -227,7 +227,7 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
 
 
 def check_options(model_dir: Optional[str], k_anneal_max_rungs: int,
-                  checkpoint_period: int) -> None:
+                  checkpoint_period: int, acm_usage_batches: int = 0) -> None:
   """The options of `train` that `setup` does not see."""
   if not model_dir:
     raise ConfigError('MODEL_DIR must be set')
@@ -239,8 +239,9 @@ def check_options(model_dir: Optional[str], k_anneal_max_rungs: int,
     k_annealing.check_max_rungs(k_anneal_max_rungs, 'K_ANNEAL_MAX_RUNGS (k_anneal_max_rungs)')
   except ValueError as e:
     raise ConfigError(str(e)) from e
-  if checkpoint_period < 1:
-    raise ConfigError(f'checkpoint_period must be >= 1, got {checkpoint_period}')
+  positive_int(checkpoint_period, 'CHECKPOINT_PERIOD (checkpoint_period)', ConfigError)
+  if acm_usage_batches < 0:
+    raise ConfigError(f'acm_usage_batches must be >= 0, got {acm_usage_batches}')
 
 
 def check_shared_model_dir(model_dir: str) -> None:
@@ -609,9 +610,7 @@ def train(*,
   """
   global _TRAIN_CALLS
   _TRAIN_CALLS += 1
-  check_options(model_dir, k_anneal_max_rungs, checkpoint_period)
-  if acm_usage_batches < 0:
-    raise ConfigError(f'acm_usage_batches must be >= 0, got {acm_usage_batches}')
+  check_options(model_dir, k_anneal_max_rungs, checkpoint_period, acm_usage_batches)
   run = setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps, mesh_shape,
               logical_axis_rules, learning_rate_fn, optimizer_fn, trainable_params,
               k_anneal_fraction, k_anneal_max_rungs, z_loss, vocabulary, register_tasks,
