@@ -289,7 +289,7 @@ class Encoder(nn.Module):
     rel_emb = _relative_embedding(cfg)
     x = self.shared_embedding(encoder_input_tokens.astype('int32'))
     x = _dropout(cfg)(x, deterministic=deterministic).astype(cfg.dtype)
-    input_mask = encoder_input_tokens > 0
+    input_mask = layers.real_token_mask(encoder_input_tokens)
     for lyr in range(cfg.num_encoder_layers):
       routed = self.coda is not None and self.coda.is_routed(lyr, cfg.num_encoder_layers)
       x = EncoderLayer(config=cfg, relative_embedding=rel_emb, coda=self.coda,
@@ -380,7 +380,8 @@ class Transformer(nn.Module):
     """`[batch, length]` tokens (0 = padding) -> `[batch, length, emb]`."""
     cfg = self.config
     tokens = encoder_input_tokens.astype(jnp.int32)
-    encoder_mask = layers.make_attention_mask(tokens > 0, tokens > 0, dtype=cfg.dtype)
+    real = layers.real_token_mask(tokens)
+    encoder_mask = layers.make_attention_mask(real, real, dtype=cfg.dtype)
     if encoder_segment_ids is not None:
       if self.routes_tokens:
         raise ValueError(f'{PACKED_INPUTS_MESSAGE}; got encoder_segment_ids')
@@ -409,15 +410,17 @@ class Transformer(nn.Module):
     encoder_input_tokens = encoder_input_tokens.astype(jnp.int32)
     decoder_input_tokens = decoder_input_tokens.astype(jnp.int32)
     decoder_target_tokens = decoder_target_tokens.astype(jnp.int32)
+    encoder_real = layers.real_token_mask(encoder_input_tokens)
+    target_real = layers.real_token_mask(decoder_target_tokens)
     if decode:
       decoder_mask = None
       encoder_decoder_mask = layers.make_attention_mask(
-          jnp.ones_like(decoder_target_tokens), encoder_input_tokens > 0, dtype=cfg.dtype)
+          jnp.ones_like(decoder_target_tokens), encoder_real, dtype=cfg.dtype)
     else:
       decoder_mask = layers.make_decoder_mask(
           decoder_target_tokens, dtype=cfg.dtype, decoder_segment_ids=decoder_segment_ids)
-      encoder_decoder_mask = layers.make_attention_mask(
-          decoder_target_tokens > 0, encoder_input_tokens > 0, dtype=cfg.dtype)
+      encoder_decoder_mask = layers.make_attention_mask(target_real, encoder_real,
+                                                        dtype=cfg.dtype)
     if encoder_segment_ids is not None:
       if decode:
         raise ValueError('packed inputs (encoder_segment_ids) cannot be used while '
@@ -429,8 +432,8 @@ class Transformer(nn.Module):
           dtype=cfg.dtype)
     return self.decoder(encoded, decoder_input_tokens, decoder_mask, encoder_decoder_mask,
                         deterministic=not enable_dropout, decode=decode,
-                        token_mask=None if decode else decoder_target_tokens > 0,
-                        encoder_token_mask=encoder_input_tokens > 0)
+                        token_mask=None if decode else target_real,
+                        encoder_token_mask=encoder_real)
 
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
                decoder_target_tokens: Array,

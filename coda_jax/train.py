@@ -57,12 +57,7 @@ PREEMPTED_EXIT_CODE = 143
 def add_gin_arguments(parser: argparse.ArgumentParser) -> None:
   """The gin and multi-process flags (train, infer, eval) on `parser`, which
   also collects `--gin.NAME=VALUE` overrides into `gin_overrides`."""
-  parser.add_argument('--gin_file', action='append', default=[],
-                      help='gin file (repeatable)')
-  parser.add_argument('--gin_bindings', action='append', default=[],
-                      help='raw gin binding (repeatable)')
-  parser.add_argument('--gin_search_paths', default='',
-                      help='comma-separated directories to look for gin files in')
+  gin_utils.add_gin_file_arguments(parser)
   parser.add_argument('--multiprocess', default='auto', choices=('auto', 'on', 'off'),
                       help='call jax.distributed.initialize() (auto: when launched '
                       'as several processes)')

@@ -16,7 +16,7 @@ operands by name only, so shapes are read from the operands' definitions.
 from __future__ import annotations
 
 import re
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 _HLO_INSTR = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$')
 _HLO_COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$')
@@ -147,11 +147,33 @@ def scatters(hlo_text: str) -> List[HloOp]:
   return find_ops(hlo_text, 'scatter')
 
 
-def _callees(text: str) -> List[str]:
-  out = _HLO_CALLEES.findall(text)
+def _callees(text: str, to_apply: bool = True) -> List[str]:
+  out = [c for c in _HLO_CALLEES.findall(text)
+         if to_apply or not re.search(r'to_apply=%?' + re.escape(c) + r'\b', text)]
   for group in _HLO_BRANCHES.findall(text):
     out += [c.strip().lstrip('%') for c in group.split(',') if c.strip()]
   return out
+
+
+def reachable(instructions: Mapping[str, str], computations: Mapping[str, List[str]],
+              roots: Sequence[str], into: Callable[[str], bool] = lambda text: True,
+              to_apply: bool = True) -> List[str]:
+  """The computations reached from `roots` (theirs included, in visiting
+  order) through calls, loop bodies and conditions, branches and, with
+  `to_apply`, reductions' computations; not through an instruction for whose
+  text `into` is False (e.g. fusions, to stay at the top level)."""
+  seen: List[str] = []
+  stack = list(roots)
+  while stack:
+    comp = stack.pop()
+    if comp in seen or comp not in computations:
+      continue
+    seen.append(comp)
+    for inst in computations[comp]:
+      text = instructions[inst]
+      if into(text):
+        stack.extend(_callees(text, to_apply))
+  return seen
 
 
 CROSS_KV_OP = r'encoder_decoder_attention.*/(key|value)/'
@@ -166,16 +188,9 @@ def loop_dots(hlo_text: str, op_name_pattern: str = CROSS_KV_OP) -> int:
   the decoding loop.
   """
   instructions, computations = parse_hlo(hlo_text)
-  seen: set = set()
-  stack = [m.group(1) for text in instructions.values()
-           for m in [re.search(r'\bwhile\(.*\bbody=%?([\w.\-]+)', text)] if m]
-  while stack:
-    comp = stack.pop()
-    if comp in seen or comp not in computations:
-      continue
-    seen.add(comp)
-    for inst in computations[comp]:
-      stack.extend(_callees(instructions[inst]))
+  seen = reachable(instructions, computations,
+                   [m.group(1) for text in instructions.values()
+                    for m in [re.search(r'\bwhile\(.*\bbody=%?([\w.\-]+)', text)] if m])
   pattern = re.compile(op_name_pattern)
   count = 0
   for comp in seen:

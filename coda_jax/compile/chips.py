@@ -18,6 +18,8 @@ import math
 import re
 from typing import Dict, Optional, Tuple
 
+from coda_jax import validation
+
 GIB = 1024 ** 3
 
 
@@ -175,8 +177,7 @@ def parse_pod(name: str, num_slices: int = 1) -> Pod:
     TopologyError: a name that is not one, naming what is known.
   """
   text = str(name).strip().lower()
-  if not isinstance(num_slices, int) or isinstance(num_slices, bool) or num_slices < 1:
-    raise TopologyError(f'--num_slices must be a positive integer, got {num_slices!r}')
+  validation.positive_int(num_slices, '--num_slices', TopologyError)
   pod = _parse(name, text, num_slices)
   if pod.num_slices > 1 and pod.chips < 4:
     raise TopologyError(f'--num_slices={num_slices}: Multislice joins slices of 4 chips or '

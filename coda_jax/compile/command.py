@@ -68,11 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument('--jobs', type=flags.at_least_one, default=default_jobs(),
                       help='programs compiled at the same time (default: the cores this '
                       'process may use, %(default)s here)')
-  parser.add_argument('--gin_file', action='append', default=[], help='gin file (repeatable)')
-  parser.add_argument('--gin_bindings', action='append', default=[],
-                      help='raw gin binding (repeatable)')
-  parser.add_argument('--gin_search_paths', default='',
-                      help='comma-separated directories to look for gin files in')
+  from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
+  gin_utils.add_gin_file_arguments(parser)
   parser.epilog = ('Any number of --gin.NAME=VALUE overrides, as for coda-jax train '
                    '(e.g. --gin.MODEL_SIZE="\'xl\'" --gin.MESH_SHAPE="(4, 4)").')
 

@@ -280,21 +280,9 @@ def _top_level(hlo_text: str, instructions: Mapping[str, str],
   entry = next((m.group(1) for m in re.finditer(r'^ENTRY %?([\w.\-]+)', hlo_text, re.M)), None)
   if entry is None:
     return []
-  seen, stack = [], [entry]
-  while stack:
-    comp = stack.pop()
-    if comp in seen or comp not in computations:
-      continue
-    seen.append(comp)
-    for inst in computations[comp]:
-      text = instructions[inst]
-      if hlo_lib.opcode(text) == 'fusion':
-        continue
-      stack.extend(re.findall(r'(?:body|condition|true_computation|false_computation|'
-                              r'calls)=%?([\w.\-]+)', text))
-      for group in re.findall(r'branch_computations=\{([^}]*)\}', text):
-        stack.extend(c.strip().lstrip('%') for c in group.split(','))
-  return seen
+  return hlo_lib.reachable(instructions, computations, [entry],
+                           into=lambda text: hlo_lib.opcode(text) != 'fusion',
+                           to_apply=False)
 
 
 def count_loops(hlo_text: str) -> int:

@@ -379,3 +379,14 @@ def _plain(value: Any) -> bool:
   if isinstance(value, dict):
     return all(isinstance(k, str) and _plain(v) for k, v in value.items())
   return False
+
+
+def add_gin_file_arguments(parser) -> None:
+  """--gin_file, --gin_bindings and --gin_search_paths on an argparse
+  `parser` (every gin-configured command takes them, t5x's names)."""
+  parser.add_argument('--gin_file', action='append', default=[],
+                      help='gin file (repeatable)')
+  parser.add_argument('--gin_bindings', action='append', default=[],
+                      help='raw gin binding (repeatable)')
+  parser.add_argument('--gin_search_paths', default='',
+                      help='comma-separated directories to look for gin files in')
