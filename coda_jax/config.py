@@ -384,7 +384,8 @@ class AcmConfig:
   # static capacity of them: real savings).
   inference: str = 'masked'
   # 'gather' capacity of learner n: ceil(tokens * min(1, capacity_factor * u_n))
-  # with u_n = learner_usage[n] (measured fractions) or the budget β.
+  # with u_n = learner_usage[n], the fraction of tokens that ran learner n as
+  # a trained run measured it (`capacities`; 'gather' needs it).
   capacity_factor: float = 1.25
   learner_usage: Optional[Sequence[float]] = None
   # 'attention': the total rank R of a projection's N learners (each has
@@ -449,9 +450,29 @@ class AcmConfig:
     per_learner = max(1, math.ceil(full * self.attention_rank_fraction / self.num_learners))
     return per_learner * self.num_learners
 
-  def capacities(self, tokens: int) -> Tuple[int, ...]:
-    """'gather' inference: how many of `tokens` each learner runs on."""
-    usage = self.learner_usage or (self.budget,) * self.num_learners
+  def capacities(self, tokens: int, budget_only: bool = False) -> Tuple[int, ...]:
+    """'gather' inference: how many of `tokens` each learner runs on,
+    C_n = min(tokens, max(1, ceil(tokens · min(1, capacity_factor · u_n)))).
+
+    u_n is `learner_usage`, the fraction of tokens that ran learner n, P(k >= n),
+    as a trained run recorded it. Without it this refuses: the budget alone
+    (u_n = β for every n) is far below what learner 1 needs (most tokens run
+    it), and a token beyond learner 1's capacity gets no output from the
+    module; `budget_only=True` asks for those capacities by name.
+
+    Raises:
+      ValueError: no `learner_usage` and not `budget_only`.
+    """
+    if budget_only:
+      usage = (self.budget,) * self.num_learners
+    elif self.learner_usage is None:
+      raise ValueError(
+          "AcmConfig.capacities needs learner_usage (P(k >= n) of each learner, which "
+          "a fine-tuning run records in run_config.json's acm_config.learner_usage); "
+          'none is set: give the run\'s learner_usage, or budget_only=True for '
+          'capacities from the budget alone')
+    else:
+      usage = self.learner_usage
     return tuple(min(tokens, max(1, math.ceil(tokens * min(1.0, self.capacity_factor * u))))
                  for u in usage)
 

@@ -183,7 +183,8 @@ def acm_task():
   config = models.make_config('tiny', jnp.float32)
   params, _ = models.coda_params(config, CodaConfig(), seed=0)
   template = AcmConfig(num_learners=4, inference='gather', capacity_factor=1.0)
-  acm_params, info = models.acm_params(config, template, seed=0)
+  acm_params, info = models.acm_params(
+      config, dataclasses.replace(template, inference='masked'), seed=0)
   with timing.CompileCounter() as counter:
     task = decoding_latency.benchmark_task(
         config, params, task='custom', input_length=N_IN, output_length=N_OUT,
@@ -216,7 +217,7 @@ def test_acm_rows_next_to_the_dense_model(acm_task):
     assert row['acm']['decoder_step_capacities'] == [math.ceil(budget * BATCH)] * 4
     assert row['acm']['encoder_ffn_fraction'] == budget
     bounds = flops.acm_decoding_speedup_bounds(config, dataclasses.replace(
-        template, budget=budget), N_IN, N_OUT, BATCH)
+        template, budget=budget, learner_usage=(budget,) * 4), N_IN, N_OUT, BATCH)
     assert row['flop_bound'] == {t: bounds[t] for t in decoding_latency.TIMED}
     for t in decoding_latency.TIMED:
       assert len(row['times_s'][t]) == 2 and min(row['times_s'][t]) > 0
@@ -234,7 +235,8 @@ def test_acm_rows_next_to_the_dense_model(acm_task):
 def test_acm_decoder_is_the_models_own():
   """An ACM row's end to end is its encoder then its decoder: what predict_batch gives."""
   config = models.make_config('tiny', jnp.float32)
-  template = AcmConfig(num_learners=4, inference='gather', capacity_factor=1.0)
+  template = AcmConfig(num_learners=4, inference='gather', capacity_factor=1.0,
+                       learner_usage=(0.9, 0.6, 0.4, 0.1))
   params, _ = models.acm_params(config, template, seed=2)
   model = models.acm_model(config, template, 0.5)
   tokens = models.random_tokens(BATCH, N_IN, config.vocab_size, seed=2)
@@ -252,7 +254,7 @@ def test_acm_flop_bounds_by_hand():
   N = 2 learners, gate width 2 (4·2 + 2·2 + 2·3 = 18 MACs a token), β = 0.5,
   batch 2: capacities ceil(0.5 · 12) = 6 and ceil(0.5 · 2) = 1, half the FFN work."""
   acm = AcmConfig(num_learners=2, gate_dim=2, budget=0.5, capacity_factor=1.0,
-                  inference='gather')
+                  inference='gather', learner_usage=(0.5, 0.5))
   bounds = flops.acm_decoding_speedup_bounds(FLOP_CONFIG, acm, 6, 2, batch_size=2)
   assert bounds['encoder_ffn_fraction'] == bounds['decoder_ffn_fraction'] == 0.5
   encoder = 2 * (1224 - 180 + 6 * 18)            # 2304
@@ -309,7 +311,7 @@ def test_acm_rows_from_the_command_line(tmp_path, capsys):
 
 def test_acm_params_from_a_checkpoint_keep_its_leaves():
   config = models.make_config('tiny', jnp.bfloat16)
-  template = AcmConfig(num_learners=4, inference='gather')
+  template = AcmConfig(num_learners=4)
   dense = network.Transformer(config)
   pretrained = jax.tree_util.tree_map(
       lambda x: np.asarray(x, np.float32),

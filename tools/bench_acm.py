@@ -52,7 +52,7 @@ def main(argv=None) -> dict:
   for b in budgets:
     acm_models[f'gather_b{b:g}'] = Transformer(config, acm=AcmConfig(
         num_learners=args.num_learners, decoder=False, budget=b, inference='gather',
-        capacity_factor=1.0))
+        capacity_factor=1.0, learner_usage=(b,) * args.num_learners))
   rng = jax.random.PRNGKey(0)
   acm_params = models.random_params(acm_models['masked'], rng)
   dense_params = models.restrict_params(acm_params, dense)

@@ -195,7 +195,8 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
     if acm_budgets:
       dense = network.Transformer(config)
       acm_entries.append((DENSE, dense, models.restrict_params(acm_params, dense), None))
-      acm_entries += [(models.acm_name(b), models.acm_model(config, acm_template, b),
+      acm_entries += [(models.acm_name(b), models.acm_model(config, dataclasses.replace(
+          acm_template, learner_usage=(float(b),) * acm_template.num_learners), b),
                        acm_params, float(b)) for b in acm_budgets]
     acm_compiled = {}
     for name, model, p, _ in acm_entries:
@@ -470,7 +471,8 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
     if args.acm_budgets:
       acm_template = AcmConfig(num_learners=args.acm_learners, inference='gather',
                                capacity_factor=args.acm_capacity_factor)
-      acm_params, acm_info = models.acm_params(config, acm_template, pretrained, args.seed)
+      acm_params, acm_info = models.acm_params(
+          config, dataclasses.replace(acm_template, inference='masked'), pretrained, args.seed)
     del pretrained
     if args.checkpoint:
       params_info['checkpoint'] = args.checkpoint
