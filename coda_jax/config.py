@@ -477,6 +477,40 @@ class AcmConfig:
                  for u in usage)
 
 
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class AcmInferenceConfig:
+  """How `coda-jax infer` / `eval` run a trained ACM, over the `AcmConfig` its
+  run recorded (``run_config.json``); None keeps the run's value.
+
+  ``gin_configs/runs/infer.gin`` (and ``eval.gin``) bind it from the macros
+  ACM_INFERENCE and ACM_CAPACITY_FACTOR, e.g. ``--gin.ACM_INFERENCE="'gather'"``.
+  """
+  # 'masked' (every learner on every token: exact, the trainer's evaluation)
+  # or 'gather' (learner n only on the tokens that chose k >= n, at most the
+  # capacity the run's recorded learner usage gives: `AcmConfig.capacities`).
+  inference: Optional[str] = None
+  capacity_factor: Optional[float] = None
+
+  def __post_init__(self):
+    if self.inference is not None and self.inference not in ACM_INFERENCE:
+      raise ValueError(f'ACM_INFERENCE must be None or one of {ACM_INFERENCE}, '
+                       f'got {self.inference!r}')
+    factor = self.capacity_factor
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
+                               or not factor > 0):
+      raise ValueError(f'ACM_CAPACITY_FACTOR must be None or a number > 0, got {factor!r}')
+
+  def changes(self) -> dict:
+    """The `AcmConfig` fields this sets (those not None)."""
+    return {name: getattr(self, name) for name in ('inference', 'capacity_factor')
+            if getattr(self, name) is not None}
+
+  def apply(self, acm: AcmConfig) -> AcmConfig:
+    """`acm` with the fields this sets replaced."""
+    return dataclasses.replace(acm, **self.changes())
+
+
 # ----------------------------------------------------------------------------
 # Configs as JSON (benchmark results, adapter files, run summaries).
 # ----------------------------------------------------------------------------

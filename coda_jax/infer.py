@@ -18,6 +18,10 @@ task, its lengths and vocabulary and the mesh; ``runs/infer.gin`` or
   INPUT_FILE        None: the task's split (INFER_SPLIT / EVAL_SPLIT); else a text
                     file (one model input a line) or JSONL ({"inputs": .., "targets": ..})
   DECODING          'greedy' or 'beam' (NUM_BEAMS, BEAM_ALPHA: t5x's length penalty)
+  ACM_INFERENCE     a trained ACM's learners: None (as its run recorded: 'masked'),
+                    'masked' or 'gather' (learner n only on the tokens that chose
+                    k >= n, capacities from the run's recorded learner usage);
+                    ACM_CAPACITY_FACTOR (None: the run's) scales those capacities
   INFER_OUTPUT_DIR / EVAL_OUTPUT_DIR   None: CHECKPOINT_PATH's ``MODEL_DIR/infer`` or
                     ``/eval``
 
@@ -73,8 +77,44 @@ class LoadedModel:
   source: Dict[str, Any]
 
 
-def _trained_model(path: str, step: Optional[int]) -> LoadedModel:
-  """A trained MODEL_DIR's model at `step` (None: the newest)."""
+# The infer.gin / eval.gin macro of each `config.AcmInferenceConfig` field.
+ACM_MACROS = {'inference': 'ACM_INFERENCE', 'capacity_factor': 'ACM_CAPACITY_FACTOR'}
+
+
+def acm_config(recorded: Optional[Dict[str, Any]],
+               overrides: Optional[config_lib.AcmInferenceConfig],
+               path: str) -> Optional[config_lib.AcmConfig]:
+  """The `AcmConfig` a trained run recorded (``run_config.json``'s
+  ``acm_config``; None: not an ACM run) with `overrides` (ACM_INFERENCE,
+  ACM_CAPACITY_FACTOR) applied.
+
+  Raises:
+    train_lib.ConfigError: overrides for a run that has no ACM; 'gather'
+      inference of a run that recorded no learner usage.
+  """
+  changes = overrides.changes() if overrides is not None else {}
+  if not recorded:
+    if changes:
+      raise train_lib.ConfigError(
+          f'{", ".join(ACM_MACROS[n] for n in changes)} applies to an ACM run, and {path} '
+          'has none (its run_config.json has no acm_config)')
+    return None
+  acm = config_lib.from_dict(config_lib.AcmConfig, recorded)
+  if changes:
+    acm = overrides.apply(acm)
+  if acm.inference == 'gather' and acm.learner_usage is None:
+    raise train_lib.ConfigError(
+        f"'gather' inference sizes its capacities from the learner usage that phase "
+        f"'finetune' records (run_config.json's acm_config.learner_usage); {path} "
+        f"(phase {acm.phase!r}) recorded none: use ACM_INFERENCE='masked'")
+  return acm
+
+
+def _trained_model(path: str, step: Optional[int],
+                   acm_inference: Optional[config_lib.AcmInferenceConfig] = None
+                   ) -> LoadedModel:
+  """A trained MODEL_DIR's model at `step` (None: the newest), its ACM (if
+  any) run as `acm_inference` says."""
   if step is not None:
     step_dir = checkpoints.trained.find_step_dir(path)
     model_dir = checkpoints.trained.model_dir_of(step_dir) if step_dir else None
@@ -86,16 +126,18 @@ def _trained_model(path: str, step: Optional[int]) -> LoadedModel:
     path = os.path.join(model_dir, checkpoints.trained.CHECKPOINT_SUBDIR, str(int(step)))
   run = checkpoints.load_train_state(path)
   run_config = checkpoints.read_run_config(run.model_dir) or {}
-  acm = run_config.get('acm_config')
-  acm = config_lib.from_dict(config_lib.AcmConfig, acm) if acm else None
+  acm = acm_config(run_config.get('acm_config'), acm_inference, run.path)
   if run.coda is None and acm is None and any(
       params_lib.is_new_leaf(params_lib.split(n)) for n in params_lib.flatten(run.params)):
     raise checkpoints.CheckpointError(
         f'{run.path} holds CoDA parameters but no {checkpoints.trained.RUN_CONFIG} '
         'says its CodaConfig; give the base checkpoint and an adapter file instead')
   model = network.Transformer(run.config, coda=run.coda, acm=acm)
-  return LoadedModel(model, run.params, run.step, run.model_dir,
-                     {'checkpoint': run.path})
+  source = {'checkpoint': run.path}
+  if acm is not None:
+    source['acm'] = {'inference': acm.inference, 'capacity_factor': acm.capacity_factor,
+                     'learner_usage': acm.learner_usage and list(acm.learner_usage)}
+  return LoadedModel(model, run.params, run.step, run.model_dir, source)
 
 
 def _adapted_model(base_path: str, adapters_path: str) -> LoadedModel:
@@ -120,8 +162,10 @@ def _adapted_model(base_path: str, adapters_path: str) -> LoadedModel:
 
 
 def load_model(checkpoint_path: str, step: Optional[int] = None,
-               adapters_path: Optional[str] = None) -> LoadedModel:
-  """The model `infer` decodes with (see the module docstring).
+               adapters_path: Optional[str] = None,
+               acm_inference: Optional[config_lib.AcmInferenceConfig] = None) -> LoadedModel:
+  """The model `infer` decodes with (see the module docstring); a trained ACM
+  run's learners as `acm_inference` says (`acm_config`).
 
   Raises:
     checkpoints.CheckpointError: a path that holds no such checkpoint, a step
@@ -134,13 +178,14 @@ def load_model(checkpoint_path: str, step: Optional[int] = None,
     if step is not None:
       raise train_lib.ConfigError('CHECKPOINT_STEP picks a step of a trained MODEL_DIR; '
                                   'with ADAPTERS_PATH pick the adapter directory instead')
+    acm_config(None, acm_inference, adapters_path)  # adapter files hold no ACM
     return _adapted_model(checkpoint_path, adapters_path)
   fmt, _ = checkpoints.detect_format(checkpoint_path)
   if fmt != checkpoints.CODA_TRAIN_STATE:
     raise checkpoints.CheckpointError(
         f'{checkpoint_path} is a {fmt} checkpoint, not a trained MODEL_DIR: give the '
         'adapter-only directory trained on it as ADAPTERS_PATH')
-  return _trained_model(checkpoint_path, step)
+  return _trained_model(checkpoint_path, step, acm_inference)
 
 
 def read_input_file(path: str, vocabulary, input_length: int) -> List[Dict[str, Any]]:
@@ -311,6 +356,7 @@ def infer(*,
           checkpoint_path: Optional[str] = None,
           checkpoint_step: Optional[int] = None,
           adapters_path: Optional[str] = None,
+          acm_inference: Optional[config_lib.AcmInferenceConfig] = None,
           dataset_cfg: Optional[data_lib.DatasetConfig] = None,
           input_file: Optional[str] = None,
           output_dir: Optional[str] = None,
@@ -328,6 +374,7 @@ def infer(*,
   Args:
     mode: 'infer' (predictions) or 'eval' (predictions and the task's metrics).
     checkpoint_path / checkpoint_step / adapters_path: the model (`load_model`).
+    acm_inference: how a trained ACM's learners run (None: as its run recorded).
     dataset_cfg: the task (`mixture_or_task_name`, `task_feature_lengths`,
       `split`, `batch_size`, `module`).
     input_file: a text or JSONL file of inputs instead of the task's split.
@@ -353,7 +400,7 @@ def infer(*,
                                  register_tasks, [dataset_cfg.module])
   except data_lib.UnknownTaskError as e:
     raise train_lib.ConfigError(str(e)) from e
-  loaded = load_model(checkpoint_path, checkpoint_step, adapters_path)
+  loaded = load_model(checkpoint_path, checkpoint_step, adapters_path, acm_inference)
   if output_dir is None:
     if loaded.model_dir is None:
       raise train_lib.ConfigError(f'set {mode.upper()}_OUTPUT_DIR: {checkpoint_path} is '

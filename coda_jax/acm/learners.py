@@ -1,19 +1,10 @@
 """N learners and a gate: the body every ACM shares, the FFN and a linear projection as learners.
 
-An ACM replaces a pretrained module f with N learners s_1..s_N whose outputs
-are summed and a gate g that picks, per token, how many of them run:
-
-    h(z, k) = Σ_{n<=k} s_n(z),    k = choice(g(z)) in {0..N}     z: [batch, length, in]
-
-FFN learners (`AcmMlp`): learner n is group n of the pretrained FFN's hidden
-units (columns of wi_0/wi_1, rows of wo), groups ordered by importance
-(`coda_jax.acmize`), so all N learners together ARE the dense FFN. Their
-parameters keep the FFN's layout under ``acm_mlp`` (``acm_mlp/wi_0 [emb,
-mlp]``, ``acm_mlp/wi_1``, ``acm_mlp/wo [mlp, emb]``, learner n's hidden units
-at [n h, (n+1) h), h = mlp / N) and the gate is ``acm_mlp/gate``; the
-pretrained ``mlp`` stays where the checkpoint puts it, frozen, as the teacher.
-
-Low-rank learners (`AcmLinear`, the attention projections of
+h(z, k) = Σ_{n<=k} s_n(z) with k chosen per token by the gate (the package
+docstring has the layouts). FFN learners (`AcmMlp`): learner n is the n-th
+group of the pretrained FFN's hidden units, ordered by importance
+(`coda_jax.acmize`), under ``acm_mlp`` in the FFN's own layout, h = mlp / N
+units each. Low-rank learners (`AcmLinear`, the attention projections of
 `attention.AcmAttention`): W [in, out] ≈ Σ_n a_n b_n, a [in, R], b [R, out],
 learner n the rank R/N slice of W's truncated SVD (`acmize.low_rank_learners`).
 
