@@ -392,6 +392,37 @@ def infer(*,
   _INFER_CALLS += 1
   batch_size = getattr(dataset_cfg, 'batch_size', None)
   _check_options(mode, decoding, num_beams, batch_size)
+  task, lengths = _prepare_task(dataset_cfg, vocabulary, register_tasks)
+  loaded = load_model(checkpoint_path, checkpoint_step, adapters_path, acm_inference)
+  if output_dir is None:
+    if loaded.model_dir is None:
+      raise train_lib.ConfigError(f'set {mode.upper()}_OUTPUT_DIR: {checkpoint_path} is '
+                                  'not a trained MODEL_DIR to write into')
+    output_dir = os.path.join(loaded.model_dir, mode)
+  evaluator = _evaluator(mode, dataset_cfg, task, lengths, input_file, num_examples)
+  try:
+    mesh = partitioning.create_mesh(tuple(mesh_shape))
+  except ValueError as e:
+    raise train_lib.ConfigError(str(e)) from e
+  predictor = Predictor(loaded.model, loaded.params, mesh, logical_axis_rules,
+                        lengths['targets'], decoding, num_beams, alpha)
+  decoded = _decode(predictor, evaluator, mesh, mode, progress_bar)
+  source = (os.path.splitext(os.path.basename(input_file))[0] if input_file
+            else f'{dataset_cfg.mixture_or_task_name}_{dataset_cfg.split}')
+  stem = os.path.join(output_dir, f'{source}-{loaded.step}')
+  summary = {'mode': mode, **loaded.source, 'step': loaded.step, 'decoding': decoding,
+             'num_examples': evaluator.num_examples, 'predictions': stem + '.jsonl'}
+  if mode == 'eval':
+    summary['metrics'] = evaluator.metrics(decoded)
+    summary['metrics_file'] = stem + '.metrics.json'
+  if jax.process_index() == 0:
+    _write(output_dir, summary, decoded, loaded.step)
+  return summary
+
+
+def _prepare_task(dataset_cfg: Optional[data_lib.DatasetConfig], vocabulary,
+                  register_tasks: bool):
+  """(the task, its checked feature lengths) `dataset_cfg` names, registered."""
   if dataset_cfg is None:
     raise train_lib.ConfigError('no dataset configured (bind infer.dataset_cfg)')
   lengths = data_lib.check_lengths(dataset_cfg.task_feature_lengths)
@@ -400,12 +431,14 @@ def infer(*,
                                  register_tasks, [dataset_cfg.module])
   except data_lib.UnknownTaskError as e:
     raise train_lib.ConfigError(str(e)) from e
-  loaded = load_model(checkpoint_path, checkpoint_step, adapters_path, acm_inference)
-  if output_dir is None:
-    if loaded.model_dir is None:
-      raise train_lib.ConfigError(f'set {mode.upper()}_OUTPUT_DIR: {checkpoint_path} is '
-                                  'not a trained MODEL_DIR to write into')
-    output_dir = os.path.join(loaded.model_dir, mode)
+  return task, lengths
+
+
+def _evaluator(mode: str, dataset_cfg: data_lib.DatasetConfig, task, lengths,
+               input_file: Optional[str], num_examples: Optional[int]
+               ) -> data_lib.TaskEvaluator:
+  """What is decoded: the task's split, or the examples of `input_file`
+  (with targets for 'eval'); at most `num_examples`."""
   examples = None
   if input_file is not None:
     examples = read_input_file(input_file, data_lib.output_vocabulary(task),
@@ -415,42 +448,36 @@ def infer(*,
                                   '"targets" on every line')
   evaluator = data_lib.TaskEvaluator(dataset_cfg.mixture_or_task_name, lengths,
                                      split=dataset_cfg.split, num_examples=num_examples,
-                                     batch_size=batch_size, examples=examples)
+                                     batch_size=dataset_cfg.batch_size, examples=examples)
   if not evaluator.tasks:
     raise train_lib.ConfigError(f'{dataset_cfg.mixture_or_task_name!r} has no examples '
                                 f'in split {dataset_cfg.split!r} to decode')
-  try:
-    mesh = partitioning.create_mesh(tuple(mesh_shape))
-  except ValueError as e:
-    raise train_lib.ConfigError(str(e)) from e
-  predictor = Predictor(loaded.model, loaded.params, mesh, logical_axis_rules,
-                        lengths['targets'], decoding, num_beams, alpha)
+  return evaluator
+
+
+def _decode(predictor: Predictor, evaluator: data_lib.TaskEvaluator, mesh, mode: str,
+            progress_bar: Optional[bool]) -> List[data_lib.Decoded]:
+  """Every example decoded, with a progress bar on process 0 (`progress_bar`)."""
   lead = jax.process_index() == 0
   bar = metrics_lib.ProgressBar(evaluator.num_examples, enabled=progress_bar if lead else False,
                                 desc=mode)
   try:
-    decoded = evaluator.decode(predictor, pad_batch_to=mesh.shape['data'],
-                               on_batch=bar.update)
+    return evaluator.decode(predictor, pad_batch_to=mesh.shape['data'], on_batch=bar.update)
   finally:
     bar.close()
-  source = (os.path.splitext(os.path.basename(input_file))[0] if input_file
-            else f'{dataset_cfg.mixture_or_task_name}_{dataset_cfg.split}')
-  stem = os.path.join(output_dir, f'{source}-{loaded.step}')
-  summary = {'mode': mode, **loaded.source, 'step': loaded.step, 'decoding': decoding,
-             'num_examples': evaluator.num_examples, 'predictions': stem + '.jsonl'}
-  if mode == 'eval':
-    summary['metrics'] = evaluator.metrics(decoded)
-    summary['metrics_file'] = stem + '.metrics.json'
-  if lead:
-    os.makedirs(output_dir, exist_ok=True)
-    with open(summary['predictions'], 'w') as f:
-      for record in _records(decoded):
-        f.write(json.dumps(record) + '\n')
-    if mode == 'eval':
-      with open(summary['metrics_file'], 'w') as f:
-        json.dump({'step': loaded.step, **summary['metrics']}, f, indent=2, sort_keys=True,
-                  default=str)
-  return summary
+
+
+def _write(output_dir: str, summary: Dict[str, Any], decoded: Sequence[data_lib.Decoded],
+           step: int) -> None:
+  """The predictions' JSONL file and, for 'eval', the metrics file `summary` names."""
+  os.makedirs(output_dir, exist_ok=True)
+  with open(summary['predictions'], 'w') as f:
+    for record in _records(decoded):
+      f.write(json.dumps(record) + '\n')
+  if summary['mode'] == 'eval':
+    with open(summary['metrics_file'], 'w') as f:
+      json.dump({'step': step, **summary['metrics']}, f, indent=2, sort_keys=True,
+                default=str)
 
 
 def main(argv: Optional[Sequence[str]] = None, mode: str = 'infer') -> int:
