@@ -5,7 +5,7 @@ where the checkpoint put it (the frozen teacher), each FFN's hidden units are
 split into N learners ordered by `hidden_unit_importance` (so all N learners
 reproduce the dense FFN exactly), and each attention projection's learners
 are the directions of its truncated SVD (`low_rank_learners`), largest
-singular values first. The modules themselves are in `coda_jax/acm.py`.
+singular values first. The modules themselves are in `coda_jax/acm/`.
 """
 from __future__ import annotations
 

@@ -374,7 +374,8 @@ class AcmConfig:
   # static capacity of them: real savings).
   inference: str = 'masked'
   # 'gather' capacity of learner n: ceil(tokens * min(1, capacity_factor * u_n))
-  # with u_n = learner_usage[n] (measured fractions) or the budget β.
+  # with u_n = learner_usage[n], the fraction of tokens that ran learner n as
+  # a trained run measured it (`capacities`; 'gather' needs it).
   capacity_factor: float = 1.25
   learner_usage: Optional[Sequence[float]] = None
   # 'attention': the total rank R of a projection's N learners (each has
@@ -436,11 +437,65 @@ class AcmConfig:
     per_learner = max(1, math.ceil(full * self.attention_rank_fraction / self.num_learners))
     return per_learner * self.num_learners
 
-  def capacities(self, tokens: int) -> Tuple[int, ...]:
-    """'gather' inference: how many of `tokens` each learner runs on."""
-    usage = self.learner_usage or (self.budget,) * self.num_learners
+  def capacities(self, tokens: int, budget_only: bool = False) -> Tuple[int, ...]:
+    """'gather' inference: how many of `tokens` each learner runs on,
+    C_n = min(tokens, max(1, ceil(tokens · min(1, capacity_factor · u_n)))).
+
+    u_n is `learner_usage`, the fraction of tokens that ran learner n, P(k >= n),
+    as a trained run recorded it. Without it this refuses: the budget alone
+    (u_n = β for every n) is far below what learner 1 needs (most tokens run
+    it), and a token beyond learner 1's capacity gets no output from the
+    module; `budget_only=True` asks for those capacities by name.
+
+    Raises:
+      ValueError: no `learner_usage` and not `budget_only`.
+    """
+    if budget_only:
+      usage = (self.budget,) * self.num_learners
+    elif self.learner_usage is None:
+      raise ValueError(
+          "AcmConfig.capacities needs learner_usage (P(k >= n) of each learner, which "
+          "a fine-tuning run records in run_config.json's acm_config.learner_usage); "
+          'none is set: give the run\'s learner_usage, or budget_only=True for '
+          'capacities from the budget alone')
+    else:
+      usage = self.learner_usage
     return tuple(min(tokens, max(1, math.ceil(tokens * min(1.0, self.capacity_factor * u))))
                  for u in usage)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class AcmInferenceConfig:
+  """How `coda-jax infer` / `eval` run a trained ACM, over the `AcmConfig` its
+  run recorded (``run_config.json``); None keeps the run's value.
+
+  ``gin_configs/runs/infer.gin`` (and ``eval.gin``) bind it from the macros
+  ACM_INFERENCE and ACM_CAPACITY_FACTOR, e.g. ``--gin.ACM_INFERENCE="'gather'"``.
+  """
+  # 'masked' (every learner on every token: exact, the trainer's evaluation)
+  # or 'gather' (learner n only on the tokens that chose k >= n, at most the
+  # capacity the run's recorded learner usage gives: `AcmConfig.capacities`).
+  inference: Optional[str] = None
+  capacity_factor: Optional[float] = None
+
+  def __post_init__(self):
+    if self.inference is not None and self.inference not in ACM_INFERENCE:
+      raise ValueError(f'ACM_INFERENCE must be None or one of {ACM_INFERENCE}, '
+                       f'got {self.inference!r}')
+    factor = self.capacity_factor
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
+                               or not factor > 0):
+      raise ValueError(f'ACM_CAPACITY_FACTOR must be None or a number > 0, got {factor!r}')
+
+  def changes(self) -> dict:
+    """The `AcmConfig` fields this sets (those not None)."""
+    return {name: getattr(self, name) for name in ('inference', 'capacity_factor')
+            if getattr(self, name) is not None}
+
+  def apply(self, acm: AcmConfig) -> AcmConfig:
+    """`acm` with the fields this sets replaced."""
+    return dataclasses.replace(acm, **self.changes())
 
 
 # ----------------------------------------------------------------------------

@@ -18,6 +18,10 @@ task, its lengths and vocabulary and the mesh; ``runs/infer.gin`` or
   INPUT_FILE        None: the task's split (INFER_SPLIT / EVAL_SPLIT); else a text
                     file (one model input a line) or JSONL ({"inputs": .., "targets": ..})
   DECODING          'greedy' or 'beam' (NUM_BEAMS, BEAM_ALPHA: t5x's length penalty)
+  ACM_INFERENCE     a trained ACM's learners: None (as its run recorded: 'masked'),
+                    'masked' or 'gather' (learner n only on the tokens that chose
+                    k >= n, capacities from the run's recorded learner usage);
+                    ACM_CAPACITY_FACTOR (None: the run's) scales those capacities
   INFER_OUTPUT_DIR / EVAL_OUTPUT_DIR   None: CHECKPOINT_PATH's ``MODEL_DIR/infer`` or
                     ``/eval``
 
@@ -54,6 +58,7 @@ from coda_jax import network
 from coda_jax import params as params_lib
 from coda_jax import partitioning
 from coda_jax import quiet
+from coda_jax import validation
 from coda_jax.training import data as data_lib
 from coda_jax.training import metrics as metrics_lib
 from coda_jax.training import train_lib
@@ -73,8 +78,44 @@ class LoadedModel:
   source: Dict[str, Any]
 
 
-def _trained_model(path: str, step: Optional[int]) -> LoadedModel:
-  """A trained MODEL_DIR's model at `step` (None: the newest)."""
+# The infer.gin / eval.gin macro of each `config.AcmInferenceConfig` field.
+ACM_MACROS = {'inference': 'ACM_INFERENCE', 'capacity_factor': 'ACM_CAPACITY_FACTOR'}
+
+
+def acm_config(recorded: Optional[Dict[str, Any]],
+               overrides: Optional[config_lib.AcmInferenceConfig],
+               path: str) -> Optional[config_lib.AcmConfig]:
+  """The `AcmConfig` a trained run recorded (``run_config.json``'s
+  ``acm_config``; None: not an ACM run) with `overrides` (ACM_INFERENCE,
+  ACM_CAPACITY_FACTOR) applied.
+
+  Raises:
+    train_lib.ConfigError: overrides for a run that has no ACM; 'gather'
+      inference of a run that recorded no learner usage.
+  """
+  changes = overrides.changes() if overrides is not None else {}
+  if not recorded:
+    if changes:
+      raise train_lib.ConfigError(
+          f'{", ".join(ACM_MACROS[n] for n in changes)} applies to an ACM run, and {path} '
+          'has none (its run_config.json has no acm_config)')
+    return None
+  acm = config_lib.from_dict(config_lib.AcmConfig, recorded)
+  if changes:
+    acm = overrides.apply(acm)
+  if acm.inference == 'gather' and acm.learner_usage is None:
+    raise train_lib.ConfigError(
+        f"'gather' inference sizes its capacities from the learner usage that phase "
+        f"'finetune' records (run_config.json's acm_config.learner_usage); {path} "
+        f"(phase {acm.phase!r}) recorded none: use ACM_INFERENCE='masked'")
+  return acm
+
+
+def _trained_model(path: str, step: Optional[int],
+                   acm_inference: Optional[config_lib.AcmInferenceConfig] = None
+                   ) -> LoadedModel:
+  """A trained MODEL_DIR's model at `step` (None: the newest), its ACM (if
+  any) run as `acm_inference` says."""
   if step is not None:
     step_dir = checkpoints.trained.find_step_dir(path)
     model_dir = checkpoints.trained.model_dir_of(step_dir) if step_dir else None
@@ -86,16 +127,18 @@ def _trained_model(path: str, step: Optional[int]) -> LoadedModel:
     path = os.path.join(model_dir, checkpoints.trained.CHECKPOINT_SUBDIR, str(int(step)))
   run = checkpoints.load_train_state(path)
   run_config = checkpoints.read_run_config(run.model_dir) or {}
-  acm = run_config.get('acm_config')
-  acm = config_lib.from_dict(config_lib.AcmConfig, acm) if acm else None
+  acm = acm_config(run_config.get('acm_config'), acm_inference, run.path)
   if run.coda is None and acm is None and any(
       params_lib.is_new_leaf(params_lib.split(n)) for n in params_lib.flatten(run.params)):
     raise checkpoints.CheckpointError(
         f'{run.path} holds CoDA parameters but no {checkpoints.trained.RUN_CONFIG} '
         'says its CodaConfig; give the base checkpoint and an adapter file instead')
   model = network.Transformer(run.config, coda=run.coda, acm=acm)
-  return LoadedModel(model, run.params, run.step, run.model_dir,
-                     {'checkpoint': run.path})
+  source = {'checkpoint': run.path}
+  if acm is not None:
+    source['acm'] = {'inference': acm.inference, 'capacity_factor': acm.capacity_factor,
+                     'learner_usage': acm.learner_usage and list(acm.learner_usage)}
+  return LoadedModel(model, run.params, run.step, run.model_dir, source)
 
 
 def _adapted_model(base_path: str, adapters_path: str) -> LoadedModel:
@@ -120,8 +163,10 @@ def _adapted_model(base_path: str, adapters_path: str) -> LoadedModel:
 
 
 def load_model(checkpoint_path: str, step: Optional[int] = None,
-               adapters_path: Optional[str] = None) -> LoadedModel:
-  """The model `infer` decodes with (see the module docstring).
+               adapters_path: Optional[str] = None,
+               acm_inference: Optional[config_lib.AcmInferenceConfig] = None) -> LoadedModel:
+  """The model `infer` decodes with (see the module docstring); a trained ACM
+  run's learners as `acm_inference` says (`acm_config`).
 
   Raises:
     checkpoints.CheckpointError: a path that holds no such checkpoint, a step
@@ -134,13 +179,14 @@ def load_model(checkpoint_path: str, step: Optional[int] = None,
     if step is not None:
       raise train_lib.ConfigError('CHECKPOINT_STEP picks a step of a trained MODEL_DIR; '
                                   'with ADAPTERS_PATH pick the adapter directory instead')
+    acm_config(None, acm_inference, adapters_path)  # adapter files hold no ACM
     return _adapted_model(checkpoint_path, adapters_path)
   fmt, _ = checkpoints.detect_format(checkpoint_path)
   if fmt != checkpoints.CODA_TRAIN_STATE:
     raise checkpoints.CheckpointError(
         f'{checkpoint_path} is a {fmt} checkpoint, not a trained MODEL_DIR: give the '
         'adapter-only directory trained on it as ADAPTERS_PATH')
-  return _trained_model(checkpoint_path, step)
+  return _trained_model(checkpoint_path, step, acm_inference)
 
 
 def read_input_file(path: str, vocabulary, input_length: int) -> List[Dict[str, Any]]:
@@ -290,11 +336,8 @@ def _check_options(mode: str, decoding: str, num_beams: int, batch_size: int) ->
   for name, value, choices in (('mode', mode, MODES), ('DECODING', decoding, DECODINGS)):
     if value not in choices:
       raise train_lib.ConfigError(f'{name} must be one of {list(choices)}, got {value!r}')
-  if not isinstance(num_beams, int) or num_beams < 1:
-    raise train_lib.ConfigError(f'NUM_BEAMS must be a positive integer, got {num_beams!r}')
-  if not isinstance(batch_size, int) or batch_size < 1:
-    raise train_lib.ConfigError(f'the batch size must be a positive integer, got '
-                                f'{batch_size!r}')
+  validation.positive_int(num_beams, 'NUM_BEAMS', train_lib.ConfigError)
+  validation.positive_int(batch_size, 'the batch size', train_lib.ConfigError)
 
 
 _INFER_CALLS = 0
@@ -311,6 +354,7 @@ def infer(*,
           checkpoint_path: Optional[str] = None,
           checkpoint_step: Optional[int] = None,
           adapters_path: Optional[str] = None,
+          acm_inference: Optional[config_lib.AcmInferenceConfig] = None,
           dataset_cfg: Optional[data_lib.DatasetConfig] = None,
           input_file: Optional[str] = None,
           output_dir: Optional[str] = None,
@@ -328,6 +372,7 @@ def infer(*,
   Args:
     mode: 'infer' (predictions) or 'eval' (predictions and the task's metrics).
     checkpoint_path / checkpoint_step / adapters_path: the model (`load_model`).
+    acm_inference: how a trained ACM's learners run (None: as its run recorded).
     dataset_cfg: the task (`mixture_or_task_name`, `task_feature_lengths`,
       `split`, `batch_size`, `module`).
     input_file: a text or JSONL file of inputs instead of the task's split.
@@ -345,6 +390,39 @@ def infer(*,
   _INFER_CALLS += 1
   batch_size = getattr(dataset_cfg, 'batch_size', None)
   _check_options(mode, decoding, num_beams, batch_size)
+  task, lengths = _prepare_task(dataset_cfg, vocabulary, register_tasks)
+  if input_file is None:
+    data_lib.ensure_tfds_prepared(dataset_cfg)
+  loaded = load_model(checkpoint_path, checkpoint_step, adapters_path, acm_inference)
+  if output_dir is None:
+    if loaded.model_dir is None:
+      raise train_lib.ConfigError(f'set {mode.upper()}_OUTPUT_DIR: {checkpoint_path} is '
+                                  'not a trained MODEL_DIR to write into')
+    output_dir = os.path.join(loaded.model_dir, mode)
+  evaluator = _evaluator(mode, dataset_cfg, task, lengths, input_file, num_examples)
+  try:
+    mesh = partitioning.create_mesh(tuple(mesh_shape))
+  except ValueError as e:
+    raise train_lib.ConfigError(str(e)) from e
+  predictor = Predictor(loaded.model, loaded.params, mesh, logical_axis_rules,
+                        lengths['targets'], decoding, num_beams, alpha)
+  decoded = _decode(predictor, evaluator, mesh, mode, progress_bar)
+  source = (os.path.splitext(os.path.basename(input_file))[0] if input_file
+            else f'{dataset_cfg.mixture_or_task_name}_{dataset_cfg.split}')
+  stem = os.path.join(output_dir, f'{source}-{loaded.step}')
+  summary = {'mode': mode, **loaded.source, 'step': loaded.step, 'decoding': decoding,
+             'num_examples': evaluator.num_examples, 'predictions': stem + '.jsonl'}
+  if mode == 'eval':
+    summary['metrics'] = evaluator.metrics(decoded)
+    summary['metrics_file'] = stem + '.metrics.json'
+  if jax.process_index() == 0:
+    _write(output_dir, summary, decoded, loaded.step)
+  return summary
+
+
+def _prepare_task(dataset_cfg: Optional[data_lib.DatasetConfig], vocabulary,
+                  register_tasks: bool):
+  """(the task, its checked feature lengths) `dataset_cfg` names, registered."""
   if dataset_cfg is None:
     raise train_lib.ConfigError('no dataset configured (bind infer.dataset_cfg)')
   lengths = data_lib.check_lengths(dataset_cfg.task_feature_lengths)
@@ -353,14 +431,14 @@ def infer(*,
                                  register_tasks, [dataset_cfg.module])
   except data_lib.UnknownTaskError as e:
     raise train_lib.ConfigError(str(e)) from e
-  if input_file is None:
-    data_lib.ensure_tfds_prepared(dataset_cfg)
-  loaded = load_model(checkpoint_path, checkpoint_step, adapters_path)
-  if output_dir is None:
-    if loaded.model_dir is None:
-      raise train_lib.ConfigError(f'set {mode.upper()}_OUTPUT_DIR: {checkpoint_path} is '
-                                  'not a trained MODEL_DIR to write into')
-    output_dir = os.path.join(loaded.model_dir, mode)
+  return task, lengths
+
+
+def _evaluator(mode: str, dataset_cfg: data_lib.DatasetConfig, task, lengths,
+               input_file: Optional[str], num_examples: Optional[int]
+               ) -> data_lib.TaskEvaluator:
+  """What is decoded: the task's split, or the examples of `input_file`
+  (with targets for 'eval'); at most `num_examples`."""
   examples = None
   if input_file is not None:
     examples = read_input_file(input_file, data_lib.output_vocabulary(task),
@@ -370,42 +448,36 @@ def infer(*,
                                   '"targets" on every line')
   evaluator = data_lib.TaskEvaluator(dataset_cfg.mixture_or_task_name, lengths,
                                      split=dataset_cfg.split, num_examples=num_examples,
-                                     batch_size=batch_size, examples=examples)
+                                     batch_size=dataset_cfg.batch_size, examples=examples)
   if not evaluator.tasks:
     raise train_lib.ConfigError(f'{dataset_cfg.mixture_or_task_name!r} has no examples '
                                 f'in split {dataset_cfg.split!r} to decode')
-  try:
-    mesh = partitioning.create_mesh(tuple(mesh_shape))
-  except ValueError as e:
-    raise train_lib.ConfigError(str(e)) from e
-  predictor = Predictor(loaded.model, loaded.params, mesh, logical_axis_rules,
-                        lengths['targets'], decoding, num_beams, alpha)
+  return evaluator
+
+
+def _decode(predictor: Predictor, evaluator: data_lib.TaskEvaluator, mesh, mode: str,
+            progress_bar: Optional[bool]) -> List[data_lib.Decoded]:
+  """Every example decoded, with a progress bar on process 0 (`progress_bar`)."""
   lead = jax.process_index() == 0
   bar = metrics_lib.ProgressBar(evaluator.num_examples, enabled=progress_bar if lead else False,
                                 desc=mode)
   try:
-    decoded = evaluator.decode(predictor, pad_batch_to=mesh.shape['data'],
-                               on_batch=bar.update)
+    return evaluator.decode(predictor, pad_batch_to=mesh.shape['data'], on_batch=bar.update)
   finally:
     bar.close()
-  source = (os.path.splitext(os.path.basename(input_file))[0] if input_file
-            else f'{dataset_cfg.mixture_or_task_name}_{dataset_cfg.split}')
-  stem = os.path.join(output_dir, f'{source}-{loaded.step}')
-  summary = {'mode': mode, **loaded.source, 'step': loaded.step, 'decoding': decoding,
-             'num_examples': evaluator.num_examples, 'predictions': stem + '.jsonl'}
-  if mode == 'eval':
-    summary['metrics'] = evaluator.metrics(decoded)
-    summary['metrics_file'] = stem + '.metrics.json'
-  if lead:
-    os.makedirs(output_dir, exist_ok=True)
-    with open(summary['predictions'], 'w') as f:
-      for record in _records(decoded):
-        f.write(json.dumps(record) + '\n')
-    if mode == 'eval':
-      with open(summary['metrics_file'], 'w') as f:
-        json.dump({'step': loaded.step, **summary['metrics']}, f, indent=2, sort_keys=True,
-                  default=str)
-  return summary
+
+
+def _write(output_dir: str, summary: Dict[str, Any], decoded: Sequence[data_lib.Decoded],
+           step: int) -> None:
+  """The predictions' JSONL file and, for 'eval', the metrics file `summary` names."""
+  os.makedirs(output_dir, exist_ok=True)
+  with open(summary['predictions'], 'w') as f:
+    for record in _records(decoded):
+      f.write(json.dumps(record) + '\n')
+  if summary['mode'] == 'eval':
+    with open(summary['metrics_file'], 'w') as f:
+      json.dump({'step': step, **summary['metrics']}, f, indent=2, sort_keys=True,
+                default=str)
 
 
 def main(argv: Optional[Sequence[str]] = None, mode: str = 'infer') -> int:

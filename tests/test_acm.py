@@ -128,7 +128,7 @@ def _dense_partial(params, z, k):
 def test_each_token_runs_exactly_its_k_learners(inference):
   """Including the token at the batch's largest k (the official code's off-by-one)."""
   ks = np.array([[4, 0, 2, 1, 3, 4, 2, 0]])
-  mlp, params, z, _ = _one_mlp(ks, inference, capacity_factor=2.0)
+  mlp, params, z, _ = _one_mlp(ks, inference, capacity_factor=2.0, usage=(0.5,) * N)
   out, state = mlp.apply({'params': params}, z, deterministic=True, learners=jnp.asarray(ks),
                          mutable=['intermediates'])
   for t, k in enumerate(ks[0]):
@@ -150,6 +150,23 @@ def test_gather_capacity_keeps_the_tokens_with_the_most_learners():
   for t in range(8):
     np.testing.assert_allclose(np.asarray(out[0, t]),
                                np.asarray(_dense_partial(params, z[0, t], kept[t])), atol=1e-5)
+
+
+def test_capacities_refuse_without_a_learner_usage():
+  """Capacities from the budget alone starve learner 1: only when asked for by name."""
+  cfg = AcmConfig(num_learners=N, budget=0.25, capacity_factor=1.25)
+  with pytest.raises(ValueError, match='learner_usage'):
+    cfg.capacities(64)
+  assert cfg.capacities(64, budget_only=True) == (20,) * N   # ceil(64 · 1.25 · 0.25)
+  # The usage the quickstart conversion recorded at β = 0.25: 64 · 1.25 · u_n
+  # rounded up, at most 64 (benchmarks/acm_conversion/README.md).
+  used = dataclasses.replace(cfg, learner_usage=(0.9135, 0.4435, 0.1568, 0.0663))
+  assert used.capacities(64) == (64, 36, 13, 6)
+  assert used.capacities(64, budget_only=True) == (20,) * N
+  # A 'gather' ACM without a usage refuses when it is traced, naming it.
+  mlp = acm.AcmMlp(dataclasses.replace(cfg, inference='gather'), intermediate_dim=16)
+  with pytest.raises(ValueError, match='learner_usage'):
+    mlp.init(jax.random.PRNGKey(1), jnp.zeros((1, 8, 8)))
 
 
 def test_gather_inference_equals_masked_with_enough_capacity():

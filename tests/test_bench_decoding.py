@@ -19,7 +19,9 @@ import pytest
 
 from coda_jax import decoding
 from coda_jax import flops
+from coda_jax import config as config_lib
 from coda_jax import network
+from coda_jax.bench import acm_usage
 from coda_jax.bench import decoding_latency
 from coda_jax.bench import models
 from coda_jax.bench import report
@@ -177,24 +179,43 @@ def test_cross_kv_bound_by_hand():
 # ----------------------------------------------------------------------------
 
 
+# The usage profile the ACM rows read by default: the quickstart conversion's
+# report, committed under benchmarks/acm_conversion/.
+PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       'benchmarks', 'acm_conversion', 'acm_conversion.json')
+
+
+def _recorded_usage():
+  """{β: u_1..u_N} as the conversion report records it, read here by hand."""
+  with open(PROFILE) as f:
+    return {row['beta']: row['learner_usage_recorded'] for row in json.load(f)['budgets']}
+
+
+def _capacities(usage, tokens, factor=1.25):
+  return [min(tokens, max(1, math.ceil(tokens * min(1.0, factor * u)))) for u in usage]
+
+
 @pytest.fixture(scope='module')
 def acm_task():
-  """The baseline alone plus the ACM block at two budgets, float32."""
+  """The baseline alone plus the ACM block at two budgets of the committed
+  profile, float32."""
   config = models.make_config('tiny', jnp.float32)
   params, _ = models.coda_params(config, CodaConfig(), seed=0)
-  template = AcmConfig(num_learners=4, inference='gather', capacity_factor=1.0)
-  acm_params, info = models.acm_params(config, template, seed=0)
+  profile = acm_usage.read(PROFILE)
+  template = profile.template()
+  acm_params, info = models.acm_params(
+      config, dataclasses.replace(template, inference='masked'), seed=0)
+  block = decoding_latency.AcmBlock([0.25, 0.5], template, acm_params, profile)
   with timing.CompileCounter() as counter:
     task = decoding_latency.benchmark_task(
         config, params, task='custom', input_length=N_IN, output_length=N_OUT,
         batch_size=BATCH, reduction_factors=[], attentions=[], coda_template=CodaConfig(),
-        method='greedy', num_beams=1, alpha=0.6, repeats=2, acm_budgets=[0.25, 0.5],
-        acm_template=template, acm_params=acm_params)
-  return config, template, task, counter, info
+        method='greedy', num_beams=1, alpha=0.6, repeats=2, acm=block)
+  return config, profile, task, counter, info
 
 
 def test_acm_rows_next_to_the_dense_model(acm_task):
-  config, template, task, counter, info = acm_task
+  config, profile, task, counter, info = acm_task
   assert info['source'] == 'random_init'
   acm = task['acm']
   assert acm['baseline'] == 'dense'
@@ -208,16 +229,26 @@ def test_acm_rows_next_to_the_dense_model(acm_task):
   assert dense['acm'] is None and dense['budget'] is None
   for t in decoding_latency.TIMED:
     assert dense['speedup'][t] == 1.0 and dense['flop_bound'][t] == 1.0
+  recorded = _recorded_usage()
   for row, budget in ((b25, 0.25), (b50, 0.5)):
-    assert row['budget'] == budget and row['acm']['inference'] == 'gather'
-    # capacity factor 1: ceil(β tokens) per learner, in the encoder
-    # (batch · input_length tokens) and at each decoding step (batch tokens).
-    assert row['acm']['encoder_capacities'] == [math.ceil(budget * BATCH * N_IN)] * 4
-    assert row['acm']['decoder_step_capacities'] == [math.ceil(budget * BATCH)] * 4
-    assert row['acm']['encoder_ffn_fraction'] == budget
-    bounds = flops.acm_decoding_speedup_bounds(config, dataclasses.replace(
-        template, budget=budget), N_IN, N_OUT, BATCH)
+    a = row['acm']
+    assert row['budget'] == budget and a['inference'] == 'gather'
+    # The usage the conversion's fine-tuning run recorded at β, capacity
+    # factor 1.25 (the conversion's): ceil(1.25 u_n T) per learner, in the
+    # encoder (batch · input_length tokens) and at each decoding step (batch).
+    assert a['learner_usage'] == recorded[budget] and a['capacity_factor'] == 1.25
+    assert PROFILE in a['capacities_from'] and f'{budget:g}' in a['capacities_from']
+    assert a['encoder_capacities'] == _capacities(recorded[budget], BATCH * N_IN)
+    assert a['decoder_step_capacities'] == _capacities(recorded[budget], BATCH)
+    assert a['encoder_ffn_fraction'] == sum(a['encoder_capacities']) / (4 * BATCH * N_IN)
+    # The FLOP bound at those same capacities, above what β alone would claim.
+    bounds = flops.acm_decoding_speedup_bounds(config, profile.config(profile.template(),
+                                                                      budget),
+                                               N_IN, N_OUT, BATCH)
     assert row['flop_bound'] == {t: bounds[t] for t in decoding_latency.TIMED}
+    from_budget = flops.acm_decoding_speedup_bounds(config, dataclasses.replace(
+        profile.template(), budget=budget, learner_usage=(budget,) * 4), N_IN, N_OUT, BATCH)
+    assert row['flop_bound']['encoder'] < from_budget['encoder']
     for t in decoding_latency.TIMED:
       assert len(row['times_s'][t]) == 2 and min(row['times_s'][t]) > 0
       assert np.isfinite(row['speedup'][t]) and np.isfinite(row['fraction_of_bound'][t])
@@ -229,12 +260,30 @@ def test_acm_rows_next_to_the_dense_model(acm_task):
       'decoding': 'greedy', 'num_beams': 1, 'repeats': 2, 'jax_version': jax.__version__},
       'tasks': [task], 'checks': []})
   assert 'ACM (custom): speed-ups over dense' in table and 'acm_b0.25' in table
+  assert f'acm_b0.5: {b50["acm"]["capacities_from"]}' in table
+
+
+def test_the_committed_profile_gives_the_conversions_capacities():
+  """Read as the benchmark reads it, the quickstart conversion's usage gives
+  the capacities the conversion itself ran 'gather' with (64 rows a decoding
+  step) and 46 / 68 / 89% of the dense FFN's work at β = 0.25 / 0.5 / 0.75."""
+  profile = acm_usage.read(PROFILE)
+  assert profile.budgets == (0.25, 0.5, 0.75) and profile.num_learners == 4
+  with open(PROFILE) as f:
+    rows = {r['beta']: r for r in json.load(f)['budgets']}
+  fractions = {}
+  for budget in profile.budgets:
+    acm = profile.config(profile.template(), budget)
+    assert list(acm.capacities(64)) == rows[budget]['gather_usage_capacities_per_decoding_step']
+    fractions[budget] = round(flops.acm_ffn_fraction(acm, 64), 2)
+  assert fractions == {0.25: 0.46, 0.5: 0.68, 0.75: 0.89}
 
 
 def test_acm_decoder_is_the_models_own():
   """An ACM row's end to end is its encoder then its decoder: what predict_batch gives."""
   config = models.make_config('tiny', jnp.float32)
-  template = AcmConfig(num_learners=4, inference='gather', capacity_factor=1.0)
+  template = AcmConfig(num_learners=4, inference='gather', capacity_factor=1.0,
+                       learner_usage=(0.9, 0.6, 0.4, 0.1))
   params, _ = models.acm_params(config, template, seed=2)
   model = models.acm_model(config, template, 0.5)
   tokens = models.random_tokens(BATCH, N_IN, config.vocab_size, seed=2)
@@ -252,7 +301,7 @@ def test_acm_flop_bounds_by_hand():
   N = 2 learners, gate width 2 (4·2 + 2·2 + 2·3 = 18 MACs a token), β = 0.5,
   batch 2: capacities ceil(0.5 · 12) = 6 and ceil(0.5 · 2) = 1, half the FFN work."""
   acm = AcmConfig(num_learners=2, gate_dim=2, budget=0.5, capacity_factor=1.0,
-                  inference='gather')
+                  inference='gather', learner_usage=(0.5, 0.5))
   bounds = flops.acm_decoding_speedup_bounds(FLOP_CONFIG, acm, 6, 2, batch_size=2)
   assert bounds['encoder_ffn_fraction'] == bounds['decoder_ffn_fraction'] == 0.5
   encoder = 2 * (1224 - 180 + 6 * 18)            # 2304
@@ -273,43 +322,72 @@ def test_acm_flags():
   parser = argparse.ArgumentParser()
   decoding_latency.add_arguments(parser)
   args = parser.parse_args([])
-  assert args.acm_budgets == [0.25, 0.5, 0.75] and args.acm_learners == 4
-  assert args.acm_capacity_factor == 1.0
-  assert parser.parse_args(['--acm_budgets', '']).acm_budgets == []
-  assert parser.parse_args(['--acm_budgets', '0.5']).acm_budgets == [0.5]
+  assert args.acm_budgets is None and args.acm_usage is None
+  assert args.acm_capacity_factor is None
+  # By default, every budget of the committed profile.
+  profile, budgets = decoding_latency.acm_profile(args)
+  assert profile.path == PROFILE and budgets == [0.25, 0.5, 0.75]
+  assert decoding_latency.acm_profile(parser.parse_args(['--acm_budgets', ''])) == (None, [])
+  assert decoding_latency.acm_profile(parser.parse_args(['--acm_budgets', '0.5']))[1] == [0.5]
   for bad in ('0', '1.5', 'x', '0.5,0.25,0.5'):
     with pytest.raises(SystemExit):
       parser.parse_args(['--acm_budgets', bad])
   with pytest.raises(SystemExit):
     parser.parse_args(['--acm_capacity_factor', '0'])
+  # A budget the profile has no usage for, a path that holds none.
+  with pytest.raises(ValueError, match=r'--acm_usage: .* at budgets \[0.25, 0.5, 0.75\], '
+                     'not at 0.3'):
+    decoding_latency.acm_profile(parser.parse_args(['--acm_budgets', '0.3']))
+  with pytest.raises(ValueError, match='--acm_usage: /nonexistent does not exist'):
+    decoding_latency.acm_profile(parser.parse_args(['--acm_usage', '/nonexistent']))
+
+
+def _acm_model_dir(path, **acm):
+  """A MODEL_DIR's run_config.json as a fine-tuning run writes it."""
+  path.mkdir()
+  with open(path / 'run_config.json', 'w') as f:
+    json.dump({'acm_config': config_lib.to_dict(AcmConfig(**acm))}, f)
+  return str(path)
 
 
 def test_acm_rows_from_the_command_line(tmp_path, capsys):
   out = tmp_path / 'acm.json'
+  run = _acm_model_dir(tmp_path / 'run', num_learners=2, budget=0.5, capacity_factor=1.0,
+                       learner_usage=(1.0, 0.25))
   code = decoding_latency.main([
       '--preset', 'tiny', '--input_length', '8', '--output_length', '2', '--batch_size', '2',
-      '--reduction_factors', '', '--attention', '', '--acm_budgets', '0.5',
-      '--acm_learners', '2', '--repeats', '1', '--no_progress', '--png', '',
-      '--out', str(out)])
+      '--reduction_factors', '', '--attention', '', '--acm_usage', run,
+      '--repeats', '1', '--no_progress', '--png', '', '--out', str(out)])
   assert code == 0
   with open(out) as f:
     result = json.load(f)
-  assert result['meta']['acm_budgets'] == [0.5]
-  assert result['meta']['acm']['num_learners'] == 2
-  assert result['meta']['acm']['inference'] == 'gather'
-  assert result['meta']['acm']['params']['source'] == 'random_init'
+  meta = result['meta']
+  assert meta['acm_budgets'] == [0.5] and meta['acm']['num_learners'] == 2
+  assert meta['acm']['inference'] == 'gather' and meta['acm']['capacity_factor'] == 1.0
+  assert meta['acm']['params']['source'] == 'random_init'
+  assert meta['acm']['usage_profile'] == {'path': run, 'kind': 'model_dir',
+                                          'learner_usage': {'0.5': [1.0, 0.25]}}
   (task,) = result['tasks']
   assert [r['name'] for r in task['acm']['variants']] == ['dense', 'acm_b0.5']
-  assert task['acm']['variants'][1]['acm']['encoder_capacities'] == [8, 8]
+  row = task['acm']['variants'][1]['acm']
+  # 16 encoder tokens: learner 1 on all of them, learner 2 on a quarter.
+  assert row['encoder_capacities'] == [16, 4] and row['encoder_ffn_fraction'] == 0.625
+  assert row['capacities_from'].startswith(f'learner usage recorded by the fine-tuning run {run}')
   assert 'acm_b0.5' in capsys.readouterr().out
-  assert decoding_latency.main(['--preset', 'tiny', '--acm_learners', '3', '--input_length',
-                                '8', '--output_length', '2', '--reduction_factors', '',
-                                '--attention', '', '--out', '', '--png', '']) == 2
+  # Three learners do not split the tiny model's FFN (64); a run with no usage.
+  three = _acm_model_dir(tmp_path / 'three', num_learners=3, learner_usage=(1.0, 0.5, 0.1))
+  gate = _acm_model_dir(tmp_path / 'gate', phase='gate')
+  for usage, message in ((three, 'do not divide the FFN width 64'),
+                         (gate, "records no acm_config.learner_usage")):
+    assert decoding_latency.main(['--preset', 'tiny', '--acm_usage', usage, '--input_length',
+                                  '8', '--output_length', '2', '--reduction_factors', '',
+                                  '--attention', '', '--out', '', '--png', '']) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_acm_params_from_a_checkpoint_keep_its_leaves():
   config = models.make_config('tiny', jnp.bfloat16)
-  template = AcmConfig(num_learners=4, inference='gather')
+  template = AcmConfig(num_learners=4)
   dense = network.Transformer(config)
   pretrained = jax.tree_util.tree_map(
       lambda x: np.asarray(x, np.float32),

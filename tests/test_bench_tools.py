@@ -1,5 +1,7 @@
 """The routing-primitive and ACM benchmark tools run and report every row."""
 import importlib.util
+import json
+import math
 import pathlib
 
 import pytest
@@ -29,14 +31,31 @@ def test_bench_routing_reports_every_primitive(tmp_path, capsys):
     _tool('bench_routing').main(['--impls', 'cuda'])
 
 
+PROFILE = TOOLS.parent / 'benchmarks' / 'acm_conversion' / 'acm_conversion.json'
+
+
 def test_bench_acm_reports_the_bound_of_each_budget():
+  """Capacities and bounds from the usage the committed conversion recorded."""
   report = _tool('bench_acm').main(['--model', 'tiny', '--length', '16', '--batch_size', '2',
                                     '--repeats', '2', '--budgets', '0.25,0.5'])
   rows = {row['variant']: row for row in report['rows']}
   assert set(rows) == {'masked', 'gather_b0.25', 'gather_b0.5'}
+  assert report['usage_profile']['path'] == str(PROFILE)
+  with open(PROFILE) as f:
+    recorded = {r['beta']: r['learner_usage_recorded'] for r in json.load(f)['budgets']}
+  for budget in (0.25, 0.5):
+    row = rows[f'gather_b{budget:g}']
+    assert row['learner_usage'] == recorded[budget] and row['capacity_factor'] == 1.25
+    assert str(PROFILE) in row['capacities_from']
+    # 32 tokens: ceil(1.25 u_n 32), at most 32; the bound at that FFN work.
+    assert row['capacities'] == [min(32, math.ceil(1.25 * u * 32)) for u in recorded[budget]]
+    assert row['ffn_fraction'] == sum(row['capacities']) / (4 * 32)
+    assert row['ffn_fraction'] > budget
   assert rows['gather_b0.25']['flop_bound'] > rows['gather_b0.5']['flop_bound'] > 1
   assert rows['gather_b0.5']['fraction_of_bound'] == pytest.approx(
       rows['gather_b0.5']['speedup'] / rows['gather_b0.5']['flop_bound'])
-  for bad in (['--budgets', '0.5,1.5'], ['--repeats', '0']):  # argparse's error, no work
+  # argparse's error, no work: a bad budget, one the profile lacks, no profile.
+  for bad in (['--budgets', '0.5,1.5'], ['--repeats', '0'], ['--budgets', '0.3'],
+              ['--usage', '/nonexistent']):
     with pytest.raises(SystemExit):
       _tool('bench_acm').main(bad)

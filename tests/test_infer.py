@@ -8,14 +8,14 @@ with `offline_tasks.offline_task`; it learns fast enough that the accuracy is
 not 0 after 150 steps), then runs the commands the README shows and records
 what they printed and wrote. The tests read its report.
 """
-import contextlib
-import io
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import script_scenario  # pylint: disable=g-bad-import-order
+from script_scenario import call as _call  # pylint: disable=g-bad-import-order
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, 'gin_configs', 'runs', 'quickstart.gin')
@@ -29,14 +29,6 @@ def _copy_words(rng):
   from coda_jax import offline_tasks  # pylint: disable=g-import-not-at-top
   words = ' '.join(offline_tasks.QUICKSTART_WORDS[int(i)] for i in rng.integers(0, 16, 2))
   return {'inputs': 'copy: ' + words, 'targets': words}
-
-
-def _call(main, argv):
-  """(exit code, stdout, stderr) of a command line run in this process."""
-  out, err = io.StringIO(), io.StringIO()
-  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    rc = main(argv)
-  return rc, out.getvalue(), err.getvalue()
 
 
 def _lines(path):
@@ -116,21 +108,7 @@ def write_inputs(work: str) -> str:
 def scenario(tmp_path_factory):
   pytest.importorskip('seqio')
   work = str(tmp_path_factory.mktemp('infer'))
-  env = dict(os.environ)
-  env.update({
-      'JAX_PLATFORMS': 'cpu',
-      'XLA_FLAGS': (env.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0').strip(),
-      'TF_CPP_MIN_LOG_LEVEL': '3',
-      'PYTHONPATH': os.pathsep.join([REPO] + [p for p in [env.get('PYTHONPATH')] if p]),
-  })
-  out = os.path.join(work, 'report.json')
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), work, out], cwd=REPO,
-                        env=env, capture_output=True, text=True, timeout=600)
-  if proc.returncode != 0:
-    raise AssertionError(f'scenario failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n'
-                         f'{proc.stderr[-6000:]}')
-  with open(out) as f:
-    return json.load(f)
+  return script_scenario.run(__file__, work, timeout=600)
 
 
 def test_trainer_logs_without_a_terminal_and_says_when_finished(scenario):

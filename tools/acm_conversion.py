@@ -21,8 +21,8 @@ evaluation mode (argmax gate, no Gumbel noise):
 * the task metric (exact match, %) by greedy decoding with 'masked' inference
   (every learner, masked: the trainer's evaluation) and with 'gather'
   inference (learner n only on the first C_n tokens ordered by k), its
-  capacities C_n from β alone (AcmConfig's default, what the decoding
-  benchmark times) and from the usage of each learner, P(k >= n)
+  capacities C_n from β alone (`AcmConfig.capacities(budget_only=True)`: u_n
+  = β for every learner) and from the usage of each learner, P(k >= n)
   (`AcmConfig.learner_usage`), as the trainer measured it on training batches
   and recorded it in run_config.json (what `infer` uses; the usage on the
   validation set is reported too), beside the dense model's and the
@@ -365,8 +365,8 @@ def measure(workdir: str, budgets: Sequence[float], ev: Evaluation,
     eval_model = _with_acm(run.model, phase='finetune', budget=beta)
     budget = achieved_budget(ev, eval_model, run.params)
     achieved = budget['learners_used']
-    # 'gather' capacities: from β alone (AcmConfig's default: every learner
-    # gets ceil(1.25 β T) tokens), and from the usage of each learner
+    # 'gather' capacities: from β alone (every learner gets ceil(1.25 β T)
+    # tokens: u_n = β, `capacities(budget_only=True)`), and from the usage of each learner
     # u_n = P(k >= n) (AcmConfig.learner_usage) that the trainer measured on
     # training batches at the end of fine-tuning and wrote into the run's
     # run_config.json (`train_lib.record_learner_usage`: what `infer` uses);
@@ -374,7 +374,7 @@ def measure(workdir: str, budgets: Sequence[float], ev: Evaluation,
     recorded = run.model.acm.learner_usage
     usage = recorded if recorded is not None else budget['learner_usage']
     gather_model = _with_acm(run.model, phase='finetune', budget=beta, inference='gather',
-                             learner_usage=None)
+                             learner_usage=(beta,) * num)
     usage_model = _with_acm(run.model, phase='finetune', budget=beta, inference='gather',
                             learner_usage=usage)
     step_tokens = min(ev.evaluator.batch_size, ev.num_examples)
@@ -392,7 +392,8 @@ def measure(workdir: str, budgets: Sequence[float], ev: Evaluation,
         'learner_usage': budget['learner_usage'],
         'learner_usage_recorded': None if recorded is None else list(recorded),
         'exact_match_gather': ev.exact_match(gather_model, run.params),
-        'gather_capacities_per_decoding_step': list(gather_model.acm.capacities(step_tokens)),
+        'gather_capacities_per_decoding_step': list(
+            gather_model.acm.capacities(step_tokens, budget_only=True)),
         'exact_match_gather_usage': ev.exact_match(usage_model, run.params),
         'gather_usage_capacities_per_decoding_step': list(
             usage_model.acm.capacities(step_tokens)),

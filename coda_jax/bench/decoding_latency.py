@@ -30,23 +30,31 @@ distinct k (compile seconds reported apart, XLA compilations counted):
     number of routed layers, over the variant's end-to-end median;
   * FLOP bounds (`coda_jax.flops`): encoder and end-to-end MAC ratios.
 
-With ``--acm_budgets`` (default 0.25,0.5,0.75; empty: none), Adaptive
-Computation Modules (`coda_jax.acm`) are timed next to the dense T5 of the
-same backbone, in their own block of rows (speed-ups over ``dense``):
+Below them, Adaptive Computation Modules (`coda_jax.acm`) are timed next to
+the dense T5 of the same backbone, in their own block of rows (speed-ups over
+``dense``; ``--acm_budgets ''``: none):
 
   * ``dense`` -- the plain T5 (no adapters, no routing);
-  * ``acm_b<β>`` -- every FFN of the encoder and the decoder an ACM of
-    ``--acm_learners`` learners with 'gather' inference: learner n runs on a
-    static capacity of ceil(capacity_factor · β · tokens) tokens
-    (`AcmConfig.capacities`; ``--acm_capacity_factor``, default 1: the FFN work
-    is β of the dense FFN's whatever the gate chooses), per encoder call and
-    per decoding step. The decoder changes too, so each of these models has
-    its own compiled encoder and decoder; end_to_end is its encoder followed
-    by its decoder. All budgets share one set of parameters (random, or
-    `acmize.acmize` of --checkpoint), the dense model their pretrained leaves;
+  * ``acm_b<β>`` -- every FFN of the encoder and the decoder an ACM with
+    'gather' inference, as a trained model runs: learner n runs on a static
+    capacity of ceil(capacity_factor · u_n · tokens) tokens
+    (`AcmConfig.capacities`) per encoder call and per decoding step, u_n =
+    P(k >= n) the learner usage a fine-tuning run at budget β recorded
+    (`acm_usage`: ``--acm_usage`` names a fine-tuned ACM MODEL_DIR or a
+    ``tools/acm_conversion.py`` report, by default --checkpoint when it is
+    such a MODEL_DIR, else the quickstart conversion's
+    ``benchmarks/acm_conversion/acm_conversion.json``; the JSON records it
+    and each row says where its usage came from). The budgets are those the
+    usage records (``--acm_budgets`` picks among them), N and the capacity
+    factor the run's (``--acm_capacity_factor`` overrides it). The decoder
+    changes too, so each of these models has its own compiled encoder and
+    decoder; end_to_end is its encoder followed by its decoder. All budgets
+    share one set of parameters (random, or `acmize.acmize` of --checkpoint;
+    the capacities are static, so the times do not depend on the values),
+    the dense model their pretrained leaves;
   * FLOP bounds (`flops.acm_decoding_speedup_bounds`): MACs(dense) /
-    MACs(ACM) at the FFN work the capacities give, encoder, decoder and end
-    to end, gates included.
+    MACs(ACM) at the FFN work the same capacities give, encoder, decoder and
+    end to end, gates included.
 
 Decoding runs a FIXED number of steps (`output_length`): EOS is set to -1,
 which greedy argmax and beam search can never emit, so random weights cannot
@@ -86,6 +94,7 @@ from coda_jax import decoding
 from coda_jax import flops
 from coda_jax import network
 from coda_jax import soft_topk as soft_topk_lib
+from coda_jax.bench import acm_usage
 from coda_jax.bench import flags
 from coda_jax.bench import hlo
 from coda_jax.bench import models
@@ -115,9 +124,8 @@ CROSS_KV_TASK = 'xsum'
 CPU_CROSS_KV_BATCH = 1
 # EOS id that no decoder can emit: decoding always runs output_length steps.
 NEVER_EOS = -1
-# The ACM rows' baseline and their default budgets β.
+# The ACM rows' baseline.
 DENSE = 'dense'
-ACM_BUDGETS = (0.25, 0.5, 0.75)
 
 MEASURED = {
     'encoder': "the variant's compiled Transformer.encode on [batch, input_length] "
@@ -155,151 +163,212 @@ def _normal(shape: Sequence[int], dtype: Any, seed: int) -> jax.Array:
   return jax.device_put(np.random.RandomState(seed).standard_normal(shape).astype(dtype))
 
 
-def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
-                   input_length: int, output_length: int, batch_size: int,
-                   reduction_factors: Sequence[float], attentions: Sequence[str],
-                   coda_template: CodaConfig, method: str, num_beams: int, alpha: float,
-                   repeats: int, seed: int = 0, progress=None,
-                   acm_budgets: Sequence[float] = (), acm_template: Optional[AcmConfig] = None,
-                   acm_params: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
-  """Times the baseline and every CoDA variant on one task shape (interleaved);
-  with `acm_budgets`, the dense model and the ACM model at each budget too
-  (`acm_template`, `acm_params`: `models.acm_params`), in the same round robin."""
-  if acm_budgets and (acm_template is None or acm_params is None):
-    raise ValueError('acm_budgets need acm_template and acm_params')
+@dataclasses.dataclass(frozen=True)
+class AcmBlock:
+  """The ACM rows of a task: `budgets` β, the ACMs they time (`template`: learners,
+  gate, 'gather' inference, capacity factor), the `params` every budget shares
+  (`models.acm_params`; the dense model takes its pretrained leaves) and the
+  `profile` whose recorded learner usage sizes each budget's capacities."""
+  budgets: Sequence[float]
+  template: AcmConfig
+  params: Mapping[str, Any]
+  profile: acm_usage.UsageProfile
+
+  def entries(self, config: T5Config) -> List[Tuple[str, network.Transformer, Any,
+                                                    Optional[float]]]:
+    """(name, model, parameters, β) of the dense model, then of each budget."""
+    dense = network.Transformer(config)
+    out = [(DENSE, dense, models.restrict_params(self.params, dense), None)]
+    return out + [(models.acm_name(b), network.Transformer(
+        config, acm=self.profile.config(self.template, b)), self.params, float(b))
+                  for b in self.budgets]
+
+
+@dataclasses.dataclass
+class _Compiled:
+  """One task's compiled programs: the CoDA variants' encoders, the shared
+  decoder, a soft top-k per k, and each ACM-block model's (encoder, decoder)."""
+  variants: List[models.Variant]
+  var_params: Dict[str, Any]
+  tokens: jax.Array
+  encoders: Dict[str, timing.Timed]
+  decoder: timing.Timed
+  soft_topk: Dict[str, timing.Timed]
+  acm_entries: List[Tuple[str, network.Transformer, Any, Optional[float]]]
+  acm: Dict[str, Tuple[timing.Timed, timing.Timed]]
+
+  @property
+  def base(self) -> models.Variant:
+    return self.variants[0]
+
+
+def _compile_task(config: T5Config, params: Mapping[str, Any], *, input_length: int,
+                  output_length: int, batch_size: int, reduction_factors: Sequence[float],
+                  attentions: Sequence[str], coda_template: CodaConfig, method: str,
+                  num_beams: int, alpha: float, seed: int, progress,
+                  acm: Optional[AcmBlock]) -> _Compiled:
+  """Compiles every program of one task shape (`benchmark_task`), ahead of time."""
   variants = models.make_variants(config, coda_template, reduction_factors, attentions)
   base = variants[0]
   var_params = models.variant_params(variants, params)
   tokens = models.random_tokens(batch_size, input_length, config.vocab_size, seed)
   scores = _normal((batch_size, input_length), jnp.float32, seed)
-  ks = sorted({v.k(input_length) for v in variants if v.attention})
 
   def step(label):
     if progress is not None:
       progress.update(1, at=f'compile {label}')
 
-  with timing.CompileCounter() as compiling:
-    encoders = models.compile_encoders(variants, var_params, tokens, progress)
-    encoded = jax.block_until_ready(encoders[base.name].call())
-    decoder = timing.compile_call(
-        make_decode_fn(base.model, output_length, method, num_beams, alpha),
-        var_params[base.name], tokens, encoded)
-    step('decoder (shared)')
-    soft_topk = {}
-    for k in ks:
-      soft_topk[f'soft_topk/k{k}'] = timing.compile_call(
-          make_soft_topk_fn(coda_template, k), scores)
-      step(f'soft top-k k={k}')
-    # ACM block: the dense model and each budget, own encoder and own decoder.
-    acm_entries = []
-    if acm_budgets:
-      dense = network.Transformer(config)
-      acm_entries.append((DENSE, dense, models.restrict_params(acm_params, dense), None))
-      acm_entries += [(models.acm_name(b), models.acm_model(config, acm_template, b),
-                       acm_params, float(b)) for b in acm_budgets]
-    acm_compiled = {}
-    for name, model, p, _ in acm_entries:
-      enc = timing.compile_call(models.make_encode_fn(model), p, tokens)
-      step(f'{name} encoder')
-      own_encoded = jax.block_until_ready(enc.call())
-      dec = timing.compile_call(make_decode_fn(model, output_length, method, num_beams, alpha),
-                                p, tokens, own_encoded)
-      step(f'{name} decoder')
-      acm_compiled[name] = (enc, dec, p)
+  encoders = models.compile_encoders(variants, var_params, tokens, progress)
+  encoded = jax.block_until_ready(encoders[base.name].call())
+  decoder = timing.compile_call(
+      make_decode_fn(base.model, output_length, method, num_beams, alpha),
+      var_params[base.name], tokens, encoded)
+  step('decoder (shared)')
+  soft_topk = {}
+  for k in sorted({v.k(input_length) for v in variants if v.attention}):
+    soft_topk[f'soft_topk/k{k}'] = timing.compile_call(make_soft_topk_fn(coda_template, k),
+                                                       scores)
+    step(f'soft top-k k={k}')
+  # ACM block: the dense model and each budget, own encoder and own decoder.
+  acm_entries = acm.entries(config) if acm is not None else []
+  acm_compiled = {}
+  for name, model, p, _ in acm_entries:
+    enc = timing.compile_call(models.make_encode_fn(model), p, tokens)
+    step(f'{name} encoder')
+    own_encoded = jax.block_until_ready(enc.call())
+    acm_compiled[name] = (enc, timing.compile_call(
+        make_decode_fn(model, output_length, method, num_beams, alpha), p, tokens,
+        own_encoded))
+    step(f'{name} decoder')
+  return _Compiled(variants, var_params, tokens, encoders, decoder, soft_topk, acm_entries,
+                   acm_compiled)
 
-  def end_to_end(encoder: timing.Timed) -> Callable[[], Any]:
-    return lambda: decoder.compiled(var_params[base.name], tokens, encoder.call())
 
-  fns = {DECODER: decoder.call}
-  for v in variants:
-    fns[f'{v.name}/encoder'] = encoders[v.name].call
-    fns[f'{v.name}/end_to_end'] = end_to_end(encoders[v.name])
-  fns.update({name: t.call for name, t in soft_topk.items()})
+def _timed_functions(c: _Compiled) -> Dict[str, Callable[[], Any]]:
+  """Every function the round robin times, by the key its times are stored under."""
+  def end_to_end(enc: timing.Timed, dec: timing.Timed, p) -> Callable[[], Any]:
+    return lambda: dec.compiled(p, c.tokens, enc.call())
 
-  def own_end_to_end(enc: timing.Timed, dec: timing.Timed, p) -> Callable[[], Any]:
-    return lambda: dec.compiled(p, tokens, enc.call())
-
-  for name, (enc, dec, p) in acm_compiled.items():
+  fns = {DECODER: c.decoder.call}
+  for v in c.variants:
+    fns[f'{v.name}/encoder'] = c.encoders[v.name].call
+    fns[f'{v.name}/end_to_end'] = end_to_end(c.encoders[v.name], c.decoder,
+                                             c.var_params[c.base.name])
+  fns.update({name: t.call for name, t in c.soft_topk.items()})
+  for name, _, p, _ in c.acm_entries:
+    enc, dec = c.acm[name]
     fns[f'{name}/encoder'] = enc.call
     fns[f'{name}/decoder'] = dec.call
-    fns[f'{name}/end_to_end'] = own_end_to_end(enc, dec, p)
-  with timing.CompileCounter() as timed_loop:
-    times = timing.time_round_robin(fns, repeats, progress)
+    fns[f'{name}/end_to_end'] = end_to_end(enc, dec, p)
+  return fns
 
-  def key(v: models.Variant, t: str) -> str:
-    return t if t == DECODER else f'{v.name}/{t}'
 
-  rows = []
-  for v in variants:
-    enc_s = encoders[v.name].compile_s
-    row: Dict[str, Any] = {
-        'name': v.name, 'reduction_factor': v.reduction_factor,
-        'attention': v.attention, 'k': v.k(input_length),
-        'routed_layers': v.routed_layers,
-        'compile_s': {'encoder': enc_s, 'decoder': decoder.compile_s,
-                      'end_to_end': enc_s + decoder.compile_s},
+def _coda_row(config: T5Config, c: _Compiled, v: models.Variant, times, *, input_length: int,
+              output_length: int, beams: int) -> Dict[str, Any]:
+  """One CoDA variant's (or the baseline's) row: times, speed-ups, FLOP bounds,
+  the soft top-k's share."""
+  def key(variant: models.Variant, t: str) -> str:
+    return t if t == DECODER else f'{variant.name}/{t}'
+
+  enc_s = c.encoders[v.name].compile_s
+  row: Dict[str, Any] = {
+      'name': v.name, 'reduction_factor': v.reduction_factor,
+      'attention': v.attention, 'k': v.k(input_length),
+      'routed_layers': v.routed_layers,
+      'compile_s': {'encoder': enc_s, 'decoder': c.decoder.compile_s,
+                    'end_to_end': enc_s + c.decoder.compile_s},
+  }
+  stats = {t: timing.summary(times[key(v, t)], times[key(c.base, t)]) for t in TIMED}
+  row.update({name: {t: stats[t][name] for t in TIMED} for name in timing.SUMMARY_KEYS})
+  if v.attention is None:
+    row['flop_bound'] = {'encoder': 1.0, 'end_to_end': 1.0}
+    row['soft_topk'] = None
+  else:
+    row['flop_bound'] = {
+        'encoder': flops.encoder_speedup_bound(config, input_length, v.reduction_factor,
+                                               v.attention, v.coda.adapter_dim),
+        'end_to_end': flops.end_to_end_speedup_bound(
+            config, input_length, output_length, v.reduction_factor, v.attention,
+            v.coda.adapter_dim, num_beams=beams),
     }
-    stats = {t: timing.summary(times[key(v, t)], times[key(base, t)]) for t in TIMED}
-    row.update({name: {t: stats[t][name] for t in TIMED} for name in timing.SUMMARY_KEYS})
-    if v.attention is None:
-      row['flop_bound'] = {'encoder': 1.0, 'end_to_end': 1.0}
-      row['soft_topk'] = None
-    else:
-      row['flop_bound'] = {
-          'encoder': flops.encoder_speedup_bound(config, input_length, v.reduction_factor,
-                                                 v.attention, v.coda.adapter_dim),
-          'end_to_end': flops.end_to_end_speedup_bound(
-              config, input_length, output_length, v.reduction_factor, v.attention,
-              v.coda.adapter_dim, num_beams=num_beams if method == 'beam' else 1),
-      }
-      name = f'soft_topk/k{row["k"]}'
-      one = timing.median_ms(times[name])
-      row['soft_topk'] = {
-          'key': name, 'method': v.coda.soft_topk.method,
-          'num_iters': v.coda.soft_topk.num_iters,
-          'one_layer_median_ms': one,
-          'all_layers_ms': one * v.routed_layers,
-          'share_of_end_to_end': one * v.routed_layers / row['median_ms']['end_to_end'],
-      }
-    row['fraction_of_bound'] = {t: row['speedup'][t] / row['flop_bound'][t]
-                                for t in ('encoder', 'end_to_end')}
-    rows.append(row)
-  acm_rows = []
+    name = f'soft_topk/k{row["k"]}'
+    one = timing.median_ms(times[name])
+    row['soft_topk'] = {
+        'key': name, 'method': v.coda.soft_topk.method,
+        'num_iters': v.coda.soft_topk.num_iters,
+        'one_layer_median_ms': one,
+        'all_layers_ms': one * v.routed_layers,
+        'share_of_end_to_end': one * v.routed_layers / row['median_ms']['end_to_end'],
+    }
+  row['fraction_of_bound'] = {t: row['speedup'][t] / row['flop_bound'][t]
+                              for t in ('encoder', 'end_to_end')}
+  return row
+
+
+def _acm_row(config: T5Config, c: _Compiled, entry, times, acm: AcmBlock, *,
+             input_length: int, output_length: int, batch_size: int,
+             beams: int) -> Dict[str, Any]:
+  """One ACM-block row (the dense model's or a budget's): times and speed-ups
+  over dense, the capacities, where the learner usage came from, and the FLOP
+  bounds at the FFN work those same capacities give."""
+  name, model, _, budget = entry
+  enc, dec = c.acm[name]
+  row = {'name': name, 'budget': budget,
+         'compile_s': {'encoder': enc.compile_s, 'decoder': dec.compile_s,
+                       'end_to_end': enc.compile_s + dec.compile_s}}
+  stats = {t: timing.summary(times[f'{name}/{t}'], times[f'{DENSE}/{t}']) for t in TIMED}
+  row.update({key: {t: stats[t][key] for t in TIMED} for key in timing.SUMMARY_KEYS})
+  if model.acm is None:
+    row['acm'] = None
+    row['flop_bound'] = {t: 1.0 for t in TIMED}
+  else:
+    bounds = flops.acm_decoding_speedup_bounds(config, model.acm, input_length,
+                                               output_length, batch_size, beams)
+    row['acm'] = {
+        'num_learners': model.acm.num_learners, 'inference': model.acm.inference,
+        'capacity_factor': model.acm.capacity_factor,
+        'learner_usage': list(model.acm.learner_usage),
+        'capacities_from': acm.profile.source(budget),
+        'encoder_capacities': list(model.acm.capacities(batch_size * input_length)),
+        'decoder_step_capacities': list(model.acm.capacities(batch_size * beams)),
+        'encoder_ffn_fraction': bounds['encoder_ffn_fraction'],
+        'decoder_ffn_fraction': bounds['decoder_ffn_fraction']}
+    row['flop_bound'] = {t: bounds[t] for t in TIMED}
+  row['fraction_of_bound'] = {t: row['speedup'][t] / row['flop_bound'][t] for t in TIMED}
+  return row
+
+
+def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
+                   input_length: int, output_length: int, batch_size: int,
+                   reduction_factors: Sequence[float], attentions: Sequence[str],
+                   coda_template: CodaConfig, method: str, num_beams: int, alpha: float,
+                   repeats: int, seed: int = 0, progress=None,
+                   acm: Optional[AcmBlock] = None) -> Dict[str, Any]:
+  """Times the baseline and every CoDA variant on one task shape (interleaved);
+  with `acm`, the dense model and the ACM model at each of its budgets too, in
+  the same round robin."""
   beams = num_beams if method == 'beam' else 1
-  for name, model, _, budget in acm_entries:
-    enc, dec, _ = acm_compiled[name]
-    row = {'name': name, 'budget': budget,
-           'compile_s': {'encoder': enc.compile_s, 'decoder': dec.compile_s,
-                         'end_to_end': enc.compile_s + dec.compile_s}}
-    stats = {t: timing.summary(times[f'{name}/{t}'], times[f'{DENSE}/{t}']) for t in TIMED}
-    row.update({key: {t: stats[t][key] for t in TIMED} for key in timing.SUMMARY_KEYS})
-    if model.acm is None:
-      row['acm'] = None
-      row['flop_bound'] = {t: 1.0 for t in TIMED}
-    else:
-      bounds = flops.acm_decoding_speedup_bounds(config, model.acm, input_length,
-                                                 output_length, batch_size, beams)
-      row['acm'] = {
-          'num_learners': model.acm.num_learners, 'inference': model.acm.inference,
-          'capacity_factor': model.acm.capacity_factor,
-          'encoder_capacities': list(model.acm.capacities(batch_size * input_length)),
-          'decoder_step_capacities': list(model.acm.capacities(batch_size * beams)),
-          'encoder_ffn_fraction': bounds['encoder_ffn_fraction'],
-          'decoder_ffn_fraction': bounds['decoder_ffn_fraction']}
-      row['flop_bound'] = {t: bounds[t] for t in TIMED}
-    row['fraction_of_bound'] = {t: row['speedup'][t] / row['flop_bound'][t] for t in TIMED}
-    acm_rows.append(row)
+  with timing.CompileCounter() as compiling:
+    c = _compile_task(config, params, input_length=input_length, output_length=output_length,
+                      batch_size=batch_size, reduction_factors=reduction_factors,
+                      attentions=attentions, coda_template=coda_template, method=method,
+                      num_beams=num_beams, alpha=alpha, seed=seed, progress=progress, acm=acm)
+  with timing.CompileCounter() as timed_loop:
+    times = timing.time_round_robin(_timed_functions(c), repeats, progress)
+  shape = dict(input_length=input_length, output_length=output_length, beams=beams)
+  rows = [_coda_row(config, c, v, times, **shape) for v in c.variants]
+  acm_rows = [_acm_row(config, c, entry, times, acm, batch_size=batch_size, **shape)
+              for entry in c.acm_entries]
   return {
       'task': task, 'input_length': input_length, 'output_length': output_length,
-      'batch_size': batch_size, 'baseline': base.name, 'variants': rows,
-      'decoder': {'model': base.name, 'compile_s': decoder.compile_s,
+      'batch_size': batch_size, 'baseline': c.base.name, 'variants': rows,
+      'decoder': {'model': c.base.name, 'compile_s': c.decoder.compile_s,
                   'times_s': times[DECODER]},
-      'soft_topk_times_s': {name: times[name] for name in soft_topk},
-      'soft_topk_compile_s': {name: t.compile_s for name, t in soft_topk.items()},
-      'compiled_programs': ([f'{v.name}/encoder' for v in variants] + [DECODER]
-                            + list(soft_topk)
-                            + [f'{n}/{t}' for n in acm_compiled for t in ('encoder',
-                                                                          'decoder')]),
+      'soft_topk_times_s': {name: times[name] for name in c.soft_topk},
+      'soft_topk_compile_s': {name: t.compile_s for name, t in c.soft_topk.items()},
+      'compiled_programs': ([f'{v.name}/encoder' for v in c.variants] + [DECODER]
+                            + list(c.soft_topk)
+                            + [f'{n}/{t}' for n in c.acm for t in ('encoder', 'decoder')]),
       'acm': ({'baseline': DENSE, 'variants': acm_rows} if acm_rows else None),
       'xla_compilations': {'compile': compiling.compilations,
                            'timed_loop': timed_loop.compilations},
@@ -406,9 +475,37 @@ def png_path(args: argparse.Namespace) -> str:
   return (os.path.splitext(args.out)[0] + '.png') if args.out else ''
 
 
+def acm_profile(args: argparse.Namespace
+                ) -> Tuple[Optional[acm_usage.UsageProfile], List[float]]:
+  """The learner usage the ACM rows size their capacities from, and their
+  budgets: --acm_usage, else --checkpoint when it is a fine-tuned ACM
+  MODEL_DIR, else `acm_usage.DEFAULT_PROFILE`; the budgets are --acm_budgets
+  or, by default, every budget the profile records. (None, []) without ACM rows
+  (--acm_budgets '')."""
+  if args.acm_budgets == []:  # pylint: disable=g-explicit-bool-comparison
+    return None, []
+  path = args.acm_usage
+  if path is None:
+    path = (args.checkpoint if acm_usage.is_acm_run(args.checkpoint)
+            else acm_usage.default_path())
+  try:
+    profile = acm_usage.read(path)
+    budgets = list(profile.budgets if args.acm_budgets is None else args.acm_budgets)
+    for b in budgets:
+      profile.usage_at(b)
+    template = profile.template(args.acm_capacity_factor)
+  except ValueError as e:
+    raise ValueError(f'--acm_usage: {e}') from e
+  if template.modules != ('mlp',):
+    raise ValueError(f"--acm_usage: {path} converts {template.modules}; the ACM rows time "
+                     "FFN ACMs (modules ('mlp',)) only")
+  return profile, budgets
+
+
 def check_args(args: argparse.Namespace) -> None:
   """What argparse cannot check alone, before any work: flags that go
-  together, the checkpoint's format, the output directories."""
+  together, the checkpoint's format, the ACM rows' learner usage, the output
+  directories."""
   if (args.input_length is None) != (args.output_length is None):
     raise ValueError('--input_length and --output_length go together')
   if args.checkpoint:
@@ -416,6 +513,7 @@ def check_args(args: argparse.Namespace) -> None:
       checkpoints.detect_format(args.checkpoint)
     except checkpoints.CheckpointError as e:
       raise ValueError(f'--checkpoint: {e}') from e
+  acm_profile(args)
   for flag, path in (('--out', args.out), ('--png', png_path(args))):
     if path:
       flags.check_writable_file(flag, path)
@@ -427,10 +525,10 @@ def _resolve_tasks(args) -> List[Tuple[str, int, int]]:
   return [(name,) + TASK_SHAPES[name] for name in args.tasks]
 
 
-def _progress_total(tasks, rs, attentions, args) -> int:
+def _progress_total(tasks, rs, attentions, args, acm_budgets: Sequence[float]) -> int:
   """Compilations and timed calls the progress bar counts."""
   n_var = 1 + len(rs) * len(attentions)
-  n_acm = (1 + len(args.acm_budgets)) if args.acm_budgets else 0
+  n_acm = (1 + len(acm_budgets)) if acm_budgets else 0
   total = 0
   for _, n_in, _ in tasks:
     n_ks = len({coda_k(n_in, r) for r in rs}) if attentions else 0
@@ -439,6 +537,64 @@ def _progress_total(tasks, rs, attentions, args) -> int:
   if args.cross_kv:
     total += 2 * (1 + args.cross_kv_repeats)
   return total
+
+
+def _backbone(args: argparse.Namespace, dtype: str
+              ) -> Tuple[T5Config, Optional[Mapping[str, Any]], str]:
+  """(config, pretrained parameters or None, the model's name in the JSON)."""
+  if args.checkpoint:
+    config, pretrained = checkpoints.load_t5_v1_1(args.checkpoint)
+    return (dataclasses.replace(config, dtype=jnp.dtype(dtype)), pretrained,
+            f'checkpoint:{args.checkpoint}')
+  return models.make_config(args.model, jnp.dtype(dtype)), None, args.model
+
+
+def _acm_block(args: argparse.Namespace, config: T5Config,
+               pretrained: Optional[Mapping[str, Any]]
+               ) -> Tuple[Optional[AcmBlock], Optional[Dict[str, Any]]]:
+  """The ACM rows (`acm_profile`), their parameters (random, or `acmize.acmize`
+  of the checkpoint's) and what the JSON's meta records of them."""
+  profile, budgets = acm_profile(args)
+  if profile is None:
+    return None, None
+  template = profile.template(args.acm_capacity_factor)
+  if config.mlp_dim % template.num_learners:
+    raise ValueError(f'the {template.num_learners} learners of --acm_usage {profile.path} '
+                     f'do not divide the FFN width {config.mlp_dim}')
+  # Shapes do not depend on the inference: initialise with 'masked', which
+  # needs no capacities.
+  params, info = models.acm_params(config, dataclasses.replace(template, inference='masked'),
+                                   pretrained, args.seed)
+  meta = {**config_lib.to_dict(template), 'params': info,
+          'usage_profile': profile.as_dict(), 'budgets': budgets}
+  return AcmBlock(budgets, template, params, profile), meta
+
+
+def _meta(args: argparse.Namespace, *, dtype: str, model_name: str, config: T5Config,
+          coda_template: CodaConfig, params_info: Dict[str, Any], batch: int,
+          acm_meta: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+  """The JSON's ``meta``: what ran, where, and how it was timed."""
+  return {
+      'tool': 'coda_jax.bench.decoding_latency',
+      'date': datetime.datetime.now().isoformat(timespec='seconds'),
+      **timing.environment(),
+      'dtype': dtype, 'model': model_name, 'config': config_lib.to_dict(config),
+      'coda': config_lib.to_dict(coda_template), 'params': params_info,
+      'decoding': args.decoding, 'num_beams': args.num_beams if args.decoding == 'beam' else 1,
+      'alpha': args.alpha if args.decoding == 'beam' else None,
+      'eos_id': NEVER_EOS,
+      'fixed_decode_steps': 'eos_id=-1 can never be emitted: every batch decodes '
+                            'exactly output_length steps',
+      'batch_size': batch, 'repeats': args.repeats,
+      'reduction_factors': args.reduction_factors, 'attention': args.attention,
+      'acm_budgets': [] if acm_meta is None else acm_meta['budgets'],
+      'acm': acm_meta,
+      'timing': 'compile excluded (ahead-of-time compile timed as compile_s, then '
+                'one untimed warm-up call); round-robin repeats; speedup = '
+                'median(baseline) / median(variant) of times_s, speedup_of_min = '
+                'min(baseline) / min(variant)',
+      'measured': MEASURED,
+  }
 
 
 def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
@@ -452,63 +608,29 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
   rs, attentions = args.reduction_factors, args.attention
   tasks = _resolve_tasks(args)
   with timing.CompileCounter() as compiles:
-    pretrained = None
-    if args.checkpoint:
-      config, pretrained = checkpoints.load_t5_v1_1(args.checkpoint)
-      config = dataclasses.replace(config, dtype=jnp.dtype(dtype))
-      model_name = f'checkpoint:{args.checkpoint}'
-    else:
-      config = models.make_config(args.model, jnp.dtype(dtype))
-      model_name = args.model
+    config, pretrained, model_name = _backbone(args, dtype)
     coda_template = CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
                                adapter_dim=args.adapter_dim)
-    if args.acm_budgets and config.mlp_dim % args.acm_learners:
-      raise ValueError(f'--acm_learners {args.acm_learners} does not divide the FFN '
-                       f'width {config.mlp_dim}')
+    acm, acm_meta = _acm_block(args, config, pretrained)
     params, params_info = models.coda_params(config, coda_template, pretrained, args.seed)
-    acm_template = acm_params = acm_info = None
-    if args.acm_budgets:
-      acm_template = AcmConfig(num_learners=args.acm_learners, inference='gather',
-                               capacity_factor=args.acm_capacity_factor)
-      acm_params, acm_info = models.acm_params(config, acm_template, pretrained, args.seed)
     del pretrained
     if args.checkpoint:
       params_info['checkpoint'] = args.checkpoint
-    beams = args.num_beams if args.decoding == 'beam' else 1
-    progress = timing.progress_bar(_progress_total(tasks, rs, attentions, args),
-                                   enabled=False if args.no_progress else None)
+    progress = timing.progress_bar(
+        _progress_total(tasks, rs, attentions, args, acm.budgets if acm else []),
+        enabled=False if args.no_progress else None)
     result: Dict[str, Any] = {
-        'meta': {
-            'tool': 'coda_jax.bench.decoding_latency',
-            'date': datetime.datetime.now().isoformat(timespec='seconds'),
-            **timing.environment(),
-            'dtype': dtype, 'model': model_name, 'config': config_lib.to_dict(config),
-            'coda': config_lib.to_dict(coda_template), 'params': params_info,
-            'decoding': args.decoding, 'num_beams': beams,
-            'alpha': args.alpha if args.decoding == 'beam' else None,
-            'eos_id': NEVER_EOS,
-            'fixed_decode_steps': 'eos_id=-1 can never be emitted: every batch decodes '
-                                  'exactly output_length steps',
-            'batch_size': batch, 'repeats': args.repeats,
-            'reduction_factors': rs, 'attention': attentions,
-            'acm_budgets': list(args.acm_budgets),
-            'acm': (None if acm_template is None
-                    else {**config_lib.to_dict(acm_template), 'params': acm_info}),
-            'timing': 'compile excluded (ahead-of-time compile timed as compile_s, then '
-                      'one untimed warm-up call); round-robin repeats; speedup = '
-                      'median(baseline) / median(variant) of times_s, speedup_of_min = '
-                      'min(baseline) / min(variant)',
-            'measured': MEASURED,
-        },
-        'tasks': [],
-    }
+        'meta': _meta(args, dtype=dtype, model_name=model_name, config=config,
+                      coda_template=coda_template, params_info=params_info, batch=batch,
+                      acm_meta=acm_meta),
+        'tasks': []}
     for name, n_in, n_out in tasks:
       result['tasks'].append(benchmark_task(
           config, params, task=name, input_length=n_in, output_length=n_out,
           batch_size=batch, reduction_factors=rs, attentions=attentions,
           coda_template=coda_template, method=args.decoding, num_beams=args.num_beams,
           alpha=args.alpha, repeats=args.repeats, seed=args.seed, progress=progress,
-          acm_budgets=args.acm_budgets, acm_template=acm_template, acm_params=acm_params))
+          acm=acm))
     if args.cross_kv:
       n_in, n_out = TASK_SHAPES[args.cross_kv_task]
       result['cross_kv'] = benchmark_cross_kv(
@@ -561,14 +683,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  type=flags.one_of_each(ATTENTION_VARIANTS, True),
                  help=f'comma-separated CoDA attention variants from {ATTENTION_VARIANTS} '
                  '(empty: the baseline alone)')
-  g.add_argument('--acm_budgets', default=','.join(f'{b:g}' for b in ACM_BUDGETS),
-                 type=flags.budgets,
+  g.add_argument('--acm_budgets', default=None, type=flags.budgets,
                  help='comma-separated ACM budgets β in (0, 1]: the dense T5 and an ACM '
-                 'model at each β, timed against it (empty: none)')
-  g.add_argument('--acm_learners', type=flags.at_least_one, default=AcmConfig.num_learners,
-                 help='learners per ACM (must divide the FFN width)')
-  g.add_argument('--acm_capacity_factor', type=flags.positive_float, default=1.0,
-                 help="'gather' capacity of each learner: ceil(factor * β * tokens)")
+                 'model at each β, timed against it (default: every budget --acm_usage '
+                 'records; empty: no ACM rows)')
+  g.add_argument('--acm_usage', default=None,
+                 help="where the ACM rows' learner usage u_n = P(k >= n) comes from "
+                 "('gather' capacity of learner n: ceil(capacity factor * u_n * tokens)): "
+                 'a fine-tuned ACM MODEL_DIR (its run_config.json), or a '
+                 'tools/acm_conversion.py report with a usage per budget (default: '
+                 '--checkpoint if it is a fine-tuned ACM MODEL_DIR, else '
+                 f'{acm_usage.DEFAULT_PROFILE}, the quickstart conversion\'s)')
+  g.add_argument('--acm_capacity_factor', type=flags.positive_float, default=None,
+                 help="'gather' capacity of learner n: ceil(factor * u_n * tokens) "
+                 f'(default: the run\'s, else {AcmConfig.capacity_factor})')
   g.add_argument('--decoding', default='greedy', choices=('greedy', 'beam'))
   g.add_argument('--num_beams', type=flags.at_least_one, default=4)
   g.add_argument('--alpha', type=float, default=0.6, help='beam search length penalty')

@@ -10,8 +10,8 @@
   same leaves minus the routers (`restrict_params`, `variant_params`);
 * `make_encode_fn`, `compile_encoders`: `Transformer.encode` of each variant,
   compiled ahead of time;
-* ACM (`coda_jax.acm`): `acm_model` for a budget β ('gather' inference,
-  capacities from β) and `acm_params`, which the dense model shares
+* ACM (`coda_jax.acm`): `acm_model` for a budget β (the template's
+  inference and learner usage) and `acm_params`, which the dense model shares
   (`restrict_params`: the pretrained leaves).
 """
 from __future__ import annotations

@@ -40,8 +40,8 @@ def _acm_lines(task: Mapping[str, Any]) -> list:
           f'{"e2e ms":>9s} {"enc x (bound)":>15s} {"dec x (bound)":>15s} '
           f'{"e2e x (bound)":>15s} {"e2e/bnd":>7s} {"comp s":>7s}')
   lines = ['', f'ACM ({task["task"]}): speed-ups over {acm["baseline"]}; each model its own '
-           "encoder and decoder; 'gather' inference, capacities from the budget", head,
-           '-' * len(head)]
+           "encoder and decoder; 'gather' inference, capacities from a recorded learner "
+           'usage', head, '-' * len(head)]
   for row in acm['variants']:
     med, sp, bd = row['median_ms'], row['speedup'], row['flop_bound']
     a = row['acm']
@@ -54,6 +54,8 @@ def _acm_lines(task: Mapping[str, Any]) -> list:
         f'{sp["end_to_end"]:6.2f} ({bd["end_to_end"]:5.2f}) '
         f'{row["fraction_of_bound"]["end_to_end"]:7.2f} '
         f'{row["compile_s"]["end_to_end"]:7.1f}')
+  lines += [f'  {row["name"]}: {row["acm"]["capacities_from"]}' for row in acm['variants']
+            if row['acm']]
   return lines
 
 
