@@ -67,6 +67,12 @@ def progress_bar(total: int, enabled: Optional[bool] = None) -> metrics_lib.Prog
   return metrics_lib.ProgressBar(total, enabled=enabled, desc='benchmark')
 
 
+# How long a run of back-to-back calls of a sub-millisecond function lasts,
+# each repeat (`calls_to_fill`): long enough that the timer and the first
+# call's wake-up are a small part of it.
+SMALL_CALL_SECONDS = 0.02
+
+
 def calls_to_fill(fn: Callable[[], Any], seconds: float, max_calls: int = 1000) -> int:
   """How many back-to-back calls of `fn` last about `seconds` (1 or more),
   from one timed call after a warm-up call."""
