@@ -36,9 +36,9 @@ def test_there_are_recipes():
 def test_each_finetune_recipe_starts_its_routers_from_zero(recipe, tmp_path):
   pytest.importorskip('seqio')  # the recipes' tasks (the `data` extra)
   import gin  # pylint: disable=g-import-not-at-top
-  from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
   try:
-    train_cli.parse_gin([recipe], [('MODEL_DIR', repr(str(tmp_path))),
+    gin_utils.parse_gin([recipe], [('MODEL_DIR', repr(str(tmp_path))),
                                    ('INITIAL_CHECKPOINT_PATH', 'None')], TINY_MODEL)
     model = gin.query_parameter('%MODEL').scoped_configurable_fn()
   finally:
