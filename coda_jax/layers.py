@@ -88,7 +88,8 @@ def dot_product_attention(query: Array,
                           deterministic: bool = False,
                           dtype: DType = jnp.float32,
                           float32_logits: bool = False,
-                          kv_layout: str = 'bskd') -> Array:
+                          kv_layout: str = 'bskd',
+                          broadcast_dropout: bool = True) -> Array:
   """Dot-product attention with grouped key/value heads; no 1/sqrt(d) scaling.
 
   Args:
@@ -101,6 +102,10 @@ def dot_product_attention(query: Array,
       head_dim, kv_length]` and value `[batch, num_kv_heads, kv_length,
       head_dim]`, the operands of the two matmuls as they are (a cached
       cross-attention reads them with no transpose per decoding step).
+    broadcast_dropout: one dropout mask `[batch, num_heads, 1, kv_length]`
+      shared by every query, as T5 and t5x's `dot_product_attention` drop
+      attention weights (a mask per query draws q_length times the random
+      bits, which dominates the TPU compile time of a train step).
 
   Returns:
     `[batch, q_length, num_heads, head_dim]`.
@@ -127,7 +132,8 @@ def dot_product_attention(query: Array,
   weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(dtype)
   if not deterministic and dropout_rate > 0.:
     keep_prob = 1.0 - dropout_rate
-    keep = jax.random.bernoulli(dropout_rng, keep_prob, weights.shape)
+    mask_shape = weights.shape[:2] + (1,) + weights.shape[3:] if broadcast_dropout else weights.shape
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, mask_shape)
     weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
   weights = weights.reshape(batch, num_kv_heads, groups, q_len, kv_len)
   out = jnp.einsum('bkgqs,bksd->bqkgd' if heads_major else 'bkgqs,bskd->bqkgd',

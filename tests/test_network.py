@@ -268,6 +268,28 @@ def test_dropout_uses_only_the_dropout_stream():
   assert float(jnp.max(jnp.abs(x1 - det))) > 1e-3
 
 
+def test_attention_dropout_is_one_mask_per_key_shared_by_queries():
+  # t5x's dot_product_attention: the mask is [batch, heads, 1, kv_length].
+  b, q, h, kv = 2, 5, 3, 7
+  rng = np.random.RandomState(0)
+  query = jnp.asarray(rng.randn(b, q, h, kv), jnp.float32)
+  key = jnp.asarray(rng.randn(b, kv, h, kv), jnp.float32)
+  # value = one-hot of the key position (head_dim = kv): the output is the
+  # weights, [batch, q, heads, kv].
+  value = jnp.broadcast_to(jnp.eye(kv)[None, :, None, :], (b, kv, h, kv))
+  kw = dict(dropout_rng=jax.random.PRNGKey(4), dropout_rate=0.5)
+  dense = layers.dot_product_attention(query, key, value, deterministic=True)
+  dropped = layers.dot_product_attention(query, key, value, deterministic=False, **kw)
+  keep = np.asarray(dropped / dense) * 0.5  # 1 where kept, 0 where dropped
+  np.testing.assert_allclose(keep, np.round(keep), atol=1e-5)
+  assert 0.2 < keep.mean() < 0.8
+  np.testing.assert_array_equal(keep, np.broadcast_to(keep[:, :1], keep.shape))
+  per_query = layers.dot_product_attention(query, key, value, deterministic=False,
+                                           broadcast_dropout=False, **kw)
+  keep_q = np.round(np.asarray(per_query / dense) * 0.5)
+  assert (keep_q != keep_q[:, :1]).any()
+
+
 def test_bfloat16_activations_track_float32():
   enc, dec_in, tgt = batch()
   f32 = Transformer(tiny_config())
