@@ -85,3 +85,34 @@ def test_parse_hlo_instructions_and_opcodes():
   assert any(name.startswith('main') for name in computations)
   opcodes = {hlo.opcode(text) for text in instructions.values()}
   assert {'while', 'parameter', 'dot'} <= opcodes
+
+
+# Two halves of a buffer prefetched into another memory space and joined in
+# place, as the TPU compiler's memory-space assignment writes it.
+_SLICED_PREFETCH = '''HloModule m, entry_computation_layout={(bf16[16,128]{1,0})->bf16[16,128]{1,0}}
+
+ENTRY %main (p: bf16[16,128]) -> bf16[16,128] {
+  %p = bf16[16,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %slice-start = ((bf16[16,128]{1,0:T(8,128)(2,1)}), bf16[8,128]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[0:8], [0:128]}
+  %slice-start.1 = ((bf16[16,128]{1,0:T(8,128)(2,1)}), bf16[8,128]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%p), slice={[8:16], [0:128]}
+  %slice-done = bf16[8,128]{1,0:T(8,128)(2,1)S(1)} slice-done(%slice-start)
+  %slice-done.1 = bf16[8,128]{1,0:T(8,128)(2,1)S(1)} slice-done(%slice-start.1)
+  %custom-call = bf16[16,128]{1,0:T(8,128)(2,1)S(1)} custom-call(%slice-done, %slice-done.1), custom_call_target="ConcatBitcast"
+  %other = bf16[16,128]{1,0:T(8,128)(2,1)S(1)} custom-call(%slice-done, %slice-done.1), custom_call_target="SomethingElse"
+  ROOT %negate = bf16[16,128]{1,0:T(8,128)(2,1)} negate(%custom-call)
+}
+'''
+
+
+def test_a_sliced_prefetch_is_counted_once():
+  from coda_jax.compile import hlo_costs
+  instructions, _ = hlo.parse_hlo(_SLICED_PREFETCH)
+  half, whole = 8 * 128 * 2, 16 * 128 * 2
+  by_name = {name: hlo_costs.op_bytes(text, instructions) for name, text in instructions.items()}
+  # Each slice moves its half once (read and written); the join moves nothing.
+  assert by_name['slice-start'] == by_name['slice-start.1'] == 2 * half
+  assert by_name['custom-call'] == 0
+  # Any other custom call reads its operands and writes its result.
+  assert by_name['other'] == 2 * half + whole
+  stages = hlo_costs.stage_bytes(_SLICED_PREFETCH, [])
+  assert stages['other'] == 2 * (2 * half) + (2 * half + whole) + 2 * whole

@@ -22,7 +22,7 @@ These are the compiler's model of the chip, deterministic, not a measurement.
 The TPU compiler is libtpu: ``pip install -e ".[tpu]"``. On a 2-core CPU
 machine the BoolQ recipe for base on a v5e-16 (five train-step rungs, the
 decoding program and its two parts) compiled in 475 s; the train steps take
-most of it, 130-190 s each, two at a time.
+most of it, 129-189 s each, two at a time.
 
 Exit status: 0 every program fits; 1 one does not (a line each: the program,
 what it needs and has, what to change); 2 a configuration error (an unknown
