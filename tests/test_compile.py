@@ -238,3 +238,19 @@ def test_a_model_axis_wider_than_a_host_is_warned_about():
       (2, 8), pod)[0]
   assert programs._mesh_warnings((4, 4), pod) == []
   assert programs._mesh_warnings((1, 8), chips.parse_pod('v5e-8')) == []
+
+
+def test_what_to_change_grows_with_what_is_missing():
+  from coda_jax.compile import chips, command
+  pod = chips.parse_pod('v6e-8')
+  hbm = pod.chip.hbm_bytes
+  # Twice the chip (xxl on a v6e-8, data-parallel): a 4-wide model axis, a
+  # quarter of the batch, four times the chips.
+  line = command.suggestion(int(2.01 * hbm), pod, (8, 1), 128, 'BATCH_SIZE')
+  assert '--gin.MESH_SHAPE="(2, 4)"' in line
+  assert '--gin.BATCH_SIZE=32' in line and '(v6e-32)' in line
+  # A little over: the next power of 2 of each.
+  line = command.suggestion(int(1.2 * hbm), pod, (8, 1), 128, 'BATCH_SIZE')
+  assert '--gin.MESH_SHAPE="(4, 2)"' in line and '--gin.BATCH_SIZE=64' in line
+  # No data axis left to trade: no model-axis advice.
+  assert 'MESH_SHAPE' not in command.suggestion(int(3 * hbm), pod, (1, 8), 128, 'BATCH_SIZE')

@@ -129,9 +129,15 @@ def suggestion(needed: Optional[int], pod, mesh_shape: Sequence[int], batch: int
   from coda_jax.compile import chips as chips_lib  # pylint: disable=g-import-not-at-top
   data, model = (int(d) for d in mesh_shape)
   options = []
-  if data > 1 and data % 2 == 0:
-    options.append(f'a bigger model axis (--gin.MESH_SHAPE="({data // 2}, {model * 2})")')
   factor = (needed or 2 * pod.chip.hbm_bytes) / pod.chip.hbm_bytes
+  # The model axis grown by the power of 2 that covers what is missing (as
+  # far as the data axis divides), the parameters' share per chip shrinking
+  # with it.
+  grow = 2 ** max(1, math.ceil(math.log2(max(factor, 1.0))))
+  while grow > 1 and data % grow:
+    grow //= 2
+  if grow > 1:
+    options.append(f'a bigger model axis (--gin.MESH_SHAPE="({data // grow}, {model * grow})")')
   smaller = batch
   while smaller > 1 and smaller / batch * factor > 0.9 and smaller % 2 == 0:
     smaller //= 2
