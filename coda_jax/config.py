@@ -21,6 +21,15 @@ import jax.numpy as jnp
 
 from coda_jax.validation import is_int, positive_int
 
+# How attention with T5's relative position bias is computed, with the same
+# results: 'xla' (logits, bias and softmax as XLA fusions), 'pallas' (one TPU
+# kernel that computes the bias from the positions and writes only the output,
+# `coda_jax.kernels.relpos_attention`; interpret mode elsewhere, for tests),
+# 'auto' (the kernel in programs for a TPU, XLA elsewhere). The kernel serves
+# encoder attention without attention dropout and with a padding-only mask;
+# other attention uses XLA whatever this says.
+ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +57,8 @@ class T5Config:
   # Relative position buckets and the distance at which they saturate.
   relative_attention_num_buckets: int = 32
   relative_attention_max_distance: int = 128
+  # 'auto' | 'xla' | 'pallas' (see ATTENTION_KERNELS).
+  attention_kernel: str = 'auto'
 
   def __post_init__(self):
     if isinstance(self.dtype, str):
@@ -69,6 +80,9 @@ class T5Config:
           f'T5Config.relative_attention_max_distance ({self.relative_attention_max_distance}) '
           f'must exceed relative_attention_num_buckets // 2 '
           f'({self.relative_attention_num_buckets // 2})')
+    if self.attention_kernel not in ATTENTION_KERNELS:
+      raise ValueError(f'T5Config.attention_kernel must be one of {ATTENTION_KERNELS}, '
+                       f'got {self.attention_kernel!r}')
     kv = self.kv_heads
     if kv < 1 or self.num_heads % kv:
       raise ValueError(

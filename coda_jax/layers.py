@@ -27,7 +27,10 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from coda_jax.config import LORA_AXIS
+from coda_jax import target
+from coda_jax.config import ATTENTION_KERNELS, LORA_AXIS
+from coda_jax.kernels import relpos_attention as relpos_kernel
+from coda_jax.kernels.relpos_attention import relative_position_bucket  # pylint: disable=unused-import
 from coda_jax.validation import positive_int
 
 Array = jax.Array
@@ -44,7 +47,7 @@ embedding_init = nn.initializers.normal(stddev=1.0)
 relpos_embedding_init = nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform')
 
 # Additive bias for masked attention logits (t5x's value).
-MASK_VALUE = -1e10
+MASK_VALUE = relpos_kernel.MASK_VALUE
 
 
 def _normalize_axes(axes: Iterable[int], ndim: int) -> Tuple[int, ...]:
@@ -210,14 +213,17 @@ class MultiHeadDotProductAttention(nn.Module):
   # Shared `RelativePositionBiases` of the stack (owned by the Encoder/Decoder).
   relative_embedding: Optional[nn.Module] = None
   bidirectional: bool = True
+  # 'auto' | 'xla' | 'pallas' (config.ATTENTION_KERNELS): `_uses_kernel`.
+  attention_kernel: str = 'auto'
 
   @property
   def kv_heads(self) -> int:
     return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
   def _project(self, name: str, x: Array, heads: int, token_mask: Optional[Array] = None,
-               deterministic: bool = True, sow: bool = True) -> Array:
-    """`x [b, l, emb]` -> `[b, l, heads, head_dim]` through the projection `name`.
+               deterministic: bool = True, sow: bool = True, flat: bool = False) -> Array:
+    """`x [b, l, emb]` -> `[b, l, heads, head_dim]` through the projection `name`
+    (`flat`: `[b, l, heads * head_dim]`, the fused kernel's layout).
 
     `token_mask` (real tokens of x), `deterministic` and `sow` serve a
     subclass whose projections are conditional (`acm.AcmAttention`).
@@ -229,16 +235,17 @@ class MultiHeadDotProductAttention(nn.Module):
       kernel_init = lambda *a: self.kernel_init(*a) / depth_scaling
     joined = 'joined_kv' if heads == self.num_heads else 'kv'
     return DenseGeneral(
-        features=(heads, self.head_dim), axis=-1, kernel_axes=('embed', joined),
+        features=heads * self.head_dim if flat else (heads, self.head_dim), axis=-1, kernel_axes=('embed', joined),
         kernel_init=kernel_init, dtype=self.dtype, lora_rank=self.lora_rank,
         lora_alpha=self.lora_alpha, name=name)(x)
 
   def _output(self, x: Array, features: int, token_mask: Optional[Array] = None,
               deterministic: bool = True) -> Array:
-    """The output projection `out`: `[b, q, heads, head_dim]` -> `[b, q, features]`."""
+    """The output projection `out`: `[b, q, heads, head_dim]` (or `[b, q, heads *
+    head_dim]`) -> `[b, q, features]`."""
     del token_mask, deterministic
     return DenseGeneral(
-        features=features, axis=(-2, -1), kernel_init=self.kernel_init,
+        features=features, axis=-1 if x.ndim == 3 else (-2, -1), kernel_init=self.kernel_init,
         kernel_axes=('joined_kv', 'embed'), dtype=self.dtype,
         lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, name='out')(x)
 
@@ -255,7 +262,8 @@ class MultiHeadDotProductAttention(nn.Module):
                cache_kv: bool = False,
                deterministic: bool = False,
                query_token_mask: Optional[Array] = None,
-               kv_token_mask: Optional[Array] = None) -> Array:
+               kv_token_mask: Optional[Array] = None,
+               mask_is_padding: bool = False) -> Array:
     """Attends from `inputs_q [batch, q_len, emb]` to `inputs_kv [batch, kv_len, emb]`.
 
     Four steps: project (queries; keys/values, or the cross-attention cache),
@@ -276,10 +284,18 @@ class MultiHeadDotProductAttention(nn.Module):
       query_token_mask, kv_token_mask: `[batch, q_len]` / `[batch, kv_len]`
         bool, the real tokens of `inputs_q` / `inputs_kv` (default: all), for
         projections that keep per-token statistics (`acm.AcmAttention`).
+      mask_is_padding: `mask` is `make_attention_mask(query_token_mask,
+        kv_token_mask)` (no causal or segment part), so the fused kernel may
+        compute it from the token masks (`_uses_kernel`).
 
     Returns:
       `[batch, q_len, emb]`.
     """
+    if self._uses_kernel(decode, cache_kv, mask, bias, mask_is_padding, deterministic,
+                         query_token_mask, kv_token_mask, inputs_kv.shape[1]):
+      return self._fused_attention(inputs_q, inputs_kv, mask, query_positions,
+                                   key_positions, query_token_mask, kv_token_mask,
+                                   deterministic)
     query, key, value, kv_layout = self._project_qkv(
         inputs_q, inputs_kv, cache_kv, query_token_mask, kv_token_mask, deterministic)
     if decode:
@@ -297,6 +313,57 @@ class MultiHeadDotProductAttention(nn.Module):
         dropout_rate=self.dropout_rate, deterministic=deterministic,
         dtype=self.dtype, float32_logits=self.float32_logits, kv_layout=kv_layout)
     return self._output(x, inputs_q.shape[-1], query_token_mask, deterministic)
+
+  def _uses_kernel(self, decode: bool, cache_kv: bool, mask: Optional[Array],
+                   bias: Optional[Array], mask_is_padding: bool, deterministic: bool,
+                   query_token_mask: Optional[Array], kv_token_mask: Optional[Array],
+                   kv_len: int) -> bool:
+    """Whether `relpos_kernel.relpos_attention` computes this attention: asked
+    for ('pallas', or 'auto' in a program for a TPU), and what it computes is
+    what this call needs: the relative position bias, a mask that is none or
+    the padding of the two token masks, no other bias, no cache, no attention
+    dropout, keys that fit its block."""
+    if self.attention_kernel not in ATTENTION_KERNELS:
+      raise ValueError(f'attention_kernel must be one of {ATTENTION_KERNELS}, '
+                       f'got {self.attention_kernel!r}')
+    if self.attention_kernel == 'xla' or self.relative_embedding is None:
+      return False
+    if decode or cache_kv or bias is not None or not relpos_kernel.supported(kv_len):
+      return False
+    if mask is not None and not (mask_is_padding and query_token_mask is not None
+                                 and kv_token_mask is not None):
+      return False
+    if not deterministic and self.dropout_rate > 0.:
+      return False
+    return self.attention_kernel == 'pallas' or target.platform() == 'tpu'
+
+  def _fused_attention(self, inputs_q: Array, inputs_kv: Array, mask: Optional[Array],
+                       query_positions: Optional[Array], key_positions: Optional[Array],
+                       query_token_mask: Optional[Array], kv_token_mask: Optional[Array],
+                       deterministic: bool) -> Array:
+    """`__call__` through `relpos_kernel.relpos_attention`: projections,
+    kernel and output projection in `[b, l, heads * head_dim]`, the layout the
+    kernel reads (on TPU a `[b, l, heads, head_dim]` array is a different
+    tiling, so a 4-d projection would be copied)."""
+    b, q_len, kv_len = inputs_q.shape[0], inputs_q.shape[1], inputs_kv.shape[1]
+    heads, kv_heads, dim = self.num_heads, self.kv_heads, self.head_dim
+    project = functools.partial(self._project, deterministic=deterministic, flat=True)
+    query = project('query', inputs_q, heads, query_token_mask)
+    key = project('key', inputs_kv, kv_heads, kv_token_mask)
+    value = project('value', inputs_kv, kv_heads, kv_token_mask)
+    query = with_sharding_constraint(query, ('batch', 'length', 'joined_kv'))
+    if kv_heads == heads:
+      key = with_sharding_constraint(key, ('batch', 'length', 'joined_kv'))
+      value = with_sharding_constraint(value, ('batch', 'length', 'joined_kv'))
+    x = relpos_kernel.relpos_attention(
+        query.reshape(b, q_len, heads, dim), key.reshape(b, kv_len, kv_heads, dim),
+        value.reshape(b, kv_len, kv_heads, dim), self.relative_embedding.table(),
+        query_positions=query_positions, key_positions=key_positions,
+        query_real=None if mask is None else query_token_mask,
+        key_real=None if mask is None else kv_token_mask,
+        bidirectional=self.bidirectional, max_distance=self.relative_embedding.max_distance)
+    return self._output(x.reshape(b, q_len, heads * dim), inputs_q.shape[-1],
+                        query_token_mask, deterministic)
 
   def _project_qkv(self, inputs_q: Array, inputs_kv: Array, cache_kv: bool,
                    query_token_mask: Optional[Array] = None,
@@ -501,28 +568,6 @@ class Embed(nn.Module):
     return jnp.dot(jnp.asarray(query, dtype), jnp.asarray(self.embedding, dtype).T)
 
 
-def relative_position_bucket(relative_position: Array,
-                             bidirectional: bool = True,
-                             num_buckets: int = 32,
-                             max_distance: int = 128) -> Array:
-  """T5's log-spaced buckets of `relative_position = key_pos - query_pos`."""
-  ret = 0
-  n = -relative_position
-  if bidirectional:
-    num_buckets //= 2
-    ret += (n < 0).astype(jnp.int32) * num_buckets
-    n = jnp.abs(n)
-  else:
-    n = jnp.maximum(n, 0)
-  max_exact = num_buckets // 2
-  is_small = n < max_exact
-  val_if_large = max_exact + (
-      jnp.log(n.astype(jnp.float32) / max_exact + jnp.finfo(jnp.float32).eps) /
-      np.log(max_distance / max_exact) * (num_buckets - max_exact)).astype(jnp.int32)
-  val_if_large = jnp.minimum(val_if_large, num_buckets - 1)
-  return ret + jnp.where(is_small, n, val_if_large)
-
-
 def select_by_index(table: Array, index: Array) -> Array:
   """`table[:, index]` moved to `[..., rows, *index.shape[-2:]]` by a binary
   tree of selects on the bits of `index` (no gather).
@@ -562,7 +607,15 @@ class RelativePositionBiases(nn.Module):
   dtype: DType = jnp.float32
   embedding_init: Initializer = relpos_embedding_init
 
-  @nn.compact
+  def setup(self):
+    self.rel_embedding = param_with_axes('rel_embedding', self.embedding_init,
+                                         (self.num_heads, self.num_buckets), jnp.float32,
+                                         axes=('heads', 'relpos_buckets'))
+
+  def table(self) -> Array:
+    """The `[heads, buckets]` table in the activation dtype."""
+    return jnp.asarray(self.rel_embedding, self.dtype)
+
   def __call__(self, query_positions: Array, key_positions: Array,
                bidirectional: bool = True) -> Array:
     """Bias for attention logits.
@@ -584,10 +637,7 @@ class RelativePositionBiases(nn.Module):
     """
     query_positions = jnp.asarray(query_positions)
     key_positions = jnp.asarray(key_positions)
-    table = param_with_axes('rel_embedding', self.embedding_init,
-                            (self.num_heads, self.num_buckets), jnp.float32,
-                            axes=('heads', 'relpos_buckets'))
-    table = jnp.asarray(table, self.dtype)
+    table = self.table()
     m = self.max_distance
     if query_positions.ndim == 2 or key_positions.ndim == 2:
       query_positions = jnp.atleast_2d(query_positions)

@@ -54,7 +54,8 @@ def _attention(config: T5Config, name: str, coda: Optional[CodaConfig] = None,
       num_heads=config.num_heads, num_kv_heads=config.kv_heads,
       head_dim=config.head_dim, dtype=config.dtype,
       dropout_rate=config.dropout_rate,
-      float32_logits=config.float32_attention_logits, name=name, **_lora(coda),
+      float32_logits=config.float32_attention_logits,
+      attention_kernel=config.attention_kernel, name=name, **_lora(coda),
       **extra, **kwargs)
 
 
@@ -126,19 +127,24 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: Array, encoder_mask: Optional[Array] = None,
-               deterministic: bool = False, input_mask: Optional[Array] = None) -> Array:
+               deterministic: bool = False, input_mask: Optional[Array] = None,
+               mask_is_padding: bool = False) -> Array:
     """Args:
       inputs: `[batch, length, emb]`.
       encoder_mask: `[batch, 1, length, length]` attention mask.
       input_mask: `[batch, length]` bool, True at real tokens (the router's
         padding mask; default: every token is real).
+      mask_is_padding: `encoder_mask` is `make_attention_mask(input_mask,
+        input_mask)` (unpacked inputs), so attention may compute it from
+        `input_mask` (the fused kernel, `T5Config.attention_kernel`).
     """
     cfg, coda = self.config, self.coda
     norm = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')
     xn = norm(inputs)
     if not self.routed:
       att, ffn = self._pretrained_update(inputs, xn, xn, encoder_mask, deterministic,
-                                         token_mask=input_mask)
+                                         token_mask=input_mask,
+                                         mask_is_padding=mask_is_padding)
       y = inputs + att
       y = y + ffn
     else:
@@ -152,12 +158,14 @@ class EncoderLayer(nn.Module):
                          deterministic: bool, query_positions: Optional[Array] = None,
                          key_positions: Optional[Array] = None,
                          token_mask: Optional[Array] = None,
-                         kv_token_mask: Optional[Array] = None) -> Tuple[Array, Array]:
+                         kv_token_mask: Optional[Array] = None,
+                         mask_is_padding: bool = False) -> Tuple[Array, Array]:
     """The frozen layer's attention and MLP updates of the query tokens `x [b, q, emb]`.
 
     `xn` is LN(x), `kv [b, s, emb]` the normalised tokens attended to,
     `token_mask [b, q]` the real queries and `kv_token_mask [b, s]` the real
-    keys (default: `token_mask`; for an ACM's statistics).
+    keys (default: `token_mask`; for an ACM's statistics); `mask_is_padding`:
+    `mask` is their `make_attention_mask`.
     Returns `(att, ffn)`, each `[b, q, emb]`; the layer output is x + att + ffn.
     """
     cfg, coda = self.config, self.coda
@@ -166,7 +174,8 @@ class EncoderLayer(nn.Module):
                      relative_embedding=self.relative_embedding)(
         xn, kv, mask, query_positions=query_positions, key_positions=key_positions,
         deterministic=deterministic, query_token_mask=token_mask,
-        kv_token_mask=token_mask if kv_token_mask is None else kv_token_mask)
+        kv_token_mask=token_mask if kv_token_mask is None else kv_token_mask,
+        mask_is_padding=mask_is_padding)
     att = _dropout(cfg)(att, deterministic=deterministic)
     if sequential and coda.adapter == SEQUENTIAL_HOULSBY:
       att = _adapter(cfg, coda, 'adapter_attention', sequential=True)(att)
@@ -201,7 +210,7 @@ class EncoderLayer(nn.Module):
     gate = decision.gate[..., None].astype(cfg.dtype)            # [b, k, 1]
     if k == length:
       att, ffn = self._pretrained_update(x, xn, xn, encoder_mask, deterministic,
-                                         token_mask=input_mask)
+                                         token_mask=input_mask, mask_is_padding=True)
       return (att + ffn) * gate
     idx = decision.indices                                       # [b, k]
     real = jnp.ones((batch, length), bool) if input_mask is None else input_mask
@@ -217,7 +226,8 @@ class EncoderLayer(nn.Module):
         query_real, key_real, dtype=encoder_mask.dtype)          # [b, 1, k, n | k]
     att, ffn = self._pretrained_update(xr, xrn, kv, mask, deterministic,
                                        query_positions=idx, key_positions=key_positions,
-                                       token_mask=query_real, kv_token_mask=key_real)
+                                       token_mask=query_real, kv_token_mask=key_real,
+                                       mask_is_padding=True)
     with jax.named_scope('unroute'):
       return routing.unroute((att + ffn) * gate, decision, length, coda.dispatch)
 
@@ -283,8 +293,9 @@ class Encoder(nn.Module):
 
   @nn.compact
   def __call__(self, encoder_input_tokens: Array, encoder_mask: Optional[Array] = None,
-               deterministic: bool = False) -> Array:
-    """`[batch, length]` tokens -> `[batch, length, emb]`."""
+               deterministic: bool = False, mask_is_padding: bool = False) -> Array:
+    """`[batch, length]` tokens -> `[batch, length, emb]`; `mask_is_padding`:
+    `encoder_mask` is the padding mask of the tokens (no segments)."""
     cfg = self.config
     rel_emb = _relative_embedding(cfg)
     x = self.shared_embedding(encoder_input_tokens.astype('int32'))
@@ -294,7 +305,7 @@ class Encoder(nn.Module):
       routed = self.coda is not None and self.coda.is_routed(lyr, cfg.num_encoder_layers)
       x = EncoderLayer(config=cfg, relative_embedding=rel_emb, coda=self.coda,
                        routed=routed, acm=self.acm, name=f'layers_{lyr}')(
-                           x, encoder_mask, deterministic, input_mask)
+                           x, encoder_mask, deterministic, input_mask, mask_is_padding)
     x = layers.RMSNorm(dtype=cfg.dtype, name='encoder_norm')(x)
     return _dropout(cfg)(x, deterministic=deterministic)
 
@@ -390,7 +401,8 @@ class Transformer(nn.Module):
           layers.make_attention_mask(encoder_segment_ids, encoder_segment_ids,
                                      jnp.equal, dtype=cfg.dtype),
           dtype=cfg.dtype)
-    return self.encoder(tokens, encoder_mask, deterministic=not enable_dropout)
+    return self.encoder(tokens, encoder_mask, deterministic=not enable_dropout,
+                        mask_is_padding=encoder_segment_ids is None)
 
   def decode(self, encoded: Array, encoder_input_tokens: Array,
              decoder_input_tokens: Array, decoder_target_tokens: Array,

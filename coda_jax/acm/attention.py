@@ -63,12 +63,12 @@ class AcmAttention(layers.MultiHeadDotProductAttention):
     return self.acm.phase in ('distill', 'gate') or self.is_initializing()
 
   def _project(self, name: str, x: Array, heads: int, token_mask: Optional[Array] = None,
-               deterministic: bool = True, sow: bool = True) -> Array:
+               deterministic: bool = True, sow: bool = True, flat: bool = False) -> Array:
     teacher = super()._project(name, x, heads) if self._needs_teacher() else None
     out_axis = 'joined_kv' if heads == self.num_heads else 'kv'
     y = self._acm_projection(name, x, teacher, heads * self.head_dim, 'embed', out_axis,
                              token_mask, deterministic, sow)
-    return y.reshape(x.shape[:2] + (heads, self.head_dim))
+    return y if flat else y.reshape(x.shape[:2] + (heads, self.head_dim))
 
   def _output(self, x: Array, features: int, token_mask: Optional[Array] = None,
               deterministic: bool = True) -> Array:

@@ -1,0 +1,386 @@
+"""T5 attention with the relative position bias computed in the kernel (TPU Pallas).
+
+`T5Config.attention_kernel`: 'auto' (this kernel when the program is for a
+TPU, `coda_jax.target`), 'pallas' (always: interpret mode off TPU, for tests),
+'xla' (`layers.dot_product_attention` with an additive bias).
+
+What it computes, per batch row b, head h, query i and key j (no 1/sqrt(d)
+scaling, as in T5):
+
+    logits[b,h,i,j] = q[b,i,h]·k[b,j,h]
+                      + table[h, bucket(key_pos[b,j] - query_pos[b,i])]
+                      + (0 if query_real[b,i] and key_real[b,j] else MASK_VALUE)
+    out[b,i,h]      = softmax_j(logits[b,h,i,:]) @ v[b,:,h]
+
+`bucket` is T5's log-spaced relative position bucket
+(`relative_position_bucket`). The positions are the tokens' original ones, so
+a CoDA layer's routed queries (and, k-to-k, its routed keys) get the bias of
+the places they came from.
+
+Why a kernel: XLA writes the `[batch, heads, q, kv]` logits (float32) and the
+softmax weights to HBM between its fusions. Here one program per (batch row,
+block of heads, block of queries) holds its row's keys and values in VMEM,
+computes the buckets and the padding mask once from the positions (one int32
+code per token, 2 position + real), looks each head's bias up in the
+`[heads, buckets]` table (in SMEM, by a chain of selects: no gather), and
+writes only the output. q, k, v and the output stay in the projections'
+layout, `[batch, length, heads * head_dim]`, so no transpose is written and a
+64-wide head fills no 128-lane tile by itself; a block of heads is a block of
+128-lane columns (`head_block`). HBM traffic is q, k, v, the output and the
+codes: `cost_estimate` declares those bytes (k and v once per batch row and
+block of heads: query blocks are the innermost grid axis, so a key block is
+fetched once) and the arithmetic (two matmuls, the bucket and lookup
+selects, the softmax), which the TPU compiler's `cost_analysis()` reports for
+the call.
+
+Every key of a row is in one block (the softmax is a single pass, no running
+maximum); queries are split in blocks of at most `_MAX_BLOCK_ELEMENTS` /
+kv_length rows so that the float32 temporaries fit VMEM, heads so that a key
+and value block fits `_MAX_KV_BLOCK_BYTES`. Keys longer than `MAX_KV_LENGTH`
+are refused by `supported` (the caller uses XLA).
+
+Gradients: a custom VJP whose backward pass is XLA's derivative of the
+reference (`reference`, the same function in jnp), recomputed from the inputs;
+the forward pass is the kernel. Training with attention dropout uses XLA
+(`layers.MultiHeadDotProductAttention` decides).
+
+Sharding: to XLA's partitioner a Pallas call is opaque (it would replicate
+its operands), so under a mesh (`jax.set_mesh`) the call runs in `shard_map`
+over the mesh axes that the logical axis rules give 'batch' and 'heads'.
+
+Public: `relpos_attention` (differentiable), `reference`, `supported`,
+`relative_position_bucket`, `cost_estimate`. Pallas is imported when a kernel
+is built, so that importing this module (as `coda_jax.layers` does) does not
+load it.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+# Additive logits bias of a masked (query, key) pair (t5x's value).
+MASK_VALUE = -1e10
+# Keys per row held in VMEM at once; longer rows use XLA.
+MAX_KV_LENGTH = 8192
+# Largest query block x kv_length: each float32 temporary of a block (logits,
+# buckets, bias, ...) takes 1 MiB.
+_MAX_BLOCK_ELEMENTS = 256 * 1024
+# Largest key + value block (bytes, one buffer of each): with double buffering
+# 8 MiB, so that a program fits the 16 MiB of VMEM of the smallest TPU core.
+_MAX_KV_BLOCK_BYTES = 4 * 1024 * 1024
+# TPU vector registers are 128 lanes wide: a block's last dimension is a
+# multiple of this (or the whole dimension).
+_LANES = 128
+# Elementwise operations per (query, key) pair and block of heads: the bucket
+# (negate, compare, convert, multiply, abs, compare, convert, divide, add,
+# log, multiply, convert, add, minimum, select, add) and the mask (two
+# compares, and, select).
+_BUCKET_OPS = 20
+# ... and per (head, query, key): the bias and mask adds and the softmax
+# (max, subtract, exp, sum, divide).
+_HEAD_OPS = 7
+
+
+def relative_position_bucket(relative_position: Array,
+                             bidirectional: bool = True,
+                             num_buckets: int = 32,
+                             max_distance: int = 128) -> Array:
+  """T5's log-spaced buckets of `relative_position = key_pos - query_pos`."""
+  ret = 0
+  n = -relative_position
+  if bidirectional:
+    num_buckets //= 2
+    ret += (n < 0).astype(jnp.int32) * num_buckets
+    n = jnp.abs(n)
+  else:
+    n = jnp.maximum(n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  val_if_large = max_exact + (
+      jnp.log(n.astype(jnp.float32) / max_exact + jnp.finfo(jnp.float32).eps) /
+      np.log(max_distance / max_exact) * (num_buckets - max_exact)).astype(jnp.int32)
+  val_if_large = jnp.minimum(val_if_large, num_buckets - 1)
+  return ret + jnp.where(is_small, n, val_if_large)
+
+
+def supported(kv_length: int) -> bool:
+  """Whether the kernel takes keys of this length (else: XLA)."""
+  return kv_length <= MAX_KV_LENGTH
+
+
+def query_block(q_length: int, kv_length: int) -> int:
+  """Queries per program: all of them when the block fits, else the largest
+  power of two (>= 8) whose float32 `[block, kv_length]` temporaries fit."""
+  limit = max(8, _MAX_BLOCK_ELEMENTS // kv_length)
+  if q_length <= limit:
+    return q_length
+  return 1 << (limit.bit_length() - 1)
+
+
+def head_block(heads: int, kv_heads: int, head_dim: int, kv_length: int,
+               itemsize: int) -> int:
+  """Heads per program: the most whose key + value block fits
+  `_MAX_KV_BLOCK_BYTES`, among those that keep whole key/value heads
+  (grouped attention) and whose blocks are whole 128-lane columns (or all
+  the heads, the whole dimension); the fewest such when none fits."""
+  groups = heads // kv_heads
+  valid = [h for h in range(heads, 0, -1)
+           if heads % h == 0 and h % groups == 0 and
+           (h == heads or (h * head_dim % _LANES == 0 and h // groups * head_dim % _LANES == 0))]
+  for h in valid:
+    if 2 * kv_length * (h // groups) * head_dim * itemsize <= _MAX_KV_BLOCK_BYTES:
+      return h
+  return valid[-1]
+
+
+def _bias_from_table(table_ref, head, buckets: Array, num_buckets: int) -> Array:
+  """`table[head, buckets]` as a chain of selects on scalars read from SMEM."""
+  bias = jnp.full(buckets.shape, table_ref[head, 0], jnp.float32)
+  for j in range(1, num_buckets):
+    bias = jnp.where(buckets == j, table_ref[head, j], bias)
+  return bias
+
+
+def _decode(code: Array) -> Tuple[Array, Array]:
+  """`2 position + real` -> (position, real)."""
+  return lax.shift_right_arithmetic(code, 1), (code & 1) > 0
+
+
+def _kernel(table_ref, qcode_ref, kcode_ref, q_ref, k_ref, v_ref, o_ref, *, heads: int,
+            groups: int, head_dim: int, num_buckets: int, bidirectional: bool,
+            max_distance: int):
+  """One (batch row, block of heads, block of queries).
+
+  qcode `[bq, 1]`, kcode `[1, s]` (2 position + real), q/o `[bq, heads *
+  head_dim]`, k/v `[s, heads / groups * head_dim]`: for each head,
+  `o = softmax(q kᵀ + bias + mask) v`; buckets and mask once for the block."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  first_head = pl.program_id(1) * heads
+  q_pos, q_real = _decode(qcode_ref[...])
+  k_pos, k_real = _decode(kcode_ref[...])
+  buckets = relative_position_bucket(k_pos - q_pos, bidirectional, num_buckets,
+                                     max_distance)                   # [bq, s]
+  mask = jnp.where(q_real & k_real, 0., MASK_VALUE).astype(jnp.float32)
+  outs = []
+  for h in range(heads):
+    kv = slice(h // groups * head_dim, (h // groups + 1) * head_dim)
+    q = q_ref[:, h * head_dim:(h + 1) * head_dim]
+    logits = lax.dot_general(q, k_ref[:, kv], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)     # [bq, s]
+    logits = logits + _bias_from_table(table_ref, first_head + h, buckets, num_buckets)
+    logits = logits + mask
+    unnormalised = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    weights = unnormalised / jnp.sum(unnormalised, axis=-1, keepdims=True)
+    v = v_ref[:, kv]
+    outs.append(lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32).astype(o_ref.dtype))
+  o_ref[...] = outs[0] if heads == 1 else jnp.concatenate(outs, axis=-1)
+
+
+def cost_estimate(batch: int, heads: int, kv_heads: int, q_length: int, kv_length: int,
+                  head_dim: int, num_buckets: int, head_blocks: int, dtype):
+  """What one call reads and writes in HBM and its arithmetic (a `pl.CostEstimate`).
+
+  Bytes: q and the output once; k and v once (each block of heads reads its
+  own columns once per batch row: query blocks are the innermost grid
+  axis); the int32 position codes once per block of heads; the float32
+  table. Flops: the two matmuls, 2 (num_buckets - 1) compares and selects
+  of the lookup and `_HEAD_OPS` per (head, query, key), `_BUCKET_OPS` per
+  (block of heads, query, key). Transcendentals: the softmax's exp per
+  (head, query, key), the bucket's log per (block of heads, query, key)."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  itemsize = jnp.dtype(dtype).itemsize
+  pairs = batch * heads * q_length * kv_length
+  block_pairs = batch * head_blocks * q_length * kv_length
+  flops = (4 * pairs * head_dim + pairs * (2 * (num_buckets - 1) + _HEAD_OPS)
+           + block_pairs * _BUCKET_OPS)
+  bytes_accessed = (2 * batch * q_length * heads * head_dim * itemsize
+                    + 2 * batch * kv_length * kv_heads * head_dim * itemsize
+                    + head_blocks * batch * (q_length + kv_length) * 4
+                    + heads * num_buckets * 4)
+  return pl.CostEstimate(flops=int(flops), transcendentals=int(pairs + block_pairs),
+                         bytes_accessed=int(bytes_accessed))
+
+
+def _kernel_call(query: Array, key: Array, value: Array, table: Array, q_code: Array,
+                 k_code: Array, *, bidirectional: bool, max_distance: int,
+                 interpret: bool) -> Array:
+  """The pallas_call.
+
+  query `[b, q, h, d]`, key/value `[b, s, kvh, d]`, table `[h, buckets]`
+  float32, q_code `[b, q, 1]` and k_code `[b, 1, s]` int32 (2 position +
+  real). Heads stay where the projections put them (`[b, q, h * d]` is the
+  same array): a block of heads is a block of 128-lane columns.
+  Returns `[b, q, h, d]`."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  batch, q_length, heads, head_dim = query.shape
+  kv_length, kv_heads = key.shape[1], key.shape[2]
+  groups = heads // kv_heads
+  hb = head_block(heads, kv_heads, head_dim, kv_length, jnp.dtype(query.dtype).itemsize)
+  block = query_block(q_length, kv_length)
+  padded = -(-q_length // block) * block
+  query = query.reshape(batch, q_length, heads * head_dim)
+  if padded != q_length:
+    query = jnp.pad(query, ((0, 0), (0, padded - q_length), (0, 0)))
+    q_code = jnp.pad(q_code, ((0, 0), (0, padded - q_length), (0, 0)))
+  num_buckets = table.shape[1]
+  kernel = functools.partial(_kernel, heads=hb, groups=groups, head_dim=head_dim,
+                             num_buckets=num_buckets, bidirectional=bidirectional,
+                             max_distance=max_distance)
+  q_spec = pl.BlockSpec((None, block, hb * head_dim), lambda b, h, i: (b, i, h))
+  kv_spec = pl.BlockSpec((None, kv_length, hb // groups * head_dim),
+                         lambda b, h, i: (b, 0, h))
+  out = pl.pallas_call(
+      kernel,
+      grid=(batch, heads // hb, padded // block),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                pl.BlockSpec((None, block, 1), lambda b, h, i: (b, i, 0)),
+                pl.BlockSpec((None, 1, kv_length), lambda b, h, i: (b, 0, 0)),
+                q_spec, kv_spec, kv_spec],
+      out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct((batch, padded, heads * head_dim), query.dtype),
+      cost_estimate=cost_estimate(batch, heads, kv_heads, padded, kv_length, head_dim,
+                                  num_buckets, heads // hb, query.dtype),
+      compiler_params=None if interpret else pltpu.CompilerParams(
+          dimension_semantics=('parallel', 'parallel', 'parallel')),
+      interpret=interpret,
+  )(table, q_code, k_code, query, key.reshape(batch, kv_length, kv_heads * head_dim),
+    value.reshape(batch, kv_length, kv_heads * head_dim))
+  return out[:, :q_length].reshape(batch, q_length, heads, head_dim)
+
+
+def reference(query: Array, key: Array, value: Array, table: Array, q_code: Array,
+              k_code: Array, *, bidirectional: bool, max_distance: int) -> Array:
+  """The kernel's function in jnp, on the kernel's operands (`_kernel_call`):
+  its backward pass is the kernel's."""
+  groups = query.shape[2] // key.shape[2]
+  key = jnp.repeat(key, groups, axis=2)
+  value = jnp.repeat(value, groups, axis=2)
+  q_pos, q_real = _decode(q_code)                                   # [b, q, 1]
+  k_pos, k_real = _decode(k_code)                                   # [b, 1, s]
+  logits = jnp.einsum('bqhd,bshd->bhqs', query, key, preferred_element_type=jnp.float32)
+  buckets = relative_position_bucket(k_pos - q_pos, bidirectional, table.shape[1],
+                                     max_distance)                    # [b, q, s]
+  bias = jnp.take(table, buckets, axis=1).transpose(1, 0, 2, 3)      # [b, h, q, s]
+  logits = logits + bias + jnp.where(q_real & k_real, 0., MASK_VALUE)[:, None]
+  weights = jax.nn.softmax(logits, axis=-1)
+  return jnp.einsum('bhqs,bshd->bqhd', weights.astype(value.dtype), value,
+                    preferred_element_type=jnp.float32).astype(query.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _attention(query, key, value, table, q_code, k_code, bidirectional, max_distance,
+               interpret):
+  return _kernel_call(query, key, value, table, q_code, k_code,
+                      bidirectional=bidirectional, max_distance=max_distance,
+                      interpret=interpret)
+
+
+def _attention_fwd(query, key, value, table, q_code, k_code, bidirectional, max_distance,
+                   interpret):
+  out = _attention(query, key, value, table, q_code, k_code, bidirectional, max_distance,
+                   interpret)
+  return out, (query, key, value, table, q_code, k_code)
+
+
+def _attention_bwd(bidirectional, max_distance, interpret, residuals, cotangent):
+  del interpret
+  query, key, value, table, q_code, k_code = residuals
+  _, vjp = jax.vjp(
+      lambda q, k, v, t: reference(q, k, v, t, q_code, k_code, bidirectional=bidirectional,
+                                   max_distance=max_distance),
+      query, key, value, table)
+  zeros = [np.zeros(a.shape, jax.dtypes.float0) for a in (q_code, k_code)]
+  return (*vjp(cotangent), *zeros)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _codes(positions: Optional[Array], real: Optional[Array], batch: int,
+           length: int) -> Array:
+  """Positions `None | [length] | [batch, length]` (default 0, 1, ...) and
+  real tokens `None | [batch, length]` (default: all) -> int32 `[batch,
+  length]` codes, 2 position + real."""
+  positions = jnp.arange(length) if positions is None else jnp.asarray(positions)
+  code = 2 * positions.astype(jnp.int32) + (1 if real is None else real.astype(jnp.int32))
+  return jnp.broadcast_to(code, (batch, length))
+
+
+def _mesh_axes(heads: int, kv_heads: int, batch: int) -> Tuple[Optional[str], Optional[str]]:
+  """The current mesh's axes for the batch and heads of the call (None:
+  no mesh, or the axis does not divide the dimension)."""
+  from flax.linen import partitioning as nn_partitioning  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None, None
+  batch_axis, heads_axis = nn_partitioning.logical_to_mesh_axes(('batch', 'heads'))
+  def fits(axis, *dims):
+    if axis is None or axis not in mesh.axis_names:
+      return None
+    return axis if all(d % mesh.shape[axis] == 0 for d in dims) else None
+  return fits(batch_axis, batch), fits(heads_axis, heads, kv_heads)
+
+
+def relpos_attention(query: Array, key: Array, value: Array, table: Array, *,
+                     query_positions: Optional[Array] = None,
+                     key_positions: Optional[Array] = None,
+                     query_real: Optional[Array] = None, key_real: Optional[Array] = None,
+                     bidirectional: bool = True, max_distance: int = 128,
+                     interpret: Optional[bool] = None) -> Array:
+  """T5 attention with its relative position bias and padding mask, fused.
+
+  Args:
+    query: `[batch, q_length, heads, head_dim]`.
+    key, value: `[batch, kv_length, kv_heads, head_dim]`; kv_heads divides heads.
+    table: the stack's relative position table `[heads, buckets]` (the values
+      are used in float32; cast it to the activation dtype first to match XLA's
+      bias in that dtype).
+    query_positions, key_positions: int `[length]` or `[batch, length]`
+      original positions (default 0, 1, ...).
+    query_real, key_real: bool `[batch, length]`, the real tokens (default:
+      all); a (query, key) pair attends when both are real, as
+      `layers.make_attention_mask` of the two.
+    interpret: Pallas interpret mode (default: when not on a TPU).
+
+  Returns:
+    `[batch, q_length, heads, head_dim]` in query's dtype.
+  """
+  batch, q_length, heads, head_dim = query.shape
+  kv_length, kv_heads = key.shape[1], key.shape[2]
+  if heads % kv_heads:
+    raise ValueError(f'relpos_attention: kv heads ({kv_heads}) must divide heads ({heads})')
+  if table.shape[0] != heads:
+    raise ValueError(f'relpos_attention: the table has {table.shape[0]} heads, the '
+                     f'queries {heads}')
+  if not supported(kv_length):
+    raise ValueError(f'relpos_attention: kv_length {kv_length} > {MAX_KV_LENGTH}; '
+                     "use attention_kernel='xla'")
+  if interpret is None:
+    from coda_jax import target  # pylint: disable=g-import-not-at-top
+    interpret = target.platform() != 'tpu'
+  operands = (query, key.astype(query.dtype), value.astype(query.dtype),
+              jnp.asarray(table, jnp.float32),
+              _codes(query_positions, query_real, batch, q_length)[..., None],
+              _codes(key_positions, key_real, batch, kv_length)[:, None, :])
+
+  def call(*args):
+    return _attention(*args, bidirectional, max_distance, interpret)
+
+  batch_axis, heads_axis = _mesh_axes(heads, kv_heads, batch)
+  if batch_axis is not None or heads_axis is not None:
+    from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+    heads4 = P(batch_axis, None, heads_axis, None)
+    rows = P(batch_axis, None, None)
+    call = jax.shard_map(call, in_specs=(heads4, heads4, heads4, P(heads_axis, None),
+                                         rows, rows),
+                         out_specs=heads4, check_vma=False)
+  return call(*operands)
