@@ -30,7 +30,7 @@ own RMS norm, `att`/`mlp` the pretrained sub-layers):
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -95,11 +95,15 @@ class Adapter(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array,
+               up_projection: Optional[Callable[[Array, Array], Array]] = None) -> Array:
     """`x [..., emb]` -> `[..., emb]`, computed in `dtype`.
 
     `down` and `up` are t5x-style `DenseGeneral`s: float32 kernels cast to
-    `dtype`, then `dot_general`.
+    `dtype`, then `dot_general`. `up_projection(h, w_up)`, given, replaces
+    `h @ w_up` (h `[..., adapter]` activated, w_up `[adapter, emb]` with the
+    scale in it) and its result is returned: a routed layer fuses it with
+    its un-route and residual (`kernels.unroute_combine`).
     """
     emb = x.shape[-1]
     h = layers.DenseGeneral(
@@ -108,9 +112,15 @@ class Adapter(nn.Module):
     h = get_adapter_activation(self.activation)(h)
     if h.ndim == 3:
       h = layers.with_sharding_constraint(h, ('batch', 'length', ADAPTER_AXIS))
-    y = layers.DenseGeneral(
+    up = layers.DenseGeneral(
         features=emb, dtype=self.dtype, kernel_init=self.up_init,
-        kernel_axes=(ADAPTER_AXIS, 'embed'), name='up')(h)
+        kernel_axes=(ADAPTER_AXIS, 'embed'), name='up')
+    if up_projection is not None:
+      if self.is_initializing():
+        up(h)                                               # creates up/kernel
+      w_up = jnp.asarray(up.variables['params']['kernel'], self.dtype)
+      return up_projection(h, w_up * jnp.asarray(self.scale, self.dtype))
+    y = up(h)
     if self.scale != 1.0:
       y = y * jnp.asarray(self.scale, self.dtype)
     return y

@@ -131,6 +131,21 @@ NORMALIZERS = ('soft_topk', 'sigmoid', 'truncation')
 # one-hot, GShard / flaxformer: TPUs charge a row gather whole tiles), or
 # 'auto' (one-hot on TPU, gathers elsewhere).
 DISPATCHES = ('auto', 'gather', 'one_hot')
+# How a routed layer with a parallel adapter makes its output, with the same
+# results: 'xla' (un-route, adapter up projection and residual adds as XLA
+# ops), 'pallas' (one TPU kernel that reads x, the adapter's bottleneck and
+# the k updates and writes y once, `coda_jax.kernels.unroute_combine`;
+# interpret mode elsewhere, for tests), 'auto' (the kernel in programs for a
+# TPU chip in UNROUTE_KERNEL_CHIPS, XLA elsewhere).
+UNROUTE_KERNELS = ('auto', 'xla', 'pallas')
+# The TPU chips (`device_kind`) on which 'auto' picks the kernel: where the
+# TPU compiler counts fewer bytes for the base encoder with it than without
+# (`python tools/routed_cost.py --model base --generations v5e,v4`, attention
+# kernel on, jax 0.10.2 / libtpu 0.0.42.1: v5e 21.04 against 22.67 GB at
+# k-to-all r = 3, 16.32 against 24.21 GB at k-to-k r = 3; v4 25.61 against
+# 21.85 and 21.97 against 18.30 GB: the compiler's memory-space assignment
+# adds copies of the layer input to CMEM around the kernel).
+UNROUTE_KERNEL_CHIPS = ('TPU v5 lite',)
 # Soft top-k solvers (`coda_jax.soft_topk`) and their implementations: 'xla'
 # (the reference, the CPU/TPU default), 'pallas' (a fused kernel,
 # `coda_jax.kernels`), 'auto' (the kernel on GPU, XLA elsewhere).
@@ -276,13 +291,16 @@ class CodaConfig:
   num_routed_tokens: Optional[int] = None
   # How routed tokens move (`DISPATCHES`): 'auto', 'gather' or 'one_hot'.
   dispatch: str = 'auto'
+  # The routed layer's output, x + adapter + un-route (`UNROUTE_KERNELS`):
+  # 'auto', 'xla' or 'pallas'.
+  unroute_kernel: str = 'auto'
 
   def __post_init__(self):
     r = self.reduction_factor
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 1:
       raise ValueError(f'reduction_factor must be >= 1, got {r}')
     for name, choices in (('attention', ATTENTION_VARIANTS), ('normalizer', NORMALIZERS),
-                          ('dispatch', DISPATCHES)):
+                          ('dispatch', DISPATCHES), ('unroute_kernel', UNROUTE_KERNELS)):
       if getattr(self, name) not in choices:
         raise ValueError(f'CodaConfig.{name} must be one of {choices}, '
                          f'got {getattr(self, name)!r}')

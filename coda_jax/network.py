@@ -17,8 +17,10 @@ from coda_jax import adapters
 from coda_jax import layers
 from coda_jax import routing
 from coda_jax import soft_topk
+from coda_jax import target
+from coda_jax.kernels import unroute_combine
 from coda_jax.config import (NO_ADAPTER, PARALLEL, SEQUENTIAL_ADAPTERS, SEQUENTIAL_HOULSBY,
-                             AcmConfig, CodaConfig, T5Config,
+                             UNROUTE_KERNEL_CHIPS, AcmConfig, CodaConfig, T5Config,
                              parallel_adapter_baseline, t5_1_1)  # noqa: F401
 
 Array = jax.Array
@@ -148,8 +150,18 @@ class EncoderLayer(nn.Module):
       y = inputs + att
       y = y + ffn
     else:
-      y = inputs + self._routed_update(inputs, norm, xn, encoder_mask, input_mask,
-                                       deterministic)
+      update, decision = self._routed_update(inputs, norm, xn, encoder_mask, input_mask,
+                                             deterministic)
+      if decision is None:                                       # k = n: in place
+        y = inputs + update
+      elif self._fuses_output():
+        with jax.named_scope('unroute'):
+          y = _adapter(cfg, coda, 'adapter')(xn, up_projection=lambda h, w_up: (
+              unroute_combine.unroute_combine(inputs, h, w_up, update, decision.indices)))
+        return layers.with_sharding_constraint(y, ('batch', 'length', 'embed'))
+      else:
+        with jax.named_scope('unroute'):
+          y = inputs + routing.unroute(update, decision, inputs.shape[1], coda.dispatch)
     if coda is not None and coda.adapter == PARALLEL:
       y = y + _adapter(cfg, coda, 'adapter')(xn)
     return layers.with_sharding_constraint(y, ('batch', 'length', 'embed'))
@@ -188,10 +200,25 @@ class EncoderLayer(nn.Module):
       ffn = _adapter(cfg, coda, 'adapter_mlp', sequential=True)(ffn)
     return att, ffn
 
+  def _fuses_output(self) -> bool:
+    """Whether `kernels.unroute_combine` makes this routed layer's output
+    (`CodaConfig.unroute_kernel`: 'pallas', or 'auto' in a program for a TPU
+    chip of `UNROUTE_KERNEL_CHIPS`; a parallel adapter and one-hot dispatch,
+    the TPU formulation)."""
+    coda = self.coda
+    if coda.adapter != PARALLEL or coda.unroute_kernel == 'xla':
+      return False
+    if coda.unroute_kernel == 'pallas':
+      return True
+    return (target.platform() == 'tpu' and target.device_kind() in UNROUTE_KERNEL_CHIPS
+            and routing.resolve_dispatch(coda.dispatch) == 'one_hot')
+
   def _routed_update(self, x: Array, norm: nn.Module, xn: Array,
                      encoder_mask: Optional[Array], input_mask: Optional[Array],
-                     deterministic: bool) -> Array:
-    """`unroute(gate * (att + ffn))` of the routed tokens, `[batch, n, emb]`.
+                     deterministic: bool) -> Tuple[Array, Optional[routing.RoutingDecision]]:
+    """The routed tokens' update `gate * (att + ffn)` `[batch, k, emb]` and the
+    routing decision that puts it back; with k = n, the update in place
+    `[batch, n, emb]` and None.
 
     Only `x` is routed; the routed tokens' norm is `norm` applied to them
     (the same per-token function as `xn = norm(x)`, so the same values)."""
@@ -211,7 +238,7 @@ class EncoderLayer(nn.Module):
     if k == length:
       att, ffn = self._pretrained_update(x, xn, xn, encoder_mask, deterministic,
                                          token_mask=input_mask, mask_is_padding=True)
-      return (att + ffn) * gate
+      return (att + ffn) * gate, None
     idx = decision.indices                                       # [b, k]
     real = jnp.ones((batch, length), bool) if input_mask is None else input_mask
     with jax.named_scope('route'):
@@ -228,8 +255,7 @@ class EncoderLayer(nn.Module):
                                        query_positions=idx, key_positions=key_positions,
                                        token_mask=query_real, kv_token_mask=key_real,
                                        mask_is_padding=True)
-    with jax.named_scope('unroute'):
-      return routing.unroute((att + ffn) * gate, decision, length, coda.dispatch)
+    return (att + ffn) * gate, decision
 
 
 class DecoderLayer(nn.Module):

@@ -214,12 +214,16 @@ class OnMesh:
   def __init__(self, jitted, mesh: Mesh):
     self.jitted, self.mesh = jitted, mesh
 
+  def _targeting(self):
+    devices = list(self.mesh.devices.flat)
+    return target.targeting(target.platform_of(devices), target.kind_of(devices))
+
   def __call__(self, *args, **kwargs):
-    with jax.set_mesh(self.mesh), target.targeting(target.platform_of(self.mesh.devices.flat)):
+    with jax.set_mesh(self.mesh), self._targeting():
       return self.jitted(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
-    with jax.set_mesh(self.mesh), target.targeting(target.platform_of(self.mesh.devices.flat)):
+    with jax.set_mesh(self.mesh), self._targeting():
       return self.jitted.lower(*args, **kwargs)
 
 

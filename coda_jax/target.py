@@ -23,8 +23,17 @@ def platform() -> str:
   default backend."""
   stack = getattr(_STATE, 'stack', None)
   if stack:
-    return stack[-1]
+    return stack[-1][0]
   return jax.default_backend()
+
+
+def device_kind() -> Optional[str]:
+  """The chip of the innermost `targeting` ('TPU v4', 'TPU v5 lite', ...; None
+  when it did not say), else that of JAX's first device."""
+  stack = getattr(_STATE, 'stack', None)
+  if stack:
+    return stack[-1][1]
+  return jax.devices()[0].device_kind
 
 
 def _normalize(name: str) -> str:
@@ -33,13 +42,14 @@ def _normalize(name: str) -> str:
 
 
 @contextlib.contextmanager
-def targeting(name: Optional[str]) -> Iterator[None]:
-  """Traces inside compile for platform `name` (None: no change)."""
+def targeting(name: Optional[str], kind: Optional[str] = None) -> Iterator[None]:
+  """Traces inside compile for platform `name` (None: no change), on chips of
+  `kind` (a `device_kind`, when known)."""
   if name is None:
     yield
     return
   stack = _STATE.__dict__.setdefault('stack', [])
-  stack.append(_normalize(name))
+  stack.append((_normalize(name), kind))
   try:
     yield
   finally:
@@ -50,4 +60,11 @@ def platform_of(devices) -> Optional[str]:
   """The platform of a mesh's devices (`mesh.devices.flat`), or None."""
   for device in devices:
     return _normalize(device.platform)
+  return None
+
+
+def kind_of(devices) -> Optional[str]:
+  """The `device_kind` of a mesh's devices, or None."""
+  for device in devices:
+    return getattr(device, 'device_kind', None)
   return None

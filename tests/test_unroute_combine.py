@@ -1,0 +1,181 @@
+"""A routed layer's output `x + adapter(LN(x)) + unroute(gate * delta)` in one
+Pallas kernel (`coda_jax.kernels.unroute_combine`, `CodaConfig.unroute_kernel`):
+the same model as XLA's ops (interpret mode on CPU), its blocks, where XLA is
+kept, its sharding, and what the TPU compiler counts for it."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from flax.traverse_util import flatten_dict
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coda_jax import routing
+from coda_jax.config import CodaConfig
+from coda_jax.kernels import unroute_combine as kernel
+from coda_jax.network import Transformer
+
+from test_coda import batch, encode, init_params, logits, randomize
+from tiny_models import tiny_config as tiny
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _coda(attention='k_to_all', **kw):
+  return CodaConfig(reduction_factor=3.0, attention=attention, normalizer='sigmoid',
+                    dispatch='one_hot', **kw)
+
+
+def _pallas_calls(model, params, enc):
+  return str(jax.make_jaxpr(lambda p: encode(model, p, enc))(params)).count('pallas_call')
+
+
+@pytest.mark.parametrize('attention', ['k_to_all', 'k_to_k'])
+def test_the_kernel_is_the_xla_layer(attention):
+  """float32, padded rows, sigmoid routers (see test_relpos_attention): the
+  same encoder output and gradients of every parameter, adapters and
+  routers included."""
+  enc, dec_in, tgt = batch()
+  models = {k: Transformer(tiny(), coda=_coda(attention, unroute_kernel=k))
+            for k in ('xla', 'pallas')}
+  params = randomize(init_params(models['pallas'], enc, dec_in, tgt), ['adapter', 'router'],
+                     scale=0.5)
+  assert _pallas_calls(models['pallas'], params, enc) == 2       # both layers route
+  out = {k: np.asarray(encode(m, params, enc)) for k, m in models.items()}
+  np.testing.assert_allclose(out['pallas'], out['xla'], atol=2e-6, rtol=2e-6)
+
+  def loss(p, model):
+    return jnp.sum(logits(model, p, enc, dec_in, tgt) ** 2)
+
+  grads = {k: flatten_dict(jax.grad(loss)(params, m)) for k, m in models.items()}
+  for path, expected in grads['xla'].items():
+    scale = float(np.abs(expected).max()) + 1e-9
+    np.testing.assert_allclose(np.asarray(grads['pallas'][path]) / scale,
+                               np.asarray(expected) / scale, atol=2e-5, err_msg=str(path))
+
+
+def test_same_parameters_either_way():
+  """Initialising through the kernel creates the same tree (adapter/up/kernel
+  included), so checkpoints move between the two paths."""
+  enc, dec_in, tgt = batch()
+  trees = [jax.tree.map(lambda a: a.shape, init_params(
+      Transformer(tiny(), coda=_coda(unroute_kernel=k)), enc, dec_in, tgt))
+           for k in ('xla', 'pallas')]
+  assert trees[0] == trees[1]
+
+
+def _operands(seed, b, n, k, e, a, dtype=jnp.float32):
+  rng = np.random.RandomState(seed)
+  x = jnp.asarray(rng.randn(b, n, e), dtype)
+  h = jnp.asarray(rng.randn(b, n, a), dtype)
+  w = jnp.asarray(rng.randn(a, e), dtype)
+  delta = jnp.asarray(rng.randn(b, k, e), dtype)
+  idx = jnp.asarray(np.stack([np.sort(rng.choice(n, k, replace=False)) for _ in range(b)]))
+  return x, h, w, delta, idx
+
+
+def test_blocks_of_positions_with_a_padded_last_block(monkeypatch):
+  """Rows longer than `_MAX_ROW` go in blocks (40 positions in blocks of 16,
+  the last padded); the result is the un-route of `routing` plus the adapter
+  and the residual."""
+  monkeypatch.setattr(kernel, '_MAX_ROW', 16)
+  monkeypatch.setattr(kernel, '_BLOCK', 16)
+  x, h, w, delta, idx = _operands(0, 2, 40, 12, 128, 8)
+  out = kernel.unroute_combine(x, h, w, delta, idx, interpret=True)
+  decision = routing.RoutingDecision(indices=idx, gate=None, weights=None, selected=None)
+  expected = x + h @ w + routing.unroute(delta, decision, 40, 'one_hot')
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(out),
+                             np.asarray(kernel.reference(x, h, w, delta, idx)), atol=1e-5)
+
+
+@pytest.mark.parametrize('case', ['xla', 'auto_on_cpu', 'lora'])
+def test_where_xla_makes_the_output(case):
+  enc, dec_in, tgt = batch()
+  kw = {'xla': dict(unroute_kernel='xla'), 'auto_on_cpu': dict(unroute_kernel='auto'),
+        'lora': dict(unroute_kernel='pallas', adapter='lora')}[case]
+  model = Transformer(tiny(), coda=_coda(**kw))
+  assert _pallas_calls(model, init_params(model, enc, dec_in, tgt), enc) == 0
+
+
+def test_refusals_name_what_is_wrong():
+  with pytest.raises(ValueError, match='CodaConfig.unroute_kernel must be one of'):
+    CodaConfig(unroute_kernel='fused')
+  x, h, w, delta, idx = _operands(0, 2, 8, 3, 16, 4)
+  with pytest.raises(ValueError, match='h \\(2, 8, 4\\) and w_up \\(5, 16\\) do not fit'):
+    kernel.unroute_combine(x, h, jnp.zeros((5, 16)), delta, idx, interpret=True)
+  with pytest.raises(ValueError, match='delta \\(2, 3, 16\\) and indices \\(2, 4\\)'):
+    kernel.unroute_combine(x, h, w, delta, jnp.zeros((2, 4), jnp.int32), interpret=True)
+
+
+_SHARDED = textwrap.dedent('''
+    import json, sys
+    import jax, numpy as np
+    from flax.linen import partitioning as nn_partitioning
+    from coda_jax import partitioning
+    from coda_jax.kernels import unroute_combine as kernel
+    sys.path.insert(0, 'tests')
+    from test_unroute_combine import _operands
+    args = _operands(1, 4, 16, 5, 16, 4)
+    expected = kernel.unroute_combine(*args, interpret=True)
+    fn = jax.jit(lambda *a: kernel.unroute_combine(*a, interpret=True))
+    with jax.set_mesh(partitioning.create_mesh((4, 1))), nn_partitioning.axis_rules(
+        partitioning.standard_logical_axis_rules()):
+      text = str(jax.make_jaxpr(fn)(*args))
+      out = fn(*args)
+    print(json.dumps({'shard_map': 'shard_map' in text,
+                      'diff': float(np.abs(np.asarray(out) - np.asarray(expected)).max())}))
+''')
+
+
+def test_under_a_mesh_the_kernel_runs_per_batch_shard():
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS=os.environ.get('XLA_FLAGS', '') +
+             ' --xla_force_host_platform_device_count=4')
+  proc = subprocess.run([sys.executable, '-c', _SHARDED], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert report['shard_map'] and report['diff'] < 1e-6, report
+
+
+def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
+  """Compiled for a TPU v5e chip (libtpu, on this CPU): a Mosaic kernel whose
+  `cost_analysis()` is at least its `CostEstimate`, whose bytes are at least
+  x, y, h, delta and w_up."""
+  pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
+  device = topology.devices(chips.parse_pod('v5e-1'))[0]
+  b, n, k, e, a = 8, 384, 128, 768, 64
+  args = _operands(0, b, n, k, e, a, jnp.bfloat16)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in args]
+  with target.targeting('tpu'):
+    compiled = jax.jit(kernel.unroute_combine).lower(*abstract).compile()
+  assert 'tpu_custom_call' in compiled.as_text()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  estimate = kernel.cost_estimate(b, n, k, e, a, jnp.bfloat16)
+  moved = sum(x.size * x.dtype.itemsize for x in args[:4]) + args[0].size * 2
+  assert estimate.bytes_accessed >= moved
+  assert cost['bytes accessed'] >= estimate.bytes_accessed
+  assert cost['flops'] >= estimate.flops >= 2 * b * n * e * (a + k)
+
+
+@pytest.mark.parametrize('kind,fused', [('TPU v5 lite', True), ('TPU v4', False), (None, False)])
+def test_auto_picks_the_kernel_on_the_chips_where_it_costs_less(kind, fused):
+  """'auto' with one-hot dispatch: the kernel in a program for a chip of
+  `UNROUTE_KERNEL_CHIPS` (v5e, where the TPU compiler counts fewer bytes with
+  it), XLA on other chips (v4: more) and off TPU."""
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  enc, dec_in, tgt = batch()
+  model = Transformer(tiny(attention_kernel='xla'), coda=_coda(unroute_kernel='auto'))
+  params = init_params(model, enc, dec_in, tgt)
+  with target.targeting('tpu', kind):
+    assert _pallas_calls(model, params, enc) == (2 if fused else 0)
