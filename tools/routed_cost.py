@@ -18,7 +18,7 @@ un-route, other). A model of the chip, not a timing
       [--layers L]
       [--generations v4,v5e] [--reduction_factors 1,3,5]
       [--attentions k_to_all,k_to_k] [--decode_steps 4]
-      [--attention_kernel auto|xla|pallas] [--out FILE]
+      [--kernels auto|xla|pallas] [--out FILE]
 
 The base model at batch 128 takes about 2 minutes per compiled program on
 2 CPU cores (14 programs on the defaults).
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from coda_jax.bench import flags, models
 from coda_jax.compile import topology, variant_costs
-from coda_jax.config import ATTENTION_KERNELS, ATTENTION_VARIANTS
+from coda_jax.config import ATTENTION_KERNELS, ATTENTION_VARIANTS, CodaConfig
 
 MODELS = ('small', 'base', 'large', 'xl', 'xxl')
 DTYPES = {'bfloat16': jnp.bfloat16, 'float32': jnp.float32}
@@ -63,9 +63,10 @@ def parse_args(argv):
                  help='decoded tokens (the cache length of the decoding step; 0: no '
                       'decoding step)')
   p.add_argument('--dtype', default='bfloat16', choices=sorted(DTYPES))
-  p.add_argument('--attention_kernel', default='auto', choices=ATTENTION_KERNELS,
-                 help="T5Config.attention_kernel: 'auto' (on a TPU: the Pallas kernel "
-                      "with the relative position bias computed in it) or 'xla'")
+  p.add_argument('--kernels', default='auto', choices=ATTENTION_KERNELS,
+                 help="T5Config.attention_kernel and CodaConfig.unroute_kernel: 'auto' "
+                      "(the Pallas kernels where they cost less: attention on every TPU, "
+                      "the routed layer's output on v5e), 'xla' (neither), 'pallas' (both)")
   p.add_argument('--out', default=None, help='write the JSON here')
   args = p.parse_args(argv)
   if args.decode_steps < 0:
@@ -101,14 +102,14 @@ def main(argv=None) -> int:
     return 2
   log = lambda line: print(line, file=sys.stderr, flush=True)
   config = dataclasses.replace(models.make_config(args.model, DTYPES[args.dtype]),
-                               attention_kernel=args.attention_kernel)
+                               attention_kernel=args.kernels)
   if args.layers is not None:
     config = dataclasses.replace(config, num_encoder_layers=args.layers,
                                  num_decoder_layers=args.layers)
   rows = variant_costs.measure(
       args.model, args.batch_size, [int(n) for n in args.lengths], args.generations,
       args.reduction_factors, args.attentions, args.decode_steps, DTYPES[args.dtype],
-      config=config, log=log)
+      config=config, coda=CodaConfig(unroute_kernel=args.kernels), log=log)
   print(table(rows))
   result = {
       'command': 'python tools/routed_cost.py ' + ' '.join(
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
       'versions': topology.versions(), 'model': args.model, 'batch_size': args.batch_size,
       'lengths': [int(n) for n in args.lengths], 'layers': config.num_encoder_layers,
       'decode_steps': args.decode_steps, 'dtype': args.dtype,
-      'attention_kernel': args.attention_kernel, 'rows': [r.as_dict() for r in rows]}
+      'kernels': args.kernels, 'rows': [r.as_dict() for r in rows]}
   if args.out:
     with open(args.out, 'w') as f:
       json.dump(result, f, indent=1)

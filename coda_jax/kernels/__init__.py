@@ -1,12 +1,17 @@
 """Fused accelerator kernels (Pallas), one module per kernel.
 
 Each kernel is an alternative implementation of an XLA reference elsewhere in
-`coda_jax`, chosen by config (`'auto'` picks the kernel on GPU only) and tested
-against that reference in Pallas interpret mode on CPU:
+`coda_jax`, chosen by config (`'auto'` picks it on the backend it is for) and
+tested against that reference in Pallas interpret mode on CPU:
 
-* `coda_jax.kernels.soft_topk` -- the iterative soft top-k
+* `coda_jax.kernels.soft_topk` -- the iterative soft top-k on GPU
   (`coda_jax.soft_topk`, `SoftTopKConfig(impl=...)`).
+* `coda_jax.kernels.relpos_attention` -- TPU attention with T5's relative
+  position bias computed in the kernel (`T5Config.attention_kernel`).
+* `coda_jax.kernels.unroute_combine` -- a routed layer's output, x + adapter
+  up projection + un-route, on TPU (`CodaConfig.unroute_kernel`).
 
-Import the submodules explicitly; this package imports nothing, so that
-`import coda_jax` never loads Pallas.
+Import the submodules explicitly; this package imports nothing, and the TPU
+kernels import Pallas only when they build a call, so that `import coda_jax`
+never loads Pallas.
 """
