@@ -96,30 +96,33 @@ class Adapter(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array,
-               up_projection: Optional[Callable[[Array, Array], Array]] = None) -> Array:
+               fused: Optional[Callable[[Array, Array, Callable[[Array], Array]], Array]] = None
+               ) -> Array:
     """`x [..., emb]` -> `[..., emb]`, computed in `dtype`.
 
     `down` and `up` are t5x-style `DenseGeneral`s: float32 kernels cast to
-    `dtype`, then `dot_general`. `up_projection(h, w_up)`, given, replaces
-    `h @ w_up` (h `[..., adapter]` activated, w_up `[adapter, emb]` with the
-    scale in it) and its result is returned: a routed layer fuses it with
-    its un-route and residual (`kernels.unroute_combine`).
+    `dtype`, then `dot_general`. `fused(w_down, w_up, activation)`, given, is
+    returned instead (w_down `[emb, adapter]`, w_up `[adapter, emb]` with the
+    scale in it, both in `dtype`): a routed layer computes its adapter inside
+    the kernel that makes its output (`kernels.unroute_combine`); x then only
+    creates the parameters at init.
     """
     emb = x.shape[-1]
-    h = layers.DenseGeneral(
+    down = layers.DenseGeneral(
         features=self.adapter_dim, dtype=self.dtype, kernel_init=self.kernel_init,
-        kernel_axes=('embed', ADAPTER_AXIS), name='down')(x)
-    h = get_adapter_activation(self.activation)(h)
-    if h.ndim == 3:
-      h = layers.with_sharding_constraint(h, ('batch', 'length', ADAPTER_AXIS))
+        kernel_axes=('embed', ADAPTER_AXIS), name='down')
     up = layers.DenseGeneral(
         features=emb, dtype=self.dtype, kernel_init=self.up_init,
         kernel_axes=(ADAPTER_AXIS, 'embed'), name='up')
-    if up_projection is not None:
+    activation = get_adapter_activation(self.activation)
+    if fused is not None:
       if self.is_initializing():
-        up(h)                                               # creates up/kernel
-      w_up = jnp.asarray(up.variables['params']['kernel'], self.dtype)
-      return up_projection(h, w_up * jnp.asarray(self.scale, self.dtype))
+        up(down(x))                                       # creates both kernels
+      kernel = lambda m: jnp.asarray(m.variables['params']['kernel'], self.dtype)
+      return fused(kernel(down), kernel(up) * jnp.asarray(self.scale, self.dtype), activation)
+    h = activation(down(x))
+    if h.ndim == 3:
+      h = layers.with_sharding_constraint(h, ('batch', 'length', ADAPTER_AXIS))
     y = up(h)
     if self.scale != 1.0:
       y = y * jnp.asarray(self.scale, self.dtype)

@@ -504,14 +504,23 @@ class RMSNorm(nn.Module):
   scale_init: Initializer = nn.initializers.ones
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
-    """`[..., emb] -> [..., emb]`, computed in float32."""
-    x = jnp.asarray(x, jnp.float32)
+  def __call__(self, x: Array, factored: bool = False) -> Union[Array, Tuple[Array, Array]]:
+    """`[..., emb] -> [..., emb]`, computed in float32.
+
+    `factored`: `(x * scale [..., emb] in dtype, rsqrt(mean(x²) + ε) [..., 1]
+    float32)`, whose product is the norm: a linear map of the norm is the
+    map of the first times the second, so a matmul can read x scaled
+    element-wise (fused into its operand) and apply the per-token factor to
+    its output, and the normalised array is never written (`MlpBlock`'s
+    `row_scale`)."""
     features = x.shape[-1]
-    mean2 = jnp.mean(lax.square(x), axis=-1, keepdims=True)
-    y = jnp.asarray(x * lax.rsqrt(mean2 + self.epsilon), self.dtype)
     scale = param_with_axes('scale', self.scale_init, (features,), jnp.float32,
                             axes=('embed',))
+    x32 = jnp.asarray(x, jnp.float32)
+    factor = lax.rsqrt(jnp.mean(lax.square(x32), axis=-1, keepdims=True) + self.epsilon)
+    if factored:
+      return jnp.asarray(x32 * scale, self.dtype), factor
+    y = jnp.asarray(x32 * factor, self.dtype)
     return y * jnp.asarray(scale, self.dtype)
 
 
@@ -526,14 +535,19 @@ class MlpBlock(nn.Module):
   lora_alpha: float = 1.0
 
   @nn.compact
-  def __call__(self, inputs: Array, deterministic: bool = False) -> Array:
-    """`[batch, length, emb] -> [batch, length, emb]`."""
+  def __call__(self, inputs: Array, deterministic: bool = False,
+               row_scale: Optional[Array] = None) -> Array:
+    """`[batch, length, emb] -> [batch, length, emb]`; `row_scale [batch,
+    length, 1]`: the input is `inputs * row_scale` (`RMSNorm(factored=True)`),
+    applied to the input projections' outputs."""
     dense = functools.partial(DenseGeneral, dtype=self.dtype, kernel_init=self.kernel_init,
                               lora_rank=self.lora_rank, lora_alpha=self.lora_alpha)
     hidden = []
     for idx, act in enumerate(self.activations):
       name = 'wi' if len(self.activations) == 1 else f'wi_{idx}'
       x = dense(self.intermediate_dim, kernel_axes=('embed', 'mlp'), name=name)(inputs)
+      if row_scale is not None:
+        x = jnp.asarray(x * row_scale, self.dtype)
       hidden.append(get_activation(act)(x))
     x = functools.reduce(operator.mul, hidden)
     x = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=(-2,))(

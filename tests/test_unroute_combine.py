@@ -70,28 +70,35 @@ def test_same_parameters_either_way():
 
 
 def _operands(seed, b, n, k, e, a, dtype=jnp.float32):
+  """x, norm_scale, w_down, w_up, delta, indices."""
   rng = np.random.RandomState(seed)
   x = jnp.asarray(rng.randn(b, n, e), dtype)
-  h = jnp.asarray(rng.randn(b, n, a), dtype)
-  w = jnp.asarray(rng.randn(a, e), dtype)
+  scale = jnp.asarray(1 + 0.1 * rng.randn(e), dtype)
+  w_down = jnp.asarray(rng.randn(e, a) / np.sqrt(e), dtype)
+  w_up = jnp.asarray(rng.randn(a, e), dtype)
   delta = jnp.asarray(rng.randn(b, k, e), dtype)
   idx = jnp.asarray(np.stack([np.sort(rng.choice(n, k, replace=False)) for _ in range(b)]))
-  return x, h, w, delta, idx
+  return x, scale, w_down, w_up, delta, idx
 
 
 def test_blocks_of_positions_with_a_padded_last_block(monkeypatch):
   """Rows longer than `_MAX_ROW` go in blocks (40 positions in blocks of 16,
-  the last padded); the result is the un-route of `routing` plus the adapter
-  and the residual."""
+  the last padded); the result is the layer's own: the adapter on the RMS
+  norm, `routing`'s un-route and the residual."""
+  from coda_jax import adapters, layers  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(kernel, '_MAX_ROW', 16)
   monkeypatch.setattr(kernel, '_BLOCK', 16)
-  x, h, w, delta, idx = _operands(0, 2, 40, 12, 128, 8)
-  out = kernel.unroute_combine(x, h, w, delta, idx, interpret=True)
+  x, scale, w_down, w_up, delta, idx = _operands(0, 2, 40, 12, 128, 8)
+  out = kernel.unroute_combine(x, scale, w_down, w_up, delta, idx, activation=jax.nn.gelu,
+                               interpret=True)
+  xn = layers.RMSNorm().apply({'params': {'scale': scale}}, x)
+  adapter = adapters.Adapter(adapter_dim=8, activation='gelu').apply(
+      {'params': {'down': {'kernel': w_down}, 'up': {'kernel': w_up}}}, xn)
   decision = routing.RoutingDecision(indices=idx, gate=None, weights=None, selected=None)
-  expected = x + h @ w + routing.unroute(delta, decision, 40, 'one_hot')
-  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5, rtol=1e-5)
-  np.testing.assert_allclose(np.asarray(out),
-                             np.asarray(kernel.reference(x, h, w, delta, idx)), atol=1e-5)
+  expected = x + adapter + routing.unroute(delta, decision, 40, 'one_hot')
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-4, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(kernel.reference(
+      x, scale, w_down, w_up, delta, idx, jax.nn.gelu, 1e-6)), atol=1e-5)
 
 
 @pytest.mark.parametrize('case', ['xla', 'auto_on_cpu', 'lora'])
@@ -106,11 +113,12 @@ def test_where_xla_makes_the_output(case):
 def test_refusals_name_what_is_wrong():
   with pytest.raises(ValueError, match='CodaConfig.unroute_kernel must be one of'):
     CodaConfig(unroute_kernel='fused')
-  x, h, w, delta, idx = _operands(0, 2, 8, 3, 16, 4)
-  with pytest.raises(ValueError, match='h \\(2, 8, 4\\) and w_up \\(5, 16\\) do not fit'):
-    kernel.unroute_combine(x, h, jnp.zeros((5, 16)), delta, idx, interpret=True)
+  x, scale, w_down, w_up, delta, idx = _operands(0, 2, 8, 3, 16, 4)
+  with pytest.raises(ValueError, match='w_down \\(16, 4\\) and w_up \\(5, 16\\) do not fit'):
+    kernel.unroute_combine(x, scale, w_down, jnp.zeros((5, 16)), delta, idx, interpret=True)
   with pytest.raises(ValueError, match='delta \\(2, 3, 16\\) and indices \\(2, 4\\)'):
-    kernel.unroute_combine(x, h, w, delta, jnp.zeros((2, 4), jnp.int32), interpret=True)
+    kernel.unroute_combine(x, scale, w_down, w_up, delta, jnp.zeros((2, 4), jnp.int32),
+                           interpret=True)
 
 
 _SHARDED = textwrap.dedent('''
@@ -147,7 +155,7 @@ def test_under_a_mesh_the_kernel_runs_per_batch_shard():
 def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
   """Compiled for a TPU v5e chip (libtpu, on this CPU): a Mosaic kernel whose
   `cost_analysis()` is at least its `CostEstimate`, whose bytes are at least
-  x, y, h, delta and w_up."""
+  x, y, delta and the weights."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
   from coda_jax import target  # pylint: disable=g-import-not-at-top
   from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
@@ -162,10 +170,10 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   estimate = kernel.cost_estimate(b, n, k, e, a, jnp.bfloat16)
-  moved = sum(x.size * x.dtype.itemsize for x in args[:4]) + args[0].size * 2
+  moved = sum(x.size * x.dtype.itemsize for x in args[:5]) + args[0].size * 2
   assert estimate.bytes_accessed >= moved
   assert cost['bytes accessed'] >= estimate.bytes_accessed
-  assert cost['flops'] >= estimate.flops >= 2 * b * n * e * (a + k)
+  assert cost['flops'] >= estimate.flops >= 2 * b * n * e * (2 * a + k)
 
 
 @pytest.mark.parametrize('kind,fused', [('TPU v5 lite', True), ('TPU v4', False), (None, False)])

@@ -1,28 +1,33 @@
-"""A CoDA layer's output in one TPU Pallas kernel: un-route, adapter up, residual.
+"""A CoDA layer's output in one TPU Pallas kernel: norm, adapter, un-route, residual.
 
 `CodaConfig.unroute_kernel`: 'auto' (this kernel in programs for a TPU,
 `coda_jax.target`), 'pallas' (always: interpret mode off TPU, for tests),
 'xla'. What it computes (`reference`), per batch row b and position i:
 
-    y[b,i] = x[b,i] + h[b,i] @ w_up + Σ_j [indices[b,j] = i] delta[b,j]
+    xn[b,i] = x[b,i] / rms(x[b,i]) * norm_scale          (T5's RMS norm)
+    y[b,i]  = x[b,i] + act(xn[b,i] @ w_down) @ w_up + Σ_j [indices[b,j] = i] delta[b,j]
 
-x `[batch, n, emb]` is the layer input, h `[batch, n, adapter]` the parallel
-adapter's activated bottleneck and w_up `[adapter, emb]` its (scaled) up
-projection, delta `[batch, k, emb]` the routed tokens' gated update and
-indices `[batch, k]` their positions (distinct within a row): the last line
-of the CoDA layer, `y = x + adapter(LN(x)) + unroute(gate * delta)`.
+x `[batch, n, emb]` is the layer input, norm_scale `[emb]` the layer's
+`pre_attention_layer_norm` scale, w_down `[emb, adapter]`, act and w_up
+`[adapter, emb]` (scaled) the parallel adapter, delta `[batch, k, emb]` the
+routed tokens' gated update and indices `[batch, k]` their positions
+(distinct within a row): the last line of the CoDA layer,
+`y = x + adapter(LN(x)) + unroute(gate * delta)`, with the roundings of the
+XLA layer (the norm and the adapter's bottleneck in the activation dtype).
 
-Why a kernel: in XLA the un-route (a one-hot matmul on TPU), the adapter's
-up projection and the two residual adds are separate fusions, each writing
-or re-reading a `[batch, n, emb]` array, and the compiler's memory-space
-assignment adds copies around them. Here one program per (batch row, block of
-positions) reads x, h and the row's k updates and writes y once; the one-hot
-`[block, k]` is built in VMEM from the indices (an iota compare) and
-multiplied on the MXU. `cost_estimate` declares those bytes and the
+Why a kernel: in XLA the adapter's down projection reads x again, and the
+un-route (a one-hot matmul on TPU), the adapter's up projection and the two
+residual adds are separate fusions, each writing or re-reading a `[batch, n,
+emb]` array, with the compiler's memory-space assignment adding copies
+around them. Here one program per (batch row, block of positions) reads x and
+the row's k updates and writes y once; the norm, both adapter matmuls and the
+one-hot `[block, k]` (an iota compare with the indices, multiplied on the
+MXU) stay in VMEM. `cost_estimate` declares those bytes and the
 arithmetic, which is what the TPU compiler's `cost_analysis()` reports.
 
 Gradients: a custom VJP whose backward pass is XLA's derivative of
-`reference`. Sharding: under a mesh the call runs in `shard_map` over the
+`reference` (the norm scale, both adapter kernels, x and delta get
+gradients). Sharding: under a mesh the call runs in `shard_map` over the
 batch axis of the logical rules (a Pallas call is opaque to XLA's
 partitioner).
 
@@ -52,82 +57,106 @@ def position_block(length: int) -> int:
   return length if length <= _MAX_ROW else _BLOCK
 
 
-def reference(x: Array, h: Array, w_up: Array, delta: Array, indices: Array) -> Array:
-  """`x + h @ w_up + unroute(delta)` in jnp (float32 sum, one rounding)."""
+def _adapter(x: Array, norm_scale: Array, w_down: Array, w_up: Array, activation,
+             epsilon: float) -> Array:
+  """`act(LN(x) @ w_down) @ w_up`, float32, with `adapters.Adapter`'s roundings."""
+  x32 = x.astype(jnp.float32)
+  factor = lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + epsilon)
+  xn = (x32 * factor).astype(x.dtype) * norm_scale
+  h = activation(lax.dot_general(xn, w_down, (((xn.ndim - 1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32).astype(x.dtype))
+  return lax.dot_general(h, w_up, (((h.ndim - 1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def reference(x: Array, norm_scale: Array, w_down: Array, w_up: Array, delta: Array,
+              indices: Array, activation, epsilon: float) -> Array:
+  """The kernel's function in jnp (float32 sum, one rounding); its backward
+  pass is the kernel's."""
   one_hot = (indices[:, :, None] == jnp.arange(x.shape[1])).astype(delta.dtype)  # [b, k, n]
-  up = jnp.einsum('bna,ae->bne', h, w_up, preferred_element_type=jnp.float32)
   back = jnp.einsum('bkn,bke->bne', one_hot, delta, preferred_element_type=jnp.float32)
+  up = _adapter(x, norm_scale, w_down, w_up, activation, epsilon)
   return (x.astype(jnp.float32) + up + back).astype(x.dtype)
 
 
-def _kernel(idx_ref, x_ref, h_ref, w_ref, d_ref, y_ref, *, block: int):
-  """One (batch row, block of positions): y = x + h w_up + one_hot d."""
+def _kernel(idx_ref, x_ref, s_ref, wd_ref, wu_ref, d_ref, y_ref, *, block: int, activation,
+            epsilon: float):
+  """One (batch row, block of positions): y = x + adapter(LN(x)) + one_hot d."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   first = pl.program_id(1) * block
   k = idx_ref.shape[-1]
   positions = lax.broadcasted_iota(jnp.int32, (block, k), 0) + first
   one_hot = (positions == idx_ref[...]).astype(d_ref.dtype)            # [block, k]
-  up = lax.dot_general(h_ref[...], w_ref[...], (((1,), (0,)), ((), ())),
-                       preferred_element_type=jnp.float32)
+  x = x_ref[...]
+  up = _adapter(x, s_ref[...], wd_ref[...], wu_ref[...], activation, epsilon)
   back = lax.dot_general(one_hot, d_ref[...], (((1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)
-  y_ref[...] = (x_ref[...].astype(jnp.float32) + up + back).astype(y_ref.dtype)
+  y_ref[...] = (x.astype(jnp.float32) + up + back).astype(y_ref.dtype)
 
 
 def cost_estimate(batch: int, length: int, k: int, emb: int, adapter: int, dtype):
-  """Bytes: x and y, h, delta, the int32 indices once per block of positions,
-  w_up once. Flops: the two matmuls, the two adds and the one-hot compares.
-  A `pl.CostEstimate`."""
+  """Bytes: x and y, delta, the int32 indices once per block of positions,
+  the norm scale and both adapter kernels once. Flops: the three matmuls, the
+  norm (square, sum, scale: 4 per element), the activation and the two adds,
+  the one-hot compares; transcendentals: the norm's rsqrt per token. A
+  `pl.CostEstimate`."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   itemsize = jnp.dtype(dtype).itemsize
   blocks = -(-length // position_block(length))
-  flops = 2 * batch * length * emb * (adapter + k + 1) + batch * length * k
-  bytes_accessed = (itemsize * batch * (2 * length * emb + length * adapter + k * emb)
-                    + 4 * batch * blocks * k + itemsize * adapter * emb)
-  return pl.CostEstimate(flops=int(flops), transcendentals=0,
+  flops = (2 * batch * length * emb * (2 * adapter + k) + 6 * batch * length * emb
+           + batch * length * (adapter + k))
+  bytes_accessed = (itemsize * batch * (2 * length * emb + k * emb)
+                    + 4 * batch * blocks * k + itemsize * (2 * adapter + 1) * emb)
+  return pl.CostEstimate(flops=int(flops), transcendentals=int(batch * length),
                          bytes_accessed=int(bytes_accessed))
 
 
-def _kernel_call(x, h, w_up, delta, indices, interpret):
+def _kernel_call(x, norm_scale, w_down, w_up, delta, indices, activation, epsilon,
+                 interpret):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   batch, length, emb = x.shape
-  k, adapter = delta.shape[1], h.shape[-1]
+  k, adapter = delta.shape[1], w_down.shape[-1]
   block = position_block(length)
   padded = -(-length // block) * block
   if padded != length:
-    pad = ((0, 0), (0, padded - length), (0, 0))
-    x, h = jnp.pad(x, pad), jnp.pad(h, pad)
-  rows = lambda width: pl.BlockSpec((None, block, width), lambda b, i: (b, i, 0))
+    x = jnp.pad(x, ((0, 0), (0, padded - length), (0, 0)))
+  whole = lambda *shape: pl.BlockSpec(shape, lambda b, i: (0,) * len(shape))
+  rows = pl.BlockSpec((None, block, emb), lambda b, i: (b, i, 0))
   y = pl.pallas_call(
-      functools.partial(_kernel, block=block),
+      functools.partial(_kernel, block=block, activation=activation, epsilon=epsilon),
       grid=(batch, padded // block),
-      in_specs=[pl.BlockSpec((None, 1, k), lambda b, i: (b, 0, 0)), rows(emb), rows(adapter),
-                pl.BlockSpec((adapter, emb), lambda b, i: (0, 0)),
+      in_specs=[pl.BlockSpec((None, 1, k), lambda b, i: (b, 0, 0)), rows, whole(1, emb),
+                whole(emb, adapter), whole(adapter, emb),
                 pl.BlockSpec((None, k, emb), lambda b, i: (b, 0, 0))],
-      out_specs=rows(emb),
+      out_specs=rows,
       out_shape=jax.ShapeDtypeStruct((batch, padded, emb), x.dtype),
       cost_estimate=cost_estimate(batch, padded, k, emb, adapter, x.dtype),
       compiler_params=None if interpret else pltpu.CompilerParams(
           dimension_semantics=('parallel', 'parallel')),
       interpret=interpret,
-  )(indices.astype(jnp.int32)[:, None, :], x, h, w_up, delta)
+  )(indices.astype(jnp.int32)[:, None, :], x, norm_scale.reshape(1, emb), w_down, w_up,
+    delta)
   return y[:, :length] if padded != length else y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _combine(x, h, w_up, delta, indices, interpret):
-  return _kernel_call(x, h, w_up, delta, indices, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _combine(x, norm_scale, w_down, w_up, delta, indices, activation, epsilon, interpret):
+  return _kernel_call(x, norm_scale, w_down, w_up, delta, indices, activation, epsilon,
+                      interpret)
 
 
-def _combine_fwd(x, h, w_up, delta, indices, interpret):
-  return _combine(x, h, w_up, delta, indices, interpret), (x, h, w_up, delta, indices)
+def _combine_fwd(x, norm_scale, w_down, w_up, delta, indices, activation, epsilon,
+                 interpret):
+  out = _combine(x, norm_scale, w_down, w_up, delta, indices, activation, epsilon, interpret)
+  return out, (x, norm_scale, w_down, w_up, delta, indices)
 
 
-def _combine_bwd(interpret, residuals, cotangent):
+def _combine_bwd(activation, epsilon, interpret, residuals, cotangent):
   del interpret
-  x, h, w_up, delta, indices = residuals
-  _, vjp = jax.vjp(lambda *a: reference(*a, indices), x, h, w_up, delta)
+  x, norm_scale, w_down, w_up, delta, indices = residuals
+  _, vjp = jax.vjp(lambda *a: reference(*a, indices, activation, epsilon),
+                   x, norm_scale, w_down, w_up, delta)
   return (*vjp(cotangent), np.zeros(indices.shape, jax.dtypes.float0))
 
 
@@ -146,22 +175,25 @@ def _batch_axis(batch: int) -> Optional[str]:
   return axis
 
 
-def unroute_combine(x: Array, h: Array, w_up: Array, delta: Array, indices: Array, *,
+def unroute_combine(x: Array, norm_scale: Array, w_down: Array, w_up: Array, delta: Array,
+                    indices: Array, *, activation=jax.nn.relu, epsilon: float = 1e-6,
                     interpret: Optional[bool] = None) -> Array:
-  """`x + h @ w_up + unroute(delta)`, `[batch, n, emb]` in x's dtype.
+  """`x + act(LN(x) @ w_down) @ w_up + unroute(delta)`, `[batch, n, emb]` in x's dtype.
 
   Args:
     x: the layer input `[batch, n, emb]`.
-    h: the adapter's activated bottleneck `[batch, n, adapter]`.
+    norm_scale: `[emb]`, the scale of the layer's RMS norm (epsilon `epsilon`).
+    w_down: `[emb, adapter]`; `activation` the adapter's (a jnp function).
     w_up: `[adapter, emb]`, the up projection with the adapter's scale in it.
     delta: `[batch, k, emb]`, the routed tokens' gated updates.
     indices: int `[batch, k]`, their positions, distinct within a row.
     interpret: Pallas interpret mode (default: when not on a TPU).
   """
   batch, length, emb = x.shape
-  if h.shape[:2] != (batch, length) or w_up.shape != (h.shape[-1], emb):
-    raise ValueError(f'unroute_combine: h {h.shape} and w_up {w_up.shape} do not fit '
-                     f'x {x.shape}')
+  if norm_scale.shape != (emb,) or w_down.shape[0] != emb or w_up.shape != (
+      w_down.shape[-1], emb):
+    raise ValueError(f'unroute_combine: norm_scale {norm_scale.shape}, w_down '
+                     f'{w_down.shape} and w_up {w_up.shape} do not fit x {x.shape}')
   if delta.shape[0] != batch or delta.shape[-1] != emb or indices.shape != delta.shape[:2]:
     raise ValueError(f'unroute_combine: delta {delta.shape} and indices {indices.shape} '
                      f'do not fit x {x.shape}')
@@ -169,15 +201,17 @@ def unroute_combine(x: Array, h: Array, w_up: Array, delta: Array, indices: Arra
     from coda_jax import target  # pylint: disable=g-import-not-at-top
     interpret = target.platform() != 'tpu'
   dtype = x.dtype
-  operands = (x, h.astype(dtype), w_up.astype(dtype), delta.astype(dtype), indices)
+  operands = (x, norm_scale.astype(dtype), w_down.astype(dtype), w_up.astype(dtype),
+              delta.astype(dtype), indices)
 
   def call(*args):
-    return _combine(*args, interpret)
+    return _combine(*args, activation, epsilon, interpret)
 
   axis = _batch_axis(batch)
   if axis is not None:
     from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
     rows = P(axis, None, None)
-    call = jax.shard_map(call, in_specs=(rows, rows, P(None, None), rows, P(axis, None)),
+    call = jax.shard_map(call, in_specs=(rows, P(None), P(None, None), P(None, None), rows,
+                                         P(axis, None)),
                          out_specs=rows, check_vma=False)
   return call(*operands)
