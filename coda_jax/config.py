@@ -140,11 +140,14 @@ DISPATCHES = ('auto', 'gather', 'one_hot')
 UNROUTE_KERNELS = ('auto', 'xla', 'pallas')
 # The TPU chips (`device_kind`) on which 'auto' picks the kernel: where the
 # TPU compiler counts fewer bytes for the base encoder with it than without
-# (`python tools/routed_cost.py --model base --generations v5e,v4`, attention
-# kernel on, jax 0.10.2 / libtpu 0.0.42.1: v5e 21.04 against 22.67 GB at
-# k-to-all r = 3, 16.32 against 24.21 GB at k-to-k r = 3; v4 25.61 against
-# 21.85 and 21.97 against 18.30 GB: the compiler's memory-space assignment
-# adds copies of the layer input to CMEM around the kernel).
+# (`python tools/routed_cost.py --model base --generations v5e,v4`, batch 128,
+# n 384, jax 0.10.2 / libtpu 0.0.42.1, attention kernel on). v5e: 21.04
+# against 22.67 GB at k-to-all r = 3 and 16.32 against 24.21 GB at k-to-k
+# r = 3 when the kernel first did the un-route, adapter up and residual; with
+# the adapter's norm and down projection in it too, 18.70 and 15.08 GB. v4
+# (`--kernels pallas` against `auto`): 23.37 against 21.85 GB and 19.72
+# against 19.40 GB; its memory-space assignment adds copies of the layer
+# input to CMEM around the kernel.
 UNROUTE_KERNEL_CHIPS = ('TPU v5 lite',)
 # Soft top-k solvers (`coda_jax.soft_topk`) and their implementations: 'xla'
 # (the reference, the CPU/TPU default), 'pallas' (a fused kernel,
