@@ -32,12 +32,12 @@ CONFIG = dataclasses.replace(models.make_config('small', jnp.bfloat16),
 # the routed layer fails here; one that removes some lowers these.
 # XLA: r = 1 1.052, k-to-all r = 3 0.819, k-to-k r = 3 0.745 (flops 1.001,
 # 0.493, 0.372). The kernels 'auto' picks on v5e (attention, and the routed
-# layer's output): 1.065, 0.939, 0.868 (flops 1.001, 0.484, 0.365); higher
+# layer's output): 1.065, 0.910, 0.838 (flops 1.001, 0.484, 0.365); higher
 # ratios, because the attention kernel removes more bytes from the baseline
 # (n x n attention) than from a routed layer (k x n).
 MAX_BYTES_RATIO = {
     'xla': {'coda_k_to_all_r1': 1.063, 'coda_k_to_all_r3': 0.828, 'coda_k_to_k_r3': 0.753},
-    'auto': {'coda_k_to_all_r1': 1.076, 'coda_k_to_all_r3': 0.949, 'coda_k_to_k_r3': 0.877}}
+    'auto': {'coda_k_to_all_r1': 1.076, 'coda_k_to_all_r3': 0.919, 'coda_k_to_k_r3': 0.846}}
 CASES = [(kernel, name) for kernel in sorted(MAX_BYTES_RATIO)
          for name in sorted(MAX_BYTES_RATIO[kernel])]
 
