@@ -106,33 +106,36 @@ def _xla(query, key, value, table, query_positions, key_positions, query_real, k
 
 @pytest.mark.parametrize('routed', [False, True])
 def test_blocks_of_queries_and_heads_and_padded_query_blocks(monkeypatch, routed):
-  """Small block limits split the grid into several query blocks (the last
-  one padded: 40 queries in blocks of 16) and head blocks (grouped heads,
-  whole key/value heads per block): still XLA's attention."""
+  """Small VMEM limits split the grid into several query blocks of 16 (36 or
+  24 routed queries, the last block padded) and head
+  blocks (grouped heads, whole key/value heads per block): still XLA's
+  attention."""
   monkeypatch.setattr(kernel, '_MAX_BLOCK_ELEMENTS', 16 * 64)
-  monkeypatch.setattr(kernel, '_MAX_KV_BLOCK_BYTES', 2 * 64 * 2 * 64 * 4)
-  b, q, s, h, kvh, d = 2, 40 if not routed else 24, 64, 8, 4, 64
-  assert kernel.query_block(q, s) == 16
-  assert kernel.head_block(h, kvh, d, s, 4) == 4     # 2 kv heads of 64: 128 lanes
+  monkeypatch.setattr(kernel, '_VMEM_BUDGET', 32768 + 196608)
+  b, q, s, h, kvh, d = 2, 24 if routed else 36, 64, 8, 4, 64
+  block = kernel.query_block(q, s)
+  assert block == 16
+  assert kernel.head_block(h, kvh, d, block, s, 4) == 4     # 2 kv heads: 128 lanes
   (query, key, value), table, kw = _operands(0, b, q, s, h, kvh, d, routed=routed)
   out = kernel.relpos_attention(query, key, value, table, interpret=True, **kw)
   np.testing.assert_allclose(np.asarray(out), np.asarray(_xla(query, key, value, table, **kw)),
                              atol=1e-5, rtol=1e-5)
 
 
-def test_head_blocks_are_whole_lane_columns():
-  # 12 heads of 64 with 384 keys in bf16: every head's keys and values fit.
-  assert kernel.head_block(12, 12, 64, 384, 2) == 12
-  # xl (32 heads of 64): all at 512 keys (4 MiB), 16 (1024 lanes) at 1000.
-  assert kernel.head_block(32, 32, 64, 512, 2) == 32
-  assert kernel.head_block(32, 32, 64, 1000, 2) == 16
-  # Too long for any block: the narrowest whole-lane block, 2 heads of 64.
-  assert kernel.head_block(32, 32, 64, 8192, 2) == 2
-  # 6 heads of 64 (small): 2-head blocks are whole lanes, but all 6 fit.
-  assert kernel.head_block(6, 6, 64, 512, 2) == 6
-  # Head dim 32: a block of 4 heads fills 128 lanes.
-  assert kernel.head_block(8, 8, 32, 8192, 2) == 4
-  assert kernel.query_block(384, 384) == 384 and kernel.query_block(1000, 1000) == 256
+def test_blocks_fit_vmem():
+  """Query blocks hold at most _MAX_BLOCK_ELEMENTS logits (a divisor of the
+  length when one is large enough, else a padded power of two); head blocks
+  are the most whose buffers fit the VMEM budget beside the temporaries."""
+  assert kernel.query_block(128, 384) == 128          # routed queries: one block
+  assert kernel.query_block(384, 384) == 192          # base: two blocks
+  assert kernel.query_block(1000, 1000) == 128        # 1000 -> 1024, 8 blocks
+  # base (12 heads of 64, 384 keys, bf16): all heads in one block.
+  assert kernel.head_block(12, 12, 64, 192, 384, 2) == 12
+  # xl (32 heads of 64, 512 keys, 256 queries): 16 heads, 1024 lanes.
+  assert kernel.head_block(32, 32, 64, 256, 512, 2) == 16
+  # Nothing fits: the narrowest whole-lane block, 2 heads of 64 or 4 of 32.
+  assert kernel.head_block(32, 32, 64, 16, 8192, 2) == 2
+  assert kernel.head_block(8, 8, 32, 16, 8192, 2) == 4
 
 
 @pytest.mark.parametrize('case', ['decoder', 'packed', 'dropout', 'auto_on_cpu', 'xla'])

@@ -82,12 +82,12 @@ def _operands(seed, b, n, k, e, a, dtype=jnp.float32):
 
 
 def test_blocks_of_positions_with_a_padded_last_block(monkeypatch):
-  """Rows longer than `_MAX_ROW` go in blocks (40 positions in blocks of 16,
-  the last padded); the result is the layer's own: the adapter on the RMS
-  norm, `routing`'s un-route and the residual."""
+  """Rows whose blocks do not fit the VMEM budget go in blocks (40 positions in
+  blocks of 16, the last padded); the result is the layer's own: the adapter
+  on the RMS norm, `routing`'s un-route and the residual."""
   from coda_jax import adapters, layers  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(kernel, '_MAX_ROW', 16)
-  monkeypatch.setattr(kernel, '_BLOCK', 16)
+  monkeypatch.setattr(kernel, '_VMEM_BUDGET', 16 * 128 * (4 * 4 + 4 * kernel._TEMPORARIES))
+  assert kernel.position_block(40, 128, 4) == 16
   x, scale, w_down, w_up, delta, idx = _operands(0, 2, 40, 12, 128, 8)
   out = kernel.unroute_combine(x, scale, w_down, w_up, delta, idx, activation=jax.nn.gelu,
                                interpret=True)
@@ -108,6 +108,12 @@ def test_where_xla_makes_the_output(case):
         'lora': dict(unroute_kernel='pallas', adapter='lora')}[case]
   model = Transformer(tiny(), coda=_coda(**kw))
   assert _pallas_calls(model, init_params(model, enc, dec_in, tgt), enc) == 0
+
+
+def test_position_blocks_fit_vmem():
+  assert kernel.position_block(384, 768, 2) == 384       # base: a row per program
+  assert kernel.position_block(512, 2048, 2) == 128      # xl: 4 blocks
+  assert kernel.position_block(1000, 2048, 2) == 200     # xl at 1000 tokens: 5 blocks
 
 
 def test_refusals_name_what_is_wrong():

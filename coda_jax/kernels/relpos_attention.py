@@ -35,8 +35,8 @@ the call.
 
 Every key of a row is in one block (the softmax is a single pass, no running
 maximum); queries are split in blocks of at most `_MAX_BLOCK_ELEMENTS` /
-kv_length rows so that the float32 temporaries fit VMEM, heads so that a key
-and value block fits `_MAX_KV_BLOCK_BYTES`. Keys longer than `MAX_KV_LENGTH`
+kv_length rows so that the float32 temporaries fit VMEM, heads so that the
+blocks fit `_VMEM_BUDGET` beside them (`query_block`, `head_block`). Keys longer than `MAX_KV_LENGTH`
 are refused by `supported` (the caller uses XLA).
 
 Gradients: a custom VJP whose backward pass is XLA's derivative of the
@@ -69,12 +69,15 @@ Array = jax.Array
 MASK_VALUE = -1e10
 # Keys per row held in VMEM at once; longer rows use XLA.
 MAX_KV_LENGTH = 8192
-# Largest query block x kv_length: each float32 temporary of a block (logits,
-# buckets, bias, ...) takes 1 MiB.
-_MAX_BLOCK_ELEMENTS = 256 * 1024
-# Largest key + value block (bytes, one buffer of each): with double buffering
-# 8 MiB, so that a program fits the 16 MiB of VMEM of the smallest TPU core.
-_MAX_KV_BLOCK_BYTES = 4 * 1024 * 1024
+# VMEM one program may use (bytes): its double-buffered q, k, v and output
+# blocks and its float32 temporaries, under the 16 MiB scoped default of
+# v4 and v5e.
+_VMEM_BUDGET = 12 * 1024 * 1024
+# Float32 [query block, kv_length] temporaries alive at once (logits,
+# buckets, mask, bias, exponentials, weights, compares, selects).
+_TEMPORARIES = 8
+# Largest query block x kv_length (the temporaries then take 4 MiB).
+_MAX_BLOCK_ELEMENTS = 128 * 1024
 # TPU vector registers are 128 lanes wide: a block's last dimension is a
 # multiple of this (or the whole dimension).
 _LANES = 128
@@ -116,26 +119,34 @@ def supported(kv_length: int) -> bool:
 
 
 def query_block(q_length: int, kv_length: int) -> int:
-  """Queries per program: all of them when the block fits, else the largest
-  power of two (>= 8) whose float32 `[block, kv_length]` temporaries fit."""
+  """Queries per program: all of them when `[block, kv_length]` fits
+  `_MAX_BLOCK_ELEMENTS`, else the largest multiple of 8 dividing q_length
+  that fits if it is more than half the limit, else the largest power of two
+  that fits (the last block padded)."""
   limit = max(8, _MAX_BLOCK_ELEMENTS // kv_length)
   if q_length <= limit:
     return q_length
+  divisors = [b for b in range(8, limit + 1, 8) if q_length % b == 0]
+  if divisors and 2 * divisors[-1] > limit:
+    return divisors[-1]
   return 1 << (limit.bit_length() - 1)
 
 
-def head_block(heads: int, kv_heads: int, head_dim: int, kv_length: int,
+def head_block(heads: int, kv_heads: int, head_dim: int, q_block: int, kv_length: int,
                itemsize: int) -> int:
-  """Heads per program: the most whose key + value block fits
-  `_MAX_KV_BLOCK_BYTES`, among those that keep whole key/value heads
-  (grouped attention) and whose blocks are whole 128-lane columns (or all
-  the heads, the whole dimension); the fewest such when none fits."""
+  """Heads per program: the most whose double-buffered q, output, key and
+  value blocks fit `_VMEM_BUDGET` beside the temporaries, among those that keep
+  whole key/value heads (grouped attention) and whose blocks are whole
+  128-lane columns (or all the heads, the whole dimension); the fewest such
+  when none fits."""
   groups = heads // kv_heads
   valid = [h for h in range(heads, 0, -1)
            if heads % h == 0 and h % groups == 0 and
            (h == heads or (h * head_dim % _LANES == 0 and h // groups * head_dim % _LANES == 0))]
+  room = _VMEM_BUDGET - _TEMPORARIES * 4 * q_block * kv_length
   for h in valid:
-    if 2 * kv_length * (h // groups) * head_dim * itemsize <= _MAX_KV_BLOCK_BYTES:
+    blocks = 2 * (2 * q_block * h + 2 * kv_length * (h // groups)) * head_dim * itemsize
+    if blocks <= room:
       return h
   return valid[-1]
 
@@ -224,8 +235,9 @@ def _kernel_call(query: Array, key: Array, value: Array, table: Array, q_code: A
   batch, q_length, heads, head_dim = query.shape
   kv_length, kv_heads = key.shape[1], key.shape[2]
   groups = heads // kv_heads
-  hb = head_block(heads, kv_heads, head_dim, kv_length, jnp.dtype(query.dtype).itemsize)
   block = query_block(q_length, kv_length)
+  hb = head_block(heads, kv_heads, head_dim, block, kv_length,
+                  jnp.dtype(query.dtype).itemsize)
   padded = -(-q_length // block) * block
   query = query.reshape(batch, q_length, heads * head_dim)
   if padded != q_length:

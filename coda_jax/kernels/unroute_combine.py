@@ -46,15 +46,25 @@ import numpy as np
 
 Array = jax.Array
 
-# Positions per program: a row when it has at most this many, else blocks of
-# _BLOCK (x, y double-buffered: 6 MiB at emb 1024 in bfloat16).
-_MAX_ROW = 1024
-_BLOCK = 512
+# VMEM one program may use (bytes), under the 16 MiB scoped default of v4 and
+# v5e: its double-buffered x and y blocks and about five float32 [block, emb]
+# temporaries (x, the norm, the adapter and un-route sums).
+_VMEM_BUDGET = 12 * 1024 * 1024
+_TEMPORARIES = 5
 
 
-def position_block(length: int) -> int:
-  """Positions per program (`_MAX_ROW`, `_BLOCK`)."""
-  return length if length <= _MAX_ROW else _BLOCK
+def position_block(length: int, emb: int, itemsize: int) -> int:
+  """Positions per program: the whole row when its blocks fit `_VMEM_BUDGET`,
+  else the largest multiple of 8 dividing the length that fits if it is more
+  than half the limit, else the largest power of two that fits (the last
+  block padded)."""
+  limit = max(8, _VMEM_BUDGET // (emb * (4 * itemsize + 4 * _TEMPORARIES)))
+  if length <= limit:
+    return length
+  divisors = [b for b in range(8, limit + 1, 8) if length % b == 0]
+  if divisors and 2 * divisors[-1] > limit:
+    return divisors[-1]
+  return 1 << (limit.bit_length() - 1)
 
 
 def _adapter(x: Array, norm_scale: Array, w_down: Array, w_up: Array, activation,
@@ -102,7 +112,7 @@ def cost_estimate(batch: int, length: int, k: int, emb: int, adapter: int, dtype
   `pl.CostEstimate`."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   itemsize = jnp.dtype(dtype).itemsize
-  blocks = -(-length // position_block(length))
+  blocks = -(-length // position_block(length, emb, itemsize))
   flops = (2 * batch * length * emb * (2 * adapter + k) + 6 * batch * length * emb
            + batch * length * (adapter + k))
   bytes_accessed = (itemsize * batch * (2 * length * emb + k * emb)
@@ -117,7 +127,7 @@ def _kernel_call(x, norm_scale, w_down, w_up, delta, indices, activation, epsilo
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   batch, length, emb = x.shape
   k, adapter = delta.shape[1], w_down.shape[-1]
-  block = position_block(length)
+  block = position_block(length, emb, jnp.dtype(x.dtype).itemsize)
   padded = -(-length // block) * block
   if padded != length:
     x = jnp.pad(x, ((0, 0), (0, padded - length), (0, 0)))
