@@ -2,9 +2,6 @@
 (`coda_jax.kernels.relpos_attention`, `T5Config.attention_kernel`): the same
 model as XLA's attention (interpret mode on CPU), where each path is used, its
 blocks, its sharding, and what the TPU compiler counts for it."""
-import os
-import subprocess
-import sys
 import textwrap
 
 from flax.traverse_util import flatten_dict
@@ -19,9 +16,8 @@ from coda_jax.kernels import relpos_attention as kernel
 from coda_jax.network import Transformer
 
 from test_coda import batch, encode, init_params, logits, randomize
-from tiny_models import tiny_config as tiny
+from tiny_models import run_on_cpu_devices, tiny_config as tiny
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CODAS = {'parallel_adapter': None,
          'k_to_all': CodaConfig(reduction_factor=3.0, attention='k_to_all',
                                 normalizer='sigmoid'),
@@ -199,14 +195,7 @@ def test_under_a_mesh_the_kernel_runs_per_shard():
   """On a (data 2, model 2) mesh the call runs in shard_map over the batch and
   the heads (a Pallas call is opaque to XLA's partitioner) and gives the
   unsharded result."""
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=os.environ.get('XLA_FLAGS', '') +
-             ' --xla_force_host_platform_device_count=4')
-  proc = subprocess.run([sys.executable, '-c', _SHARDED], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  import json  # pylint: disable=g-import-not-at-top
-  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  report = run_on_cpu_devices(_SHARDED)
   assert report['shard_map'] and report['diff'] < 1e-6, report
 
 

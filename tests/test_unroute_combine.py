@@ -2,11 +2,6 @@
 Pallas kernel (`coda_jax.kernels.unroute_combine`, `CodaConfig.unroute_kernel`):
 the same model as XLA's ops (interpret mode on CPU), its blocks, where XLA is
 kept, its sharding, and what the TPU compiler counts for it."""
-import dataclasses
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 from flax.traverse_util import flatten_dict
@@ -21,9 +16,8 @@ from coda_jax.kernels import unroute_combine as kernel
 from coda_jax.network import Transformer
 
 from test_coda import batch, encode, init_params, logits, randomize
-from tiny_models import tiny_config as tiny
+from tiny_models import run_on_cpu_devices, tiny_config as tiny
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _coda(attention='k_to_all', **kw):
@@ -148,13 +142,7 @@ _SHARDED = textwrap.dedent('''
 
 
 def test_under_a_mesh_the_kernel_runs_per_batch_shard():
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=os.environ.get('XLA_FLAGS', '') +
-             ' --xla_force_host_platform_device_count=4')
-  proc = subprocess.run([sys.executable, '-c', _SHARDED], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  report = json.loads(proc.stdout.strip().splitlines()[-1])
+  report = run_on_cpu_devices(_SHARDED)
   assert report['shard_map'] and report['diff'] < 1e-6, report
 
 

@@ -20,3 +20,20 @@ def decode_step_by_step(step, tokens, cache):
     step_logits, cache = step(tokens[:, i:i + 1], cache)
     logits.append(step_logits)
   return jnp.stack(logits, 1), cache
+
+
+def run_on_cpu_devices(script: str, count: int = 4) -> dict:
+  """Runs `script` (Python source) in a subprocess with `count` CPU devices
+  from the repository root; returns the JSON object of its last output line."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS=os.environ.get('XLA_FLAGS', '') +
+             f' --xla_force_host_platform_device_count={count}')
+  proc = subprocess.run([sys.executable, '-c', script], cwd=repo, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -63,6 +63,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from coda_jax.kernels import tpu_blocks
+
 Array = jax.Array
 
 # Additive logits bias of a masked (query, key) pair (t5x's value).
@@ -70,9 +72,8 @@ MASK_VALUE = -1e10
 # Keys per row held in VMEM at once; longer rows use XLA.
 MAX_KV_LENGTH = 8192
 # VMEM one program may use (bytes): its double-buffered q, k, v and output
-# blocks and its float32 temporaries, under the 16 MiB scoped default of
-# v4 and v5e.
-_VMEM_BUDGET = 12 * 1024 * 1024
+# blocks and its float32 temporaries.
+_VMEM_BUDGET = tpu_blocks.VMEM_BUDGET
 # Float32 [query block, kv_length] temporaries alive at once (logits,
 # buckets, mask, bias, exponentials, weights, compares, selects).
 _TEMPORARIES = 8
@@ -119,17 +120,9 @@ def supported(kv_length: int) -> bool:
 
 
 def query_block(q_length: int, kv_length: int) -> int:
-  """Queries per program: all of them when `[block, kv_length]` fits
-  `_MAX_BLOCK_ELEMENTS`, else the largest multiple of 8 dividing q_length
-  that fits if it is more than half the limit, else the largest power of two
-  that fits (the last block padded)."""
-  limit = max(8, _MAX_BLOCK_ELEMENTS // kv_length)
-  if q_length <= limit:
-    return q_length
-  divisors = [b for b in range(8, limit + 1, 8) if q_length % b == 0]
-  if divisors and 2 * divisors[-1] > limit:
-    return divisors[-1]
-  return 1 << (limit.bit_length() - 1)
+  """Queries per program: `tpu_blocks.row_block` with at most
+  `_MAX_BLOCK_ELEMENTS` float32 logits `[block, kv_length]`."""
+  return tpu_blocks.row_block(q_length, _MAX_BLOCK_ELEMENTS // kv_length)
 
 
 def head_block(heads: int, kv_heads: int, head_dim: int, q_block: int, kv_length: int,
@@ -327,21 +320,6 @@ def _codes(positions: Optional[Array], real: Optional[Array], batch: int,
   return jnp.broadcast_to(code, (batch, length))
 
 
-def _mesh_axes(heads: int, kv_heads: int, batch: int) -> Tuple[Optional[str], Optional[str]]:
-  """The current mesh's axes for the batch and heads of the call (None:
-  no mesh, or the axis does not divide the dimension)."""
-  from flax.linen import partitioning as nn_partitioning  # pylint: disable=g-import-not-at-top
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return None, None
-  batch_axis, heads_axis = nn_partitioning.logical_to_mesh_axes(('batch', 'heads'))
-  def fits(axis, *dims):
-    if axis is None or axis not in mesh.axis_names:
-      return None
-    return axis if all(d % mesh.shape[axis] == 0 for d in dims) else None
-  return fits(batch_axis, batch), fits(heads_axis, heads, kv_heads)
-
-
 def relpos_attention(query: Array, key: Array, value: Array, table: Array, *,
                      query_positions: Optional[Array] = None,
                      key_positions: Optional[Array] = None,
@@ -387,7 +365,8 @@ def relpos_attention(query: Array, key: Array, value: Array, table: Array, *,
   def call(*args):
     return _attention(*args, bidirectional, max_distance, interpret)
 
-  batch_axis, heads_axis = _mesh_axes(heads, kv_heads, batch)
+  batch_axis = tpu_blocks.mesh_axis('batch', batch)
+  heads_axis = tpu_blocks.mesh_axis('heads', heads, kv_heads)
   if batch_axis is not None or heads_axis is not None:
     from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
     heads4 = P(batch_axis, None, heads_axis, None)

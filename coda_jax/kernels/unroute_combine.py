@@ -44,27 +44,21 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from coda_jax.kernels import tpu_blocks
+
 Array = jax.Array
 
-# VMEM one program may use (bytes), under the 16 MiB scoped default of v4 and
-# v5e: its double-buffered x and y blocks and about five float32 [block, emb]
-# temporaries (x, the norm, the adapter and un-route sums).
-_VMEM_BUDGET = 12 * 1024 * 1024
+# VMEM one program may use (bytes): its double-buffered x and y blocks and
+# about five float32 [block, emb] temporaries (x, the norm, the adapter and
+# un-route sums).
+_VMEM_BUDGET = tpu_blocks.VMEM_BUDGET
 _TEMPORARIES = 5
 
 
 def position_block(length: int, emb: int, itemsize: int) -> int:
-  """Positions per program: the whole row when its blocks fit `_VMEM_BUDGET`,
-  else the largest multiple of 8 dividing the length that fits if it is more
-  than half the limit, else the largest power of two that fits (the last
-  block padded)."""
-  limit = max(8, _VMEM_BUDGET // (emb * (4 * itemsize + 4 * _TEMPORARIES)))
-  if length <= limit:
-    return length
-  divisors = [b for b in range(8, limit + 1, 8) if length % b == 0]
-  if divisors and 2 * divisors[-1] > limit:
-    return divisors[-1]
-  return 1 << (limit.bit_length() - 1)
+  """Positions per program: `tpu_blocks.row_block` with the blocks within
+  `_VMEM_BUDGET`."""
+  return tpu_blocks.row_block(length, _VMEM_BUDGET // (emb * (4 * itemsize + 4 * _TEMPORARIES)))
 
 
 def _adapter(x: Array, norm_scale: Array, w_down: Array, w_up: Array, activation,
@@ -173,18 +167,6 @@ def _combine_bwd(activation, epsilon, interpret, residuals, cotangent):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-def _batch_axis(batch: int) -> Optional[str]:
-  """The current mesh's axis for 'batch' (None: no mesh, or it does not divide)."""
-  from flax.linen import partitioning as nn_partitioning  # pylint: disable=g-import-not-at-top
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return None
-  [axis] = nn_partitioning.logical_to_mesh_axes(('batch',))
-  if axis is None or axis not in mesh.axis_names or batch % mesh.shape[axis]:
-    return None
-  return axis
-
-
 def unroute_combine(x: Array, norm_scale: Array, w_down: Array, w_up: Array, delta: Array,
                     indices: Array, *, activation=jax.nn.relu, epsilon: float = 1e-6,
                     interpret: Optional[bool] = None) -> Array:
@@ -217,7 +199,7 @@ def unroute_combine(x: Array, norm_scale: Array, w_down: Array, w_up: Array, del
   def call(*args):
     return _combine(*args, activation, epsilon, interpret)
 
-  axis = _batch_axis(batch)
+  axis = tpu_blocks.mesh_axis('batch', batch)
   if axis is not None:
     from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
     rows = P(axis, None, None)

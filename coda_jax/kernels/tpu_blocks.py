@@ -1,0 +1,43 @@
+"""What the TPU kernels share: their VMEM budget, row blocks, mesh axes.
+
+`relpos_attention` and `unroute_combine` split their rows (queries,
+positions) into blocks that fit `VMEM_BUDGET`, and run in `shard_map` over
+the mesh axes that the logical axis rules give their dimensions (a Pallas
+call is opaque to XLA's partitioner). No Pallas import here.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+
+# VMEM one program may use (bytes): double-buffered blocks plus float32
+# temporaries, under the 16 MiB scoped default of v4 and v5e.
+VMEM_BUDGET = 12 * 1024 * 1024
+
+
+def row_block(length: int, limit: int) -> int:
+  """Rows per program, at most `limit` (>= 8): all of them when they fit, else
+  the largest multiple of 8 dividing `length` if it is more than half the
+  limit, else the largest power of two that fits (the last block padded)."""
+  limit = max(8, limit)
+  if length <= limit:
+    return length
+  divisors = [b for b in range(8, limit + 1, 8) if length % b == 0]
+  if divisors and 2 * divisors[-1] > limit:
+    return divisors[-1]
+  return 1 << (limit.bit_length() - 1)
+
+
+def mesh_axis(logical: str, *dims: int) -> Optional[str]:
+  """The current mesh's axis (`jax.set_mesh`, flax's logical axis rules) for
+  the logical axis `logical`, if it divides every one of `dims`; None without
+  a mesh of several devices."""
+  from flax.linen import partitioning as nn_partitioning  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return None
+  [axis] = nn_partitioning.logical_to_mesh_axes((logical,))
+  if axis is None or axis not in mesh.axis_names:
+    return None
+  return axis if all(d % mesh.shape[axis] == 0 for d in dims) else None
