@@ -29,6 +29,14 @@ from coda_jax.validation import is_int, positive_int
 # encoder attention without attention dropout and with a padding-only mask;
 # other attention uses XLA whatever this says.
 ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
+# How an encoder layer computes its pre-MLP norm and MLP, same results: 'xla'
+# (the norm, each input projection and the output projection as XLA
+# fusions), 'pallas' (one TPU kernel that keeps the hidden units in VMEM,
+# `coda_jax.kernels.mlp`; interpret mode elsewhere, for tests), 'auto' (the
+# kernel in programs for a TPU, XLA elsewhere). The kernel serves MLPs
+# without LoRA, intermediate dropout or model-parallel sharding of their
+# units; the others, the decoder's and an ACM's use XLA whatever this says.
+MLP_KERNELS = ('auto', 'xla', 'pallas')
 
 
 @gin.configurable
@@ -59,6 +67,8 @@ class T5Config:
   relative_attention_max_distance: int = 128
   # 'auto' | 'xla' | 'pallas' (see ATTENTION_KERNELS).
   attention_kernel: str = 'auto'
+  # 'auto' | 'xla' | 'pallas' (see MLP_KERNELS).
+  mlp_kernel: str = 'auto'
 
   def __post_init__(self):
     if isinstance(self.dtype, str):
@@ -83,6 +93,9 @@ class T5Config:
     if self.attention_kernel not in ATTENTION_KERNELS:
       raise ValueError(f'T5Config.attention_kernel must be one of {ATTENTION_KERNELS}, '
                        f'got {self.attention_kernel!r}')
+    if self.mlp_kernel not in MLP_KERNELS:
+      raise ValueError(f'T5Config.mlp_kernel must be one of {MLP_KERNELS}, '
+                       f'got {self.mlp_kernel!r}')
     kv = self.kv_heads
     if kv < 1 or self.num_heads % kv:
       raise ValueError(

@@ -28,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import target
-from coda_jax.config import ATTENTION_KERNELS, LORA_AXIS
+from coda_jax.config import ATTENTION_KERNELS, LORA_AXIS, MLP_KERNELS
+from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import relpos_attention as relpos_kernel
+from coda_jax.kernels import tpu_blocks
 from coda_jax.kernels.relpos_attention import relative_position_bucket  # pylint: disable=unused-import
 from coda_jax.validation import positive_int
 
@@ -525,7 +527,12 @@ class RMSNorm(nn.Module):
 
 
 class MlpBlock(nn.Module):
-  """T5's (gated) feed-forward block: `wo(act_0(wi_0 x) * act_1(wi_1 x))`."""
+  """T5's (gated) feed-forward block: `wo(act_0(wi_0 x) * act_1(wi_1 x))`.
+
+  `kernel` (`T5Config.mlp_kernel`): with a `norm` passed to the call,
+  'pallas' or 'auto' in a program for a TPU computes the norm and the block
+  in one kernel (`kernels.mlp`), where `uses_kernel` says it serves.
+  """
   intermediate_dim: int = 2048
   activations: Sequence[Union[str, Callable]] = ('relu',)
   kernel_init: Initializer = default_kernel_init
@@ -533,18 +540,46 @@ class MlpBlock(nn.Module):
   dtype: DType = jnp.float32
   lora_rank: int = 0
   lora_alpha: float = 1.0
+  kernel: str = 'xla'
+
+  def uses_kernel(self, deterministic: bool) -> bool:
+    """Whether a call with a `norm` runs `kernels.mlp`: asked for ('pallas',
+    or 'auto' in a program for a TPU) and what it computes is this block's:
+    no LoRA, no intermediate dropout, hidden units and embedding not split
+    over devices."""
+    if self.kernel not in MLP_KERNELS:
+      raise ValueError(f'MlpBlock.kernel must be one of {MLP_KERNELS}, got {self.kernel!r}')
+    if self.kernel == 'xla' or self.lora_rank:
+      return False
+    if not deterministic and self.intermediate_dropout_rate > 0.:
+      return False
+    if tpu_blocks.mesh_shards('mlp') or tpu_blocks.mesh_shards('embed'):
+      return False
+    return self.kernel == 'pallas' or target.platform() == 'tpu'
 
   @nn.compact
   def __call__(self, inputs: Array, deterministic: bool = False,
-               row_scale: Optional[Array] = None) -> Array:
+               row_scale: Optional[Array] = None, norm: Optional[nn.Module] = None) -> Array:
     """`[batch, length, emb] -> [batch, length, emb]`; `row_scale [batch,
     length, 1]`: the input is `inputs * row_scale` (`RMSNorm(factored=True)`),
-    applied to the input projections' outputs."""
+    applied to the input projections' outputs; `norm`: an `RMSNorm` the
+    block applies to `inputs` first (in the kernel, when `uses_kernel`)."""
     dense = functools.partial(DenseGeneral, dtype=self.dtype, kernel_init=self.kernel_init,
                               lora_rank=self.lora_rank, lora_alpha=self.lora_alpha)
+    names = (['wi'] if len(self.activations) == 1
+             else [f'wi_{idx}' for idx in range(len(self.activations))])
+    if norm is not None:
+      if (self.uses_kernel(deterministic) and not self.is_initializing() and inputs.ndim == 3
+          and mlp_kernel.fits(inputs.shape, self.intermediate_dim, len(names), self.dtype)):
+        params = self.variables['params']
+        weight = lambda name: jnp.asarray(params[name]['kernel'], self.dtype)
+        return mlp_kernel.mlp(jnp.asarray(inputs, self.dtype), norm.variables['params']['scale'],
+                              [weight(n) for n in names], weight('wo'),
+                              [get_activation(a) for a in self.activations],
+                              epsilon=norm.epsilon)
+      inputs = norm(inputs)
     hidden = []
-    for idx, act in enumerate(self.activations):
-      name = 'wi' if len(self.activations) == 1 else f'wi_{idx}'
+    for name, act in zip(names, self.activations):
       x = dense(self.intermediate_dim, kernel_axes=('embed', 'mlp'), name=name)(inputs)
       if row_scale is not None:
         x = jnp.asarray(x * row_scale, self.dtype)

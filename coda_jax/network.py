@@ -61,11 +61,11 @@ def _attention(config: T5Config, name: str, coda: Optional[CodaConfig] = None,
       **extra, **kwargs)
 
 
-def _mlp(config: T5Config, coda: Optional[CodaConfig] = None) -> layers.MlpBlock:
+def _mlp(config: T5Config, coda: Optional[CodaConfig] = None, **kwargs) -> layers.MlpBlock:
   return layers.MlpBlock(
       intermediate_dim=config.mlp_dim, activations=config.mlp_activations,
       intermediate_dropout_rate=config.dropout_rate, dtype=config.dtype,
-      name='mlp', **_lora(coda))
+      kernel=config.mlp_kernel, name='mlp', **_lora(coda), **kwargs)
 
 
 def _ffn(module: nn.Module, config: T5Config, coda: Optional[CodaConfig],
@@ -196,8 +196,11 @@ class EncoderLayer(nn.Module):
       att = _adapter(cfg, coda, 'adapter_attention', sequential=True)(att)
     h = x + att
     norm = layers.RMSNorm(dtype=cfg.dtype, name='pre_mlp_layer_norm')
-    if query_positions is not None and self.routed and self._fuses_output() and (
-        self.acm is None or not self.acm.replaces('mlp', 'encoder')):
+    pretrained_mlp = self.acm is None or not self.acm.replaces('mlp', 'encoder')
+    if pretrained_mlp and _mlp(cfg, coda, parent=None).uses_kernel(deterministic):
+      # The norm and the MLP in one kernel (`T5Config.mlp_kernel`).
+      ffn = _mlp(cfg, coda)(h, deterministic=deterministic, norm=norm)
+    elif query_positions is not None and self.routed and self._fuses_output() and pretrained_mlp:
       # Routed tokens, in the layer that the output kernel finishes: the
       # norm's per-token factor applied after the input projections, so the
       # normalised [b, k, emb] is not written (at k = 77 the v5e compiler

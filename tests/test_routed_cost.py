@@ -31,13 +31,15 @@ CONFIG = dataclasses.replace(models.make_config('small', jnp.bfloat16),
 # bytes; the bounds leave 1% for another libtpu. A change that adds bytes to
 # the routed layer fails here; one that removes some lowers these.
 # XLA: r = 1 1.052, k-to-all r = 3 0.819, k-to-k r = 3 0.745 (flops 1.001,
-# 0.493, 0.372). The kernels 'auto' picks on v5e (attention, and the routed
-# layer's output): 1.065, 0.910, 0.838 (flops 1.001, 0.484, 0.365); higher
-# ratios, because the attention kernel removes more bytes from the baseline
-# (n x n attention) than from a routed layer (k x n).
+# 0.493, 0.372). The kernels 'auto' picks on v5e (attention, the encoder's
+# MLP, and the routed layer's output): 1.045, 0.984, 0.903 (flops 1.000,
+# 0.484, 0.365); higher ratios, because the attention and MLP kernels remove
+# more bytes from the baseline (n x n attention, n tokens' MLP activations)
+# than from a routed layer; the baseline is then bound by its flops, so its
+# time does not fall with its bytes (`benchmarks/routed_cost`).
 MAX_BYTES_RATIO = {
     'xla': {'coda_k_to_all_r1': 1.063, 'coda_k_to_all_r3': 0.828, 'coda_k_to_k_r3': 0.753},
-    'auto': {'coda_k_to_all_r1': 1.076, 'coda_k_to_all_r3': 0.919, 'coda_k_to_k_r3': 0.846}}
+    'auto': {'coda_k_to_all_r1': 1.055, 'coda_k_to_all_r3': 0.994, 'coda_k_to_k_r3': 0.912}}
 CASES = [(kernel, name) for kernel in sorted(MAX_BYTES_RATIO)
          for name in sorted(MAX_BYTES_RATIO[kernel])]
 
@@ -47,7 +49,7 @@ def _measure(kernels, decode_steps):
   return variant_costs.measure(
       batch_size=BATCH, lengths=(LENGTH,), generations=('v5e',), reduction_factors=(1, 3),
       attentions=('k_to_all', 'k_to_k'), decode_steps=decode_steps,
-      config=dataclasses.replace(CONFIG, attention_kernel=kernels),
+      config=dataclasses.replace(CONFIG, attention_kernel=kernels, mlp_kernel=kernels),
       coda=CodaConfig(unroute_kernel=kernels))
 
 
@@ -101,8 +103,9 @@ def test_routed_encoder_bytes_stay_within_the_committed_ratio(request, attention
 
 
 def test_the_kernel_moves_fewer_bytes_than_xla(rows, xla_rows):
-  """On a TPU the attention kernel writes no logits: every encoder moves
-  fewer bytes with it, the baseline most."""
+  """On a TPU the attention kernel writes no logits and the MLP kernel no
+  hidden activations: every encoder moves fewer bytes with them, the
+  baseline most."""
   kernel, xla = _by(rows, variant_costs.ENCODER), _by(xla_rows, variant_costs.ENCODER)
   for name in kernel:
     assert kernel[name].bytes_accessed < xla[name].bytes_accessed, name

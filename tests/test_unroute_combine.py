@@ -177,7 +177,8 @@ def test_auto_picks_the_kernel_on_the_chips_where_it_costs_less(kind, fused):
   it), XLA on other chips (v4: more) and off TPU."""
   from coda_jax import target  # pylint: disable=g-import-not-at-top
   enc, dec_in, tgt = batch()
-  model = Transformer(tiny(attention_kernel='xla'), coda=_coda(unroute_kernel='auto'))
+  model = Transformer(tiny(attention_kernel='xla', mlp_kernel='xla'),
+                      coda=_coda(unroute_kernel='auto'))
   params = init_params(model, enc, dec_in, tgt)
   with target.targeting('tpu', kind):
     assert _pallas_calls(model, params, enc) == (2 if fused else 0)

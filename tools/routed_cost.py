@@ -64,9 +64,10 @@ def parse_args(argv):
                       'decoding step)')
   p.add_argument('--dtype', default='bfloat16', choices=sorted(DTYPES))
   p.add_argument('--kernels', default='auto', choices=ATTENTION_KERNELS,
-                 help="T5Config.attention_kernel and CodaConfig.unroute_kernel: 'auto' "
-                      "(the Pallas kernels where they cost less: attention on every TPU, "
-                      "the routed layer's output on v5e), 'xla' (neither), 'pallas' (both)")
+                 help="T5Config.attention_kernel and mlp_kernel and "
+                      "CodaConfig.unroute_kernel: 'auto' (the Pallas kernels where they "
+                      "cost less: attention and the encoder's MLP on every TPU, the routed "
+                      "layer's output on v5e), 'xla' (none), 'pallas' (all three)")
   p.add_argument('--out', default=None, help='write the JSON here')
   args = p.parse_args(argv)
   if args.decode_steps < 0:
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
     return 2
   log = lambda line: print(line, file=sys.stderr, flush=True)
   config = dataclasses.replace(models.make_config(args.model, DTYPES[args.dtype]),
-                               attention_kernel=args.kernels)
+                               attention_kernel=args.kernels, mlp_kernel=args.kernels)
   if args.layers is not None:
     config = dataclasses.replace(config, num_encoder_layers=args.layers,
                                  num_decoder_layers=args.layers)

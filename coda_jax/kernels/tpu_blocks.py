@@ -15,6 +15,17 @@ import jax
 # temporaries, under the 16 MiB scoped default of v4 and v5e.
 VMEM_BUDGET = 12 * 1024 * 1024
 
+# VMEM of one TensorCore by `jax.Device.device_kind`, as the TPU compiler
+# reports it when a program asks for more ("Used ... of 16.00M vmem" on v4);
+# other chips are taken to have the smallest.
+VMEM_CAPACITY = {'TPU v4': 16 * 1024 * 1024, 'TPU v5 lite': 128 * 1024 * 1024}
+_SMALLEST_VMEM = 16 * 1024 * 1024
+
+
+def vmem_capacity(kind: Optional[str]) -> int:
+  """VMEM bytes of a core of the chip `kind` (`target.device_kind()`)."""
+  return VMEM_CAPACITY.get(kind, _SMALLEST_VMEM)
+
 
 def row_block(length: int, limit: int) -> int:
   """Rows per program, at most `limit` (>= 8): all of them when they fit, else
@@ -41,3 +52,15 @@ def mesh_axis(logical: str, *dims: int) -> Optional[str]:
   if axis is None or axis not in mesh.axis_names:
     return None
   return axis if all(d % mesh.shape[axis] == 0 for d in dims) else None
+
+
+def mesh_shards(logical: str) -> bool:
+  """Whether the current mesh splits the logical axis `logical` over more
+  than one device (its rules map it to a mesh axis of size > 1)."""
+  from flax.linen import partitioning as nn_partitioning  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return False
+  [axes] = nn_partitioning.logical_to_mesh_axes((logical,))
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return any(a in mesh.axis_names and mesh.shape[a] > 1 for a in axes)

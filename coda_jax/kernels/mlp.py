@@ -1,0 +1,288 @@
+"""T5's pre-MLP norm and feed-forward block in one TPU Pallas kernel.
+
+`T5Config.mlp_kernel`: 'auto' (this kernel in programs for a TPU,
+`coda_jax.target`), 'pallas' (always: interpret mode off TPU, for tests),
+'xla'. What it computes (`reference`), for x `[batch, length, emb]`:
+
+    xn = x / rms(x) * norm_scale                          (T5's RMS norm)
+    y  = (act_0(xn @ wi_0) * act_1(xn @ wi_1) * ...) @ wo
+
+with wi `[emb, hidden]` (one per activation: T5 v1.1's gated GELU has two,
+T5 v1.0's ReLU one), wo `[hidden, emb]`, and the roundings of
+`layers.RMSNorm` and `layers.MlpBlock` (the norm, each projection and the
+product in the activation dtype, float32 accumulation).
+
+Why a kernel: in XLA each input projection is its own fusion that writes its
+`[batch, length, hidden]` output (hidden = 2.7 emb in T5 v1.1), and the
+output projection reads all of them back: for a routed base layer at k = 77,
+160 of the 230 MB its MLP moves. Here one program per block of batch rows
+keeps the hidden units in VMEM, chunk by chunk of tokens: x is read and y
+written once. When the weights fit the chip's VMEM beside the blocks (`plan`)
+they stay there for the whole call and are read once; otherwise a second grid axis walks blocks of hidden
+units, adding each one's share of y to a float32 accumulator, and the
+weights are read once per block of rows. Where even that does not fit (one
+row's blocks too large, as xl's on a v4), `MlpBlock` keeps XLA (`fits`). `cost_estimate` declares those bytes and the arithmetic,
+which is what the TPU compiler's `cost_analysis()` reports.
+
+Gradients: a custom VJP whose backward pass is XLA's derivative of
+`reference`. Sharding: under a mesh the call runs in `shard_map` over the
+batch axis of the logical rules; `MlpBlock` keeps XLA where the rules shard
+the hidden units ('mlp') or the embedding over more than one device.
+
+Public: `mlp` (differentiable), `reference`, `cost_estimate`, `plan`, `fits`.
+Pallas is imported when a kernel is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional, Sequence
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from coda_jax.kernels import tpu_blocks
+
+Array = jax.Array
+
+# Tokens per chunk of a row at most (the float32 temporaries of one chunk:
+# each projection's output and the product).
+_CHUNK = 256
+_TEMPORARIES = 5
+# VMEM a call leaves to Mosaic's own scratch, beyond what `plan` counts.
+_HEADROOM = 2 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How a call is split: `batch_block` rows per program, `hidden_block`
+  units per step of the hidden axis (all of them when `resident`), `chunk`
+  tokens of a row at a time, and the VMEM it needs (`vmem_limit`, within
+  the core's when `fits`)."""
+  batch_block: int
+  hidden_block: int
+  chunk: int
+  resident: bool
+  vmem_limit: int
+  fits: bool
+
+
+def plan(batch: int, length: int, emb: int, hidden: int, projections: int,
+         itemsize: int, vmem: int) -> Plan:
+  """The blocks of a call on a core with `vmem` bytes of VMEM.
+
+  The weights stay resident (single-buffered) when they fit beside one row's
+  blocks and a chunk's temporaries, with the largest chunk that lets them;
+  otherwise the hidden units go in blocks of 512, 256 or 128 with a float32
+  accumulator. Then as many batch rows per program (a divisor of `batch`) as
+  `tpu_blocks.VMEM_BUDGET` allows for their double-buffered x and y blocks
+  (and accumulator).
+  """
+  weights = (projections + 1) * emb * hidden * itemsize
+  temporaries = lambda chunk, units: 4 * _TEMPORARIES * chunk * units
+  row = 4 * length * emb * itemsize                        # x and y, double-buffered
+  # Chunks divide the row: the whole row up to _CHUNK tokens, else multiples
+  # of 8 (the sublane tile).
+  chunks = sorted({c for c in range(8, min(length, _CHUNK) + 1, 8) if length % c == 0}
+                  | ({length} if length <= _CHUNK else set()), reverse=True)[:4] or [length]
+  fixed = None
+  for chunk in chunks:
+    fixed = weights + temporaries(chunk, hidden)
+    if fixed + row + _HEADROOM <= vmem:
+      resident, hidden_block = True, hidden
+      break
+  else:
+    resident, chunk = False, chunks[0]
+    hidden_block = next((b for b in (512, 256, 128) if hidden % b == 0), hidden)
+    fixed = 2 * (projections + 1) * emb * hidden_block * itemsize + temporaries(
+        chunk, hidden_block)
+    row += 4 * length * emb                                 # the accumulator
+  room = min(tpu_blocks.VMEM_BUDGET, vmem - fixed - _HEADROOM)
+  batch_block = max(b for b in range(1, batch + 1) if batch % b == 0 and b * row <= max(
+      room, row))
+  need = fixed + batch_block * row + _HEADROOM
+  return Plan(batch_block, hidden_block, chunk, resident, min(vmem, need), need <= vmem)
+
+
+def fits(shape: Sequence[int], hidden: int, projections: int, dtype) -> bool:
+  """Whether a call on x of `shape` `[batch, length, emb]` fits the VMEM of
+  the chip the program is for (`target.device_kind()`); `MlpBlock` keeps XLA
+  where it does not (e.g. xl's 2048 x 5120 weights on v4)."""
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  batch, length, emb = shape
+  return plan(batch, length, emb, hidden, projections, jnp.dtype(dtype).itemsize,
+              tpu_blocks.vmem_capacity(target.device_kind())).fits
+
+
+def _norm(x: Array, scale: Array, epsilon: float) -> Array:
+  """`layers.RMSNorm`: float32 statistics, rounded, times the scale."""
+  x32 = x.astype(jnp.float32)
+  factor = lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + epsilon)
+  return (x32 * factor).astype(x.dtype) * scale
+
+
+def _hidden(xn: Array, wi: Sequence[Array], activations: Sequence[Callable]) -> Array:
+  hidden = None
+  for w, act in zip(wi, activations):
+    h = act(lax.dot_general(xn, w, (((xn.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32).astype(xn.dtype))
+    hidden = h if hidden is None else hidden * h
+  return hidden
+
+
+def reference(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
+              activations: Sequence[Callable], epsilon: float) -> Array:
+  """The kernel's function in jnp; its backward pass is the kernel's."""
+  hidden = _hidden(_norm(x, norm_scale, epsilon), wi, activations)
+  return lax.dot_general(hidden, wo, (((hidden.ndim - 1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _kernel(*refs, projections: int, activations, epsilon: float, plan_: Plan):
+  """One block of batch rows (and of hidden units): y (+)= hidden @ wo, a
+  chunk of tokens at a time (a loop, so that the chunks' temporaries share
+  VMEM)."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  x_ref, s_ref = refs[0], refs[1]
+  wi_refs, wo_ref = refs[2:2 + projections], refs[2 + projections]
+  y_ref = refs[3 + projections]
+  acc_ref = None if plan_.resident else refs[4 + projections]
+  rows, length = x_ref.shape[0], x_ref.shape[1]
+  chunk = plan_.chunk
+  chunks = length // chunk
+  first = pl.program_id(1) == 0
+
+  def step(t, carry):
+    r = lax.div(t, chunks)          # (jnp's floor division lowers through sign)
+    start = 0 if chunks == 1 else pl.multiple_of(lax.rem(t, chunks) * chunk, chunk)
+    tokens = (r, pl.ds(start, chunk), slice(None))
+    hidden = _hidden(_norm(x_ref[tokens], s_ref[...], epsilon), [w[...] for w in wi_refs],
+                     activations)
+    out = lax.dot_general(hidden, wo_ref[...], (((1,), (0,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+    if acc_ref is not None:
+      out = jnp.where(first, 0.0, acc_ref[tokens]) + out
+      acc_ref[tokens] = out
+    y_ref[tokens] = out.astype(y_ref.dtype)
+    return carry
+
+  lax.fori_loop(0, rows * chunks, step, 0)
+
+
+def cost_estimate(batch: int, length: int, emb: int, hidden: int, projections: int, dtype,
+                  vmem: int):
+  """Bytes: x and y, the norm scale, and the weights once (resident) or once
+  per block of rows. Flops: the matmuls, the norm (4 per element), the
+  products of the projections; transcendentals: the norm's rsqrt per token
+  and one per activation output (an upper bound: ReLU has none). A
+  `pl.CostEstimate`."""
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  itemsize = jnp.dtype(dtype).itemsize
+  p = plan(batch, length, emb, hidden, projections, itemsize, vmem)
+  tokens = batch * length
+  weight_reads = 1 if p.resident else batch // p.batch_block
+  flops = (2 * tokens * emb * hidden * (projections + 1) + 4 * tokens * emb
+           + tokens * hidden * (projections - 1))
+  bytes_accessed = itemsize * (2 * tokens * emb + emb
+                               + weight_reads * (projections + 1) * emb * hidden)
+  return pl.CostEstimate(flops=int(flops),
+                         transcendentals=int(tokens * (1 + hidden * projections)),
+                         bytes_accessed=int(bytes_accessed))
+
+
+def _kernel_call(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem):
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  batch, length, emb = x.shape
+  hidden, projections = wo.shape[0], len(wi)
+  itemsize = jnp.dtype(x.dtype).itemsize
+  p = plan(batch, length, emb, hidden, projections, itemsize, vmem)
+  rows = pl.BlockSpec((p.batch_block, length, emb), lambda i, j: (i, 0, 0))
+  if p.resident:
+    # Whole arrays in VMEM, copied in once before the grid runs (one buffer).
+    whole = pl.BlockSpec(memory_space=pltpu.VMEM)
+    in_specs = [rows] + [whole] * (projections + 2)
+  else:
+    in_specs = ([rows, pl.BlockSpec((1, emb), lambda i, j: (0, 0))]
+                + [pl.BlockSpec((emb, p.hidden_block), lambda i, j: (0, j))] * projections
+                + [pl.BlockSpec((p.hidden_block, emb), lambda i, j: (j, 0))])
+  scratch = [] if p.resident else [pltpu.VMEM((p.batch_block, length, emb), jnp.float32)]
+  return pl.pallas_call(
+      functools.partial(_kernel, projections=projections, activations=tuple(activations),
+                        epsilon=epsilon, plan_=p),
+      grid=(batch // p.batch_block, hidden // p.hidden_block),
+      in_specs=in_specs,
+      out_specs=rows,
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      scratch_shapes=scratch,
+      cost_estimate=cost_estimate(batch, length, emb, hidden, projections, x.dtype, vmem),
+      compiler_params=None if interpret else pltpu.CompilerParams(
+          dimension_semantics=('parallel', 'arbitrary'),
+          vmem_limit_bytes=p.vmem_limit),
+      interpret=interpret,
+  )(x, norm_scale.reshape(1, emb), *wi, wo)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _mlp(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem):
+  return _kernel_call(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem)
+
+
+def _mlp_fwd(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem):
+  return (_mlp(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem),
+          (x, norm_scale, wi, wo))
+
+
+def _mlp_bwd(activations, epsilon, interpret, vmem, saved, cotangent):
+  del interpret, vmem
+  _, vjp = jax.vjp(lambda *a: reference(*a, activations, epsilon), *saved)
+  return vjp(cotangent)
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def mlp(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
+        activations: Sequence[Callable], *, epsilon: float = 1e-6,
+        interpret: Optional[bool] = None) -> Array:
+  """`(Π_a act_a(LN(x) @ wi_a)) @ wo`, `[batch, length, emb]` in x's dtype.
+
+  Args:
+    x: `[batch, length, emb]`, the block's input before its RMS norm.
+    norm_scale: `[emb]`, the norm's scale (epsilon `epsilon`).
+    wi: one `[emb, hidden]` kernel per activation.
+    wo: `[hidden, emb]`.
+    activations: jnp functions, one per kernel of `wi`.
+    interpret: Pallas interpret mode (default: when not on a TPU).
+  """
+  if x.ndim != 3:
+    raise ValueError(f'mlp: x must be [batch, length, emb], got {x.shape}')
+  emb = x.shape[-1]
+  if len(wi) != len(activations) or not wi:
+    raise ValueError(f'mlp: {len(wi)} input kernels for {len(activations)} activations')
+  hidden = wo.shape[0]
+  if (norm_scale.shape != (emb,) or wo.shape != (hidden, emb)
+      or any(w.shape != (emb, hidden) for w in wi)):
+    raise ValueError(f'mlp: norm_scale {tuple(norm_scale.shape)}, wi '
+                     f'{[tuple(w.shape) for w in wi]} and wo {tuple(wo.shape)} do not fit '
+                     f'x {x.shape} (wi [emb, hidden], wo [hidden, emb])')
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  if interpret is None:
+    interpret = target.platform() != 'tpu'
+  vmem = tpu_blocks.vmem_capacity(target.device_kind())
+  dtype = x.dtype
+  operands = (x, jnp.asarray(norm_scale, dtype), tuple(jnp.asarray(w, dtype) for w in wi),
+              jnp.asarray(wo, dtype))
+
+  def call(*args):
+    return _mlp(*args, tuple(activations), epsilon, interpret, vmem)
+
+  axis = tpu_blocks.mesh_axis('batch', x.shape[0])
+  if axis is not None:
+    from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+    rows = P(axis, None, None)
+    call = jax.shard_map(call, in_specs=(rows, P(None), (P(None, None),) * len(wi),
+                                         P(None, None)),
+                         out_specs=rows, check_vma=False)
+  return call(*operands)
