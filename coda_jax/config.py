@@ -149,19 +149,21 @@ DISPATCHES = ('auto', 'gather', 'one_hot')
 # ops), 'pallas' (one TPU kernel that reads x, the adapter's bottleneck and
 # the k updates and writes y once, `coda_jax.kernels.unroute_combine`;
 # interpret mode elsewhere, for tests), 'auto' (the kernel in programs for a
-# TPU chip in UNROUTE_KERNEL_CHIPS, XLA elsewhere).
+# TPU chip in UNROUTE_KERNEL_CHIPS, for k / n up to its fraction, XLA
+# elsewhere).
 UNROUTE_KERNELS = ('auto', 'xla', 'pallas')
-# The TPU chips (`device_kind`) on which 'auto' picks the kernel: where the
-# TPU compiler counts fewer bytes for the base encoder with it than without
-# (`python tools/routed_cost.py --model base --generations v5e,v4`, batch 128,
-# n 384, jax 0.10.2 / libtpu 0.0.42.1, attention kernel on). v5e: 21.04
-# against 22.67 GB at k-to-all r = 3 and 16.32 against 24.21 GB at k-to-k
-# r = 3 when the kernel first did the un-route, adapter up and residual; with
-# the adapter's norm and down projection in it too, 18.70 and 15.08 GB. v4
-# (`--kernels pallas` against `auto`): 23.37 against 21.85 GB and 19.72
-# against 19.40 GB; its memory-space assignment adds copies of the layer
-# input to CMEM around the kernel.
-UNROUTE_KERNEL_CHIPS = ('TPU v5 lite',)
+# The TPU chips (`device_kind`) on which 'auto' picks the kernel, and the
+# largest routed fraction k / n for which it does: where the TPU compiler
+# counts fewer bytes for the base encoder with it than without, with the
+# attention and MLP kernels on (batch 128, n 384, 12 layers, k-to-k, jax
+# 0.10.2 / libtpu 0.0.42.1, `tools/routed_cost.py`). v5e, kernel against
+# XLA: k = 70 10.19 / 11.76 GB, 77 10.59 / 12.12, 80 10.65 / 12.16, 96
+# 11.48 / 12.93, 110 12.18 / 13.55; but k = 128 21.59 / 14.46, 154 21.53 /
+# 16.54, 192 22.10 / 19.95 (memory-space assignment then copies the layer
+# input into VMEM for the kernel). v4 (`--kernels pallas` against `auto`),
+# none: k = 77 13.85 / 12.04 GB, k-to-all k = 128 20.05 / 18.43; its
+# memory-space assignment copies the layer input to CMEM around the kernel.
+UNROUTE_KERNEL_CHIPS = {'TPU v5 lite': 0.3}
 # Soft top-k solvers (`coda_jax.soft_topk`) and their implementations: 'xla'
 # (the reference, the CPU/TPU default), 'pallas' (a fused kernel,
 # `coda_jax.kernels`), 'auto' (the kernel on GPU, XLA elsewhere).

@@ -154,7 +154,7 @@ class EncoderLayer(nn.Module):
                                              deterministic)
       if decision is None:                                       # k = n: in place
         y = inputs + update
-      elif self._fuses_output():
+      elif self._fuses_output(inputs.shape[1]):
         with jax.named_scope('unroute'):
           scale = norm.variables['params']['scale']
           y = _adapter(cfg, coda, 'adapter')(xn, fused=lambda w_down, w_up, act: (
@@ -174,13 +174,15 @@ class EncoderLayer(nn.Module):
                          key_positions: Optional[Array] = None,
                          token_mask: Optional[Array] = None,
                          kv_token_mask: Optional[Array] = None,
-                         mask_is_padding: bool = False) -> Tuple[Array, Array]:
+                         mask_is_padding: bool = False,
+                         fuses_output: bool = False) -> Tuple[Array, Array]:
     """The frozen layer's attention and MLP updates of the query tokens `x [b, q, emb]`.
 
     `xn` is LN(x), `kv [b, s, emb]` the normalised tokens attended to,
     `token_mask [b, q]` the real queries and `kv_token_mask [b, s]` the real
     keys (default: `token_mask`; for an ACM's statistics); `mask_is_padding`:
-    `mask` is their `make_attention_mask`.
+    `mask` is their `make_attention_mask`; `fuses_output`: the routed layer's
+    output kernel finishes the layer (`_fuses_output`).
     Returns `(att, ffn)`, each `[b, q, emb]`; the layer output is x + att + ffn.
     """
     cfg, coda = self.config, self.coda
@@ -200,7 +202,7 @@ class EncoderLayer(nn.Module):
     if pretrained_mlp and _mlp(cfg, coda, parent=None).uses_kernel(deterministic):
       # The norm and the MLP in one kernel (`T5Config.mlp_kernel`).
       ffn = _mlp(cfg, coda)(h, deterministic=deterministic, norm=norm)
-    elif query_positions is not None and self.routed and self._fuses_output() and pretrained_mlp:
+    elif fuses_output and pretrained_mlp:
       # Routed tokens, in the layer that the output kernel finishes: the
       # norm's per-token factor applied after the input projections, so the
       # normalised [b, k, emb] is not written (at k = 77 the v5e compiler
@@ -215,17 +217,19 @@ class EncoderLayer(nn.Module):
       ffn = _adapter(cfg, coda, 'adapter_mlp', sequential=True)(ffn)
     return att, ffn
 
-  def _fuses_output(self) -> bool:
-    """Whether `kernels.unroute_combine` makes this routed layer's output
-    (`CodaConfig.unroute_kernel`: 'pallas', or 'auto' in a program for a TPU
-    chip of `UNROUTE_KERNEL_CHIPS`; a parallel adapter and one-hot dispatch,
-    the TPU formulation)."""
+  def _fuses_output(self, length: int) -> bool:
+    """Whether `kernels.unroute_combine` makes the output of this routed layer
+    of `length` tokens (`CodaConfig.unroute_kernel`: 'pallas', or 'auto' in a
+    program for a TPU chip of `UNROUTE_KERNEL_CHIPS` with k / n up to its
+    fraction; a parallel adapter and one-hot dispatch, the TPU formulation)."""
     coda = self.coda
     if coda.adapter != PARALLEL or coda.unroute_kernel == 'xla':
       return False
     if coda.unroute_kernel == 'pallas':
       return True
-    return (target.platform() == 'tpu' and target.device_kind() in UNROUTE_KERNEL_CHIPS
+    fraction = UNROUTE_KERNEL_CHIPS.get(target.device_kind())
+    return (target.platform() == 'tpu' and fraction is not None
+            and coda.num_selected(length) <= fraction * length
             and routing.resolve_dispatch(coda.dispatch) == 'one_hot')
 
   def _routed_update(self, x: Array, norm: nn.Module, xn: Array,
@@ -269,7 +273,7 @@ class EncoderLayer(nn.Module):
     att, ffn = self._pretrained_update(xr, xrn, kv, mask, deterministic,
                                        query_positions=idx, key_positions=key_positions,
                                        token_mask=query_real, kv_token_mask=key_real,
-                                       mask_is_padding=True)
+                                       mask_is_padding=True, fuses_output=self._fuses_output(length))
     return (att + ffn) * gate, decision
 
 

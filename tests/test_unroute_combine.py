@@ -170,15 +170,19 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
   assert cost['flops'] >= estimate.flops >= 2 * b * n * e * (2 * a + k)
 
 
-@pytest.mark.parametrize('kind,fused', [('TPU v5 lite', True), ('TPU v4', False), (None, False)])
-def test_auto_picks_the_kernel_on_the_chips_where_it_costs_less(kind, fused):
+@pytest.mark.parametrize('kind,reduction_factor,fused', [
+    ('TPU v5 lite', 5.0, True), ('TPU v5 lite', 3.0, False), ('TPU v4', 5.0, False),
+    (None, 5.0, False)])
+def test_auto_picks_the_kernel_where_it_costs_less(kind, reduction_factor, fused):
   """'auto' with one-hot dispatch: the kernel in a program for a chip of
   `UNROUTE_KERNEL_CHIPS` (v5e, where the TPU compiler counts fewer bytes with
-  it), XLA on other chips (v4: more) and off TPU."""
+  it) when k / n is at most its fraction (0.3: k = 3 of 12 tokens, not 4),
+  XLA on other chips (v4: more) and off TPU."""
   from coda_jax import target  # pylint: disable=g-import-not-at-top
   enc, dec_in, tgt = batch()
   model = Transformer(tiny(attention_kernel='xla', mlp_kernel='xla'),
-                      coda=_coda(unroute_kernel='auto'))
+                      coda=CodaConfig(reduction_factor=reduction_factor, normalizer='sigmoid',
+                                      dispatch='one_hot', unroute_kernel='auto'))
   params = init_params(model, enc, dec_in, tgt)
   with target.targeting('tpu', kind):
     assert _pallas_calls(model, params, enc) == (2 if fused else 0)
