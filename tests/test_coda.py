@@ -61,6 +61,24 @@ def encode(model, params, enc, **kw):
   return model.apply({'params': params}, enc, enable_dropout=False, method=model.encode, **kw)
 
 
+def assert_same_model(models, params, enc, dec_in, tgt, out_tol=1e-5, grad_atol=1e-5):
+  """`models` {'xla': ..., 'pallas': ...} (a kernel against XLA's ops): the
+  same encoder output and gradients of every parameter (each scaled by its
+  largest); returns the kernel model's gradients, flattened."""
+  out = {k: np.asarray(encode(m, params, enc)) for k, m in models.items()}
+  np.testing.assert_allclose(out['pallas'], out['xla'], atol=out_tol, rtol=out_tol)
+
+  def loss(p, model):
+    return jnp.sum(logits(model, p, enc, dec_in, tgt) ** 2)
+
+  grads = {k: flatten_dict(jax.grad(loss)(params, m)) for k, m in models.items()}
+  for path, expected in grads['xla'].items():
+    scale = float(np.abs(expected).max()) + 1e-9
+    np.testing.assert_allclose(np.asarray(grads['pallas'][path]) / scale,
+                               np.asarray(expected) / scale, atol=grad_atol, err_msg=str(path))
+  return grads['pallas']
+
+
 @pytest.mark.parametrize('attention', ['k_to_all', 'k_to_k'])
 def test_r1_is_the_parallel_adapter_model_and_zero_adapters_the_t5(attention):
   cfg = tiny()

@@ -4,7 +4,6 @@ the same model as XLA's ops (interpret mode on CPU), its blocks, where XLA is
 kept, its sharding, and what the TPU compiler counts for it."""
 import textwrap
 
-from flax.traverse_util import flatten_dict
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +14,7 @@ from coda_jax.config import CodaConfig
 from coda_jax.kernels import unroute_combine as kernel
 from coda_jax.network import Transformer
 
-from test_coda import batch, encode, init_params, logits, randomize
+from test_coda import assert_same_model, batch, encode, init_params, randomize
 from tiny_models import run_on_cpu_devices, tiny_config as tiny
 
 
@@ -40,17 +39,7 @@ def test_the_kernel_is_the_xla_layer(attention):
   params = randomize(init_params(models['pallas'], enc, dec_in, tgt), ['adapter', 'router'],
                      scale=0.5)
   assert _pallas_calls(models['pallas'], params, enc) == 2       # both layers route
-  out = {k: np.asarray(encode(m, params, enc)) for k, m in models.items()}
-  np.testing.assert_allclose(out['pallas'], out['xla'], atol=2e-6, rtol=2e-6)
-
-  def loss(p, model):
-    return jnp.sum(logits(model, p, enc, dec_in, tgt) ** 2)
-
-  grads = {k: flatten_dict(jax.grad(loss)(params, m)) for k, m in models.items()}
-  for path, expected in grads['xla'].items():
-    scale = float(np.abs(expected).max()) + 1e-9
-    np.testing.assert_allclose(np.asarray(grads['pallas'][path]) / scale,
-                               np.asarray(expected) / scale, atol=2e-5, err_msg=str(path))
+  assert_same_model(models, params, enc, dec_in, tgt, out_tol=2e-6, grad_atol=2e-5)
 
 
 def test_same_parameters_either_way():

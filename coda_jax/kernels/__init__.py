@@ -10,6 +10,11 @@ tested against that reference in Pallas interpret mode on CPU:
   position bias computed in the kernel (`T5Config.attention_kernel`).
 * `coda_jax.kernels.unroute_combine` -- a routed layer's output, x + adapter
   up projection + un-route, on TPU (`CodaConfig.unroute_kernel`).
+* `coda_jax.kernels.mlp` -- an encoder layer's pre-MLP norm and (gated) MLP
+  on TPU, its hidden units kept in VMEM (`T5Config.mlp_kernel`).
+
+`coda_jax.kernels.tpu_blocks` holds what the TPU kernels share: their VMEM
+budget, each chip's VMEM, row blocks and mesh axes.
 
 Import the submodules explicitly; this package imports nothing, and the TPU
 kernels import Pallas only when they build a call, so that `import coda_jax`
