@@ -16,13 +16,16 @@ Why a kernel: in XLA each input projection is its own fusion that writes its
 `[batch, length, hidden]` output (hidden = 2.7 emb in T5 v1.1), and the
 output projection reads all of them back: for a routed base layer at k = 77,
 160 of the 230 MB its MLP moves. Here one program per block of batch rows
-keeps the hidden units in VMEM, chunk by chunk of tokens: x is read and y
-written once. When the weights fit the chip's VMEM beside the blocks (`plan`)
-they stay there for the whole call and are read once; otherwise a second grid axis walks blocks of hidden
-units, adding each one's share of y to a float32 accumulator, and the
-weights are read once per block of rows. Where even that does not fit (one
-row's blocks too large, as xl's on a v4), `MlpBlock` keeps XLA (`fits`). `cost_estimate` declares those bytes and the arithmetic,
-which is what the TPU compiler's `cost_analysis()` reports.
+keeps the hidden units in VMEM, a loop walking chunks of tokens (a loop, not
+an unrolled sequence, so the chunks' temporaries share VMEM): x is read and
+y written once. When the weights fit the chip's VMEM beside the blocks
+(`plan`, `tpu_blocks.VMEM_CAPACITY`) they stay there for the whole call and
+are read once; otherwise a second grid axis walks blocks of hidden units,
+adding each one's share of y to a float32 accumulator, and the weights are
+read once per block of rows. Where even that does not fit (one row's blocks
+too large, as xl's on a v4), `MlpBlock` keeps XLA (`fits`). `cost_estimate`
+declares those bytes and the arithmetic, which is what the TPU compiler's
+`cost_analysis()` reports.
 
 Gradients: a custom VJP whose backward pass is XLA's derivative of
 `reference`. Sharding: under a mesh the call runs in `shard_map` over the
@@ -46,8 +49,9 @@ from coda_jax.kernels import tpu_blocks
 
 Array = jax.Array
 
-# Tokens per chunk of a row at most (the float32 temporaries of one chunk:
-# each projection's output and the product).
+# Tokens per chunk of a row at most, and the float32 [chunk, hidden] arrays a
+# chunk keeps in VMEM (each projection's output, the product, and what
+# Mosaic adds: measured on v4, where it ran out at 3).
 _CHUNK = 256
 _TEMPORARIES = 5
 # VMEM a call leaves to Mosaic's own scratch, beyond what `plan` counts.
