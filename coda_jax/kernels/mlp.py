@@ -90,7 +90,6 @@ def plan(batch: int, length: int, emb: int, hidden: int, projections: int,
   # of 8 (the sublane tile).
   chunks = sorted({c for c in range(8, min(length, _CHUNK) + 1, 8) if length % c == 0}
                   | ({length} if length <= _CHUNK else set()), reverse=True)[:4] or [length]
-  fixed = None
   for chunk in chunks:
     fixed = weights + temporaries(chunk, hidden)
     if fixed + row + _HEADROOM <= vmem:

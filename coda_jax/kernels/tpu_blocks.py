@@ -1,9 +1,11 @@
-"""What the TPU kernels share: their VMEM budget, row blocks, mesh axes.
+"""What the TPU kernels share: their VMEM budget, each chip's VMEM, row
+blocks, mesh axes.
 
-`relpos_attention` and `unroute_combine` split their rows (queries,
-positions) into blocks that fit `VMEM_BUDGET`, and run in `shard_map` over
-the mesh axes that the logical axis rules give their dimensions (a Pallas
-call is opaque to XLA's partitioner). No Pallas import here.
+`relpos_attention`, `unroute_combine` and `mlp` split their rows (queries,
+positions, batch rows) into blocks that fit `VMEM_BUDGET` (`mlp` keeps its
+weights beside them within `vmem_capacity`), and run in `shard_map` over the
+mesh axes that the logical axis rules give their dimensions (a Pallas call is
+opaque to XLA's partitioner). No Pallas import here.
 """
 from __future__ import annotations
 
@@ -40,27 +42,31 @@ def row_block(length: int, limit: int) -> int:
   return 1 << (limit.bit_length() - 1)
 
 
-def mesh_axis(logical: str, *dims: int) -> Optional[str]:
-  """The current mesh's axis (`jax.set_mesh`, flax's logical axis rules) for
-  the logical axis `logical`, if it divides every one of `dims`; None without
-  a mesh of several devices."""
+def _mesh_and_axes(logical: str):
+  """The current mesh (`jax.set_mesh`) and the mesh axes flax's logical axis
+  rules give `logical` (a tuple); None without a mesh of several devices."""
   from flax.linen import partitioning as nn_partitioning  # pylint: disable=g-import-not-at-top
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return None
-  [axis] = nn_partitioning.logical_to_mesh_axes((logical,))
-  if axis is None or axis not in mesh.axis_names:
+  [axes] = nn_partitioning.logical_to_mesh_axes((logical,))
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return mesh, tuple(a for a in axes if a in mesh.axis_names)
+
+
+def mesh_axis(logical: str, *dims: int) -> Optional[str]:
+  """The current mesh's axis for the logical axis `logical`, if it is one
+  axis dividing every one of `dims`; None without a mesh of several
+  devices."""
+  found = _mesh_and_axes(logical)
+  if found is None or len(found[1]) != 1:
     return None
+  mesh, (axis,) = found
   return axis if all(d % mesh.shape[axis] == 0 for d in dims) else None
 
 
 def mesh_shards(logical: str) -> bool:
   """Whether the current mesh splits the logical axis `logical` over more
   than one device (its rules map it to a mesh axis of size > 1)."""
-  from flax.linen import partitioning as nn_partitioning  # pylint: disable=g-import-not-at-top
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return False
-  [axes] = nn_partitioning.logical_to_mesh_axes((logical,))
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  return any(a in mesh.axis_names and mesh.shape[a] > 1 for a in axes)
+  found = _mesh_and_axes(logical)
+  return found is not None and any(found[0].shape[a] > 1 for a in found[1])
