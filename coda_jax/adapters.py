@@ -96,19 +96,22 @@ class Adapter(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array,
-               fused: Optional[Callable[[Array, Array, Callable[[Array], Array]], Array]] = None
-               ) -> Array:
+               fused: Optional[Callable[[Array, Array, Callable[[Array], Array]], Array]] = None,
+               down: Optional[Array] = None) -> Array:
     """`x [..., emb]` -> `[..., emb]`, computed in `dtype`.
 
     `down` and `up` are t5x-style `DenseGeneral`s: float32 kernels cast to
     `dtype`, then `dot_general`. `fused(w_down, w_up, activation)`, given, is
     returned instead (w_down `[emb, adapter]`, w_up `[adapter, emb]` with the
     scale in it, both in `dtype`): a routed layer computes its adapter inside
-    the kernel that makes its output (`kernels.unroute_combine`); x then only
-    creates the parameters at init.
+    the kernel that makes its output (`kernels.unroute_combine`), or its
+    bottleneck in the kernel that routes its input (`kernels.route_adapter`);
+    x then only creates the parameters at init. `down`, given, is that
+    bottleneck `[..., adapter]` before the activation, in place of the down
+    projection of x.
     """
     emb = x.shape[-1]
-    down = layers.DenseGeneral(
+    down_projection = layers.DenseGeneral(
         features=self.adapter_dim, dtype=self.dtype, kernel_init=self.kernel_init,
         kernel_axes=('embed', ADAPTER_AXIS), name='down')
     up = layers.DenseGeneral(
@@ -117,10 +120,19 @@ class Adapter(nn.Module):
     activation = get_adapter_activation(self.activation)
     if fused is not None:
       if self.is_initializing():
-        up(down(x))                                       # creates both kernels
+        up(down_projection(x))                            # creates both kernels
       kernel = lambda m: jnp.asarray(m.variables['params']['kernel'], self.dtype)
-      return fused(kernel(down), kernel(up) * jnp.asarray(self.scale, self.dtype), activation)
-    h = activation(down(x))
+      return fused(kernel(down_projection), kernel(up) * jnp.asarray(self.scale, self.dtype),
+                   activation)
+    if down is None:
+      h = activation(down_projection(x))
+    else:
+      if down.shape != (*x.shape[:-1], self.adapter_dim):
+        raise ValueError(f'Adapter: the bottleneck has shape {down.shape}, expected '
+                         f'{(*x.shape[:-1], self.adapter_dim)} for x {x.shape}')
+      if self.is_initializing():
+        down_projection(x)
+      h = activation(down.astype(self.dtype))
     if h.ndim == 3:
       h = layers.with_sharding_constraint(h, ('batch', 'length', ADAPTER_AXIS))
     y = up(h)

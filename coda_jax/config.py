@@ -149,21 +149,32 @@ DISPATCHES = ('auto', 'gather', 'one_hot')
 # ops), 'pallas' (one TPU kernel that reads x, the adapter's bottleneck and
 # the k updates and writes y once, `coda_jax.kernels.unroute_combine`;
 # interpret mode elsewhere, for tests), 'auto' (the kernel in programs for a
-# TPU chip in UNROUTE_KERNEL_CHIPS, for k / n up to its fraction, XLA
-# elsewhere).
+# TPU chip and attention variant in UNROUTE_KERNEL_CHIPS, for k / n up to its
+# fraction, XLA elsewhere).
 UNROUTE_KERNELS = ('auto', 'xla', 'pallas')
-# The TPU chips (`device_kind`) on which 'auto' picks the kernel, and the
-# largest routed fraction k / n for which it does: where the TPU compiler
-# counts fewer bytes for the base encoder with it than without, with the
-# attention and MLP kernels on (batch 128, n 384, 12 layers, k-to-k, jax
-# 0.10.2 / libtpu 0.0.42.1, `tools/routed_cost.py`). v5e, kernel against
-# XLA: k = 70 10.19 / 11.76 GB, 77 10.59 / 12.12, 80 10.65 / 12.16, 96
-# 11.48 / 12.93, 110 12.18 / 13.55; but k = 128 21.59 / 14.46, 154 21.53 /
-# 16.54, 192 22.10 / 19.95 (memory-space assignment then copies the layer
-# input into VMEM for the kernel). v4 (`--kernels pallas` against `auto`),
-# none: k = 77 13.85 / 12.04 GB, k-to-all k = 128 20.05 / 18.43; its
-# memory-space assignment copies the layer input to CMEM around the kernel.
-UNROUTE_KERNEL_CHIPS = {'TPU v5 lite': 0.3}
+# The TPU chips (`device_kind`) on which 'auto' picks the kernel, the
+# attention variants for which it does, and the largest routed fraction k / n
+# for which it does: where the TPU compiler counts fewer bytes for the base
+# encoder with it than with `kernels.route_adapter` (the route and the
+# adapter's down projection from one read of x, 'auto's other choice), the
+# attention and MLP kernels on (batch 128, n 384, 12 layers, jax 0.10.2 /
+# libtpu 0.0.42.1, `tools/routed_cost.py`). v5e, k-to-k, output kernel
+# against route kernel: k = 70 10.19 / 11.04 GB, 77 10.59 / 11.32, 96 11.48 /
+# 12.27, 110 12.18 / 12.88; k = 128 21.59 / 13.99 (memory-space assignment
+# then copies the layer input into VMEM for the output kernel). k-to-all,
+# never: k = 77 17.77 / 15.68, 96 19.35 / 16.44, 110 20.06 / 16.82. v4, none:
+# k-to-k k = 77 13.85 / 11.22 GB (its memory-space assignment copies the
+# layer input to CMEM around the output kernel).
+UNROUTE_KERNEL_CHIPS = {'TPU v5 lite': {'k_to_k': 0.3}}
+# How a routed layer with a parallel adapter reads its input, with the same
+# results: 'xla' (the route, a one-hot matmul, and the adapter's down
+# projection are two XLA fusions, each reading the [batch, n, emb] input),
+# 'pallas' (one TPU kernel reads it once for both,
+# `coda_jax.kernels.route_adapter`; interpret mode elsewhere, for tests),
+# 'auto' (the kernel in programs for a TPU, with one-hot dispatch, where the
+# layer's output is not `unroute_combine`'s, which computes the adapter
+# itself; XLA elsewhere).
+ROUTE_KERNELS = ('auto', 'xla', 'pallas')
 # Soft top-k solvers (`coda_jax.soft_topk`) and their implementations: 'xla'
 # (the reference, the CPU/TPU default), 'pallas' (a fused kernel,
 # `coda_jax.kernels`), 'auto' (the kernel on GPU, XLA elsewhere).
@@ -312,13 +323,17 @@ class CodaConfig:
   # The routed layer's output, x + adapter + un-route (`UNROUTE_KERNELS`):
   # 'auto', 'xla' or 'pallas'.
   unroute_kernel: str = 'auto'
+  # The routed layer's route and adapter down projection (`ROUTE_KERNELS`):
+  # 'auto', 'xla' or 'pallas'.
+  route_kernel: str = 'auto'
 
   def __post_init__(self):
     r = self.reduction_factor
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not r >= 1:
       raise ValueError(f'reduction_factor must be >= 1, got {r}')
     for name, choices in (('attention', ATTENTION_VARIANTS), ('normalizer', NORMALIZERS),
-                          ('dispatch', DISPATCHES), ('unroute_kernel', UNROUTE_KERNELS)):
+                          ('dispatch', DISPATCHES), ('unroute_kernel', UNROUTE_KERNELS),
+                          ('route_kernel', ROUTE_KERNELS)):
       if getattr(self, name) not in choices:
         raise ValueError(f'CodaConfig.{name} must be one of {choices}, '
                          f'got {getattr(self, name)!r}')

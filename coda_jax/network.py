@@ -18,6 +18,8 @@ from coda_jax import layers
 from coda_jax import routing
 from coda_jax import soft_topk
 from coda_jax import target
+from coda_jax.kernels import route_adapter
+from coda_jax.kernels import tpu_blocks
 from coda_jax.kernels import unroute_combine
 from coda_jax.config import (NO_ADAPTER, PARALLEL, SEQUENTIAL_ADAPTERS, SEQUENTIAL_HOULSBY,
                              UNROUTE_KERNEL_CHIPS, AcmConfig, CodaConfig, T5Config,
@@ -143,6 +145,9 @@ class EncoderLayer(nn.Module):
     cfg, coda = self.config, self.coda
     norm = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')
     xn = norm(inputs)
+    adapter = (_adapter(cfg, coda, 'adapter') if coda is not None and coda.adapter == PARALLEL
+               else None)
+    bottleneck = None                # the adapter's, when `route_adapter` made it
     if not self.routed:
       att, ffn = self._pretrained_update(inputs, xn, xn, encoder_mask, deterministic,
                                          token_mask=input_mask,
@@ -150,14 +155,15 @@ class EncoderLayer(nn.Module):
       y = inputs + att
       y = y + ffn
     else:
-      update, decision = self._routed_update(inputs, norm, xn, encoder_mask, input_mask,
-                                             deterministic)
+      update, decision, bottleneck = self._routed_update(inputs, norm, xn, adapter,
+                                                         encoder_mask, input_mask,
+                                                         deterministic)
       if decision is None:                                       # k = n: in place
         y = inputs + update
       elif self._fuses_output(inputs.shape[1]):
         with jax.named_scope('unroute'):
           scale = norm.variables['params']['scale']
-          y = _adapter(cfg, coda, 'adapter')(xn, fused=lambda w_down, w_up, act: (
+          y = adapter(xn, fused=lambda w_down, w_up, act: (
               unroute_combine.unroute_combine(
                   inputs, scale, w_down, w_up, update, decision.indices, activation=act,
                   epsilon=norm.epsilon)))
@@ -165,8 +171,8 @@ class EncoderLayer(nn.Module):
       else:
         with jax.named_scope('unroute'):
           y = inputs + routing.unroute(update, decision, inputs.shape[1], coda.dispatch)
-    if coda is not None and coda.adapter == PARALLEL:
-      y = y + _adapter(cfg, coda, 'adapter')(xn)
+    if adapter is not None:
+      y = y + adapter(xn, down=bottleneck)
     return layers.with_sharding_constraint(y, ('batch', 'length', 'embed'))
 
   def _pretrained_update(self, x: Array, xn: Array, kv: Array, mask: Optional[Array],
@@ -220,27 +226,48 @@ class EncoderLayer(nn.Module):
   def _fuses_output(self, length: int) -> bool:
     """Whether `kernels.unroute_combine` makes the output of this routed layer
     of `length` tokens (`CodaConfig.unroute_kernel`: 'pallas', or 'auto' in a
-    program for a TPU chip of `UNROUTE_KERNEL_CHIPS` with k / n up to its
-    fraction; a parallel adapter and one-hot dispatch, the TPU formulation)."""
+    program for a TPU chip and attention variant of `UNROUTE_KERNEL_CHIPS` with
+    k / n up to its fraction; a parallel adapter and one-hot dispatch, the TPU
+    formulation)."""
     coda = self.coda
     if coda.adapter != PARALLEL or coda.unroute_kernel == 'xla':
       return False
     if coda.unroute_kernel == 'pallas':
       return True
-    fraction = UNROUTE_KERNEL_CHIPS.get(target.device_kind())
+    fraction = UNROUTE_KERNEL_CHIPS.get(target.device_kind(), {}).get(coda.attention)
     return (target.platform() == 'tpu' and fraction is not None
             and coda.num_selected(length) <= fraction * length
             and routing.resolve_dispatch(coda.dispatch) == 'one_hot')
 
+  def _routes_with_adapter(self, length: int) -> bool:
+    """Whether `kernels.route_adapter` makes this routed layer's routed tokens
+    and adapter bottleneck from one read of its input of `length` tokens
+    (`CodaConfig.route_kernel`: 'pallas', or 'auto' in a program for a TPU
+    with one-hot dispatch, the TPU formulation; a parallel adapter; not where
+    the output kernel computes the adapter itself; not with the embedding
+    split over devices; not where its accumulator does not fit VMEM)."""
+    coda, cfg = self.coda, self.config
+    if (coda.adapter != PARALLEL or coda.route_kernel == 'xla'
+        or self._fuses_output(length) or tpu_blocks.mesh_shards('embed')
+        or not route_adapter.fits(length, coda.num_selected(length), cfg.emb_dim,
+                                  jnp.dtype(cfg.dtype).itemsize)):
+      return False
+    if coda.route_kernel == 'pallas':
+      return True
+    return target.platform() == 'tpu' and routing.resolve_dispatch(coda.dispatch) == 'one_hot'
+
   def _routed_update(self, x: Array, norm: nn.Module, xn: Array,
-                     encoder_mask: Optional[Array], input_mask: Optional[Array],
-                     deterministic: bool) -> Tuple[Array, Optional[routing.RoutingDecision]]:
-    """The routed tokens' update `gate * (att + ffn)` `[batch, k, emb]` and the
-    routing decision that puts it back; with k = n, the update in place
-    `[batch, n, emb]` and None.
+                     adapter: Optional[nn.Module], encoder_mask: Optional[Array],
+                     input_mask: Optional[Array], deterministic: bool
+                     ) -> Tuple[Array, Optional[routing.RoutingDecision], Optional[Array]]:
+    """The routed tokens' update `gate * (att + ffn)` `[batch, k, emb]`, the
+    routing decision that puts it back, and the parallel adapter's bottleneck
+    `[batch, n, adapter]` before its activation when `route_adapter` made it
+    (else None); with k = n, the update in place `[batch, n, emb]` and None.
 
     Only `x` is routed; the routed tokens' norm is `norm` applied to them
-    (the same per-token function as `xn = norm(x)`, so the same values)."""
+    (the same per-token function as `xn = norm(x)`, so the same values);
+    `adapter` is the layer's parallel adapter (None without one)."""
     cfg, coda = self.config, self.coda
     batch, length = x.shape[:2]
     k = coda.num_selected(length)
@@ -257,11 +284,19 @@ class EncoderLayer(nn.Module):
     if k == length:
       att, ffn = self._pretrained_update(x, xn, xn, encoder_mask, deterministic,
                                          token_mask=input_mask, mask_is_padding=True)
-      return (att + ffn) * gate, None
+      return (att + ffn) * gate, None, None
     idx = decision.indices                                       # [b, k]
     real = jnp.ones((batch, length), bool) if input_mask is None else input_mask
+    bottleneck = None
     with jax.named_scope('route'):
-      xr = routing.route(x, decision, coda.dispatch)             # [b, k, emb]
+      if self._routes_with_adapter(length):
+        # The route and the adapter's down projection from one read of x.
+        w_down = adapter(xn, fused=lambda w_down, w_up, act: w_down)
+        xr, down = route_adapter.route_adapter(
+            x, norm.variables['params']['scale'], w_down, idx, epsilon=norm.epsilon)
+        bottleneck = jnp.swapaxes(down, 1, 2)                    # [b, n, adapter]
+      else:
+        xr = routing.route(x, decision, coda.dispatch)           # [b, k, emb]
       query_real = routing.gather_tokens(real, idx)              # [b, k]
     xrn = norm(xr)
     if coda.attention == 'k_to_all':
@@ -274,7 +309,7 @@ class EncoderLayer(nn.Module):
                                        query_positions=idx, key_positions=key_positions,
                                        token_mask=query_real, kv_token_mask=key_real,
                                        mask_is_padding=True, fuses_output=self._fuses_output(length))
-    return (att + ffn) * gate, decision
+    return (att + ffn) * gate, decision, bottleneck
 
 
 class DecoderLayer(nn.Module):

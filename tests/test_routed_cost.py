@@ -51,7 +51,7 @@ def _measure(kernels, decode_steps):
       batch_size=BATCH, lengths=(LENGTH,), generations=('v5e',), reduction_factors=(1, 3),
       attentions=('k_to_all', 'k_to_k'), decode_steps=decode_steps,
       config=dataclasses.replace(CONFIG, attention_kernel=kernels, mlp_kernel=kernels),
-      coda=CodaConfig(unroute_kernel=kernels))
+      coda=CodaConfig(unroute_kernel=kernels, route_kernel=kernels))
 
 
 @pytest.fixture(scope='module')

@@ -159,19 +159,22 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
   assert cost['flops'] >= estimate.flops >= 2 * b * n * e * (2 * a + k)
 
 
-@pytest.mark.parametrize('kind,reduction_factor,fused', [
-    ('TPU v5 lite', 5.0, True), ('TPU v5 lite', 3.0, False), ('TPU v4', 5.0, False),
-    (None, 5.0, False)])
-def test_auto_picks_the_kernel_where_it_costs_less(kind, reduction_factor, fused):
-  """'auto' with one-hot dispatch: the kernel in a program for a chip of
-  `UNROUTE_KERNEL_CHIPS` (v5e, where the TPU compiler counts fewer bytes with
-  it) when k / n is at most its fraction (0.3: k = 3 of 12 tokens, not 4),
-  XLA on other chips (v4: more) and off TPU."""
+@pytest.mark.parametrize('kind,attention,reduction_factor,fused', [
+    ('TPU v5 lite', 'k_to_k', 5.0, True), ('TPU v5 lite', 'k_to_k', 3.0, False),
+    ('TPU v5 lite', 'k_to_all', 5.0, False), ('TPU v4', 'k_to_k', 5.0, False),
+    (None, 'k_to_k', 5.0, False)])
+def test_auto_picks_the_kernel_where_it_costs_less(kind, attention, reduction_factor, fused):
+  """'auto' with one-hot dispatch: the kernel in a program for a chip and
+  attention variant of `UNROUTE_KERNEL_CHIPS` (v5e k-to-k, where the TPU
+  compiler counts fewer bytes with it than with the route kernel) when k / n
+  is at most its fraction (0.3: k = 3 of 12 tokens, not 4), XLA for v5e's
+  k-to-all, on other chips (v4: more) and off TPU."""
   from coda_jax import target  # pylint: disable=g-import-not-at-top
   enc, dec_in, tgt = batch()
   model = Transformer(tiny(attention_kernel='xla', mlp_kernel='xla'),
                       coda=CodaConfig(reduction_factor=reduction_factor, normalizer='sigmoid',
-                                      dispatch='one_hot', unroute_kernel='auto'))
+                                      attention=attention, dispatch='one_hot',
+                                      unroute_kernel='auto', route_kernel='xla'))
   params = init_params(model, enc, dec_in, tgt)
   with target.targeting('tpu', kind):
     assert _pallas_calls(model, params, enc) == (2 if fused else 0)

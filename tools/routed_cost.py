@@ -64,10 +64,12 @@ def parse_args(argv):
                       'decoding step)')
   p.add_argument('--dtype', default='bfloat16', choices=sorted(DTYPES))
   p.add_argument('--kernels', default='auto', choices=ATTENTION_KERNELS,
-                 help="T5Config.attention_kernel and mlp_kernel and "
-                      "CodaConfig.unroute_kernel: 'auto' (the Pallas kernels where they "
-                      "cost less: attention and the encoder's MLP on every TPU, the routed "
-                      "layer's output on v5e), 'xla' (none), 'pallas' (all three)")
+                 help="T5Config.attention_kernel and mlp_kernel and CodaConfig."
+                      "unroute_kernel and route_kernel: 'auto' (the Pallas kernels where "
+                      "they cost less: attention, the encoder's MLP and the routed layer's "
+                      "route on every TPU, its output on v5e for k / n up to 0.3), 'xla' "
+                      "(none), 'pallas' (attention, MLP and output kernels; the output "
+                      "kernel computes the adapter, so the route kernel is not used)")
   p.add_argument('--out', default=None, help='write the JSON here')
   args = p.parse_args(argv)
   if args.decode_steps < 0:
@@ -110,7 +112,8 @@ def main(argv=None) -> int:
   rows = variant_costs.measure(
       args.model, args.batch_size, [int(n) for n in args.lengths], args.generations,
       args.reduction_factors, args.attentions, args.decode_steps, DTYPES[args.dtype],
-      config=config, coda=CodaConfig(unroute_kernel=args.kernels), log=log)
+      config=config, coda=CodaConfig(unroute_kernel=args.kernels, route_kernel=args.kernels),
+      log=log)
   print(table(rows))
   result = {
       'command': 'python tools/routed_cost.py ' + ' '.join(
