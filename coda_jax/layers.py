@@ -506,8 +506,13 @@ class RMSNorm(nn.Module):
   scale_init: Initializer = nn.initializers.ones
 
   @nn.compact
-  def __call__(self, x: Array, factored: bool = False) -> Union[Array, Tuple[Array, Array]]:
+  def __call__(self, x: Array, factored: bool = False, factor: Optional[Array] = None
+               ) -> Union[Array, Tuple[Array, Array]]:
     """`[..., emb] -> [..., emb]`, computed in float32.
+
+    `factor`: the per-token rsqrt(mean(x²) + ε) `[..., 1]` (float32), when a
+    kernel that read x has made it (`kernels.route_adapter`); the norm then
+    does not reduce x again.
 
     `factored`: `(x * scale [..., emb] in dtype, rsqrt(mean(x²) + ε) [..., 1]
     float32)`, whose product is the norm: a linear map of the norm is the
@@ -519,7 +524,11 @@ class RMSNorm(nn.Module):
     scale = param_with_axes('scale', self.scale_init, (features,), jnp.float32,
                             axes=('embed',))
     x32 = jnp.asarray(x, jnp.float32)
-    factor = lax.rsqrt(jnp.mean(lax.square(x32), axis=-1, keepdims=True) + self.epsilon)
+    if factor is None:
+      factor = lax.rsqrt(jnp.mean(lax.square(x32), axis=-1, keepdims=True) + self.epsilon)
+    elif factor.shape != (*x.shape[:-1], 1):
+      raise ValueError(f'RMSNorm: factor has shape {factor.shape}, expected '
+                       f'{(*x.shape[:-1], 1)} for x {x.shape}')
     if factored:
       return jnp.asarray(x32 * scale, self.dtype), factor
     y = jnp.asarray(x32 * factor, self.dtype)

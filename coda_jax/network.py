@@ -287,18 +287,20 @@ class EncoderLayer(nn.Module):
       return (att + ffn) * gate, None, None
     idx = decision.indices                                       # [b, k]
     real = jnp.ones((batch, length), bool) if input_mask is None else input_mask
-    bottleneck = None
+    bottleneck = factor = None
     with jax.named_scope('route'):
       if self._routes_with_adapter(length):
-        # The route and the adapter's down projection from one read of x.
+        # The route, the routed tokens' norm factor and the adapter's down
+        # projection from one read of x.
         w_down = adapter(xn, fused=lambda w_down, w_up, act: w_down)
-        xr, down = route_adapter.route_adapter(
+        xr, factor, down = route_adapter.route_adapter(
             x, norm.variables['params']['scale'], w_down, idx, epsilon=norm.epsilon)
+        factor = jnp.swapaxes(factor, 1, 2)                      # [b, k, 1]
         bottleneck = jnp.swapaxes(down, 1, 2)                    # [b, n, adapter]
       else:
         xr = routing.route(x, decision, coda.dispatch)           # [b, k, emb]
       query_real = routing.gather_tokens(real, idx)              # [b, k]
-    xrn = norm(xr)
+    xrn = norm(xr, factor=factor)
     if coda.attention == 'k_to_all':
       kv, key_real, key_positions = xn, real, None
     else:

@@ -76,14 +76,17 @@ def _operands(seed, b, n, k, e, a, dtype=jnp.float32):
 
 
 def _layer(x, scale, w_down, idx):
-  """`routing.route` (both dispatches) and `RMSNorm` then `Adapter`'s down
-  projection, `[b, a, n]`."""
+  """`routing.route`, the routed tokens' `RMSNorm` factor `[b, 1, k]` (what
+  the norm multiplies them by, from its `factored` form), and `RMSNorm` then
+  `Adapter`'s down projection, `[b, a, n]`."""
   decision = routing.RoutingDecision(indices=idx, gate=None, weights=None, selected=None)
   routed = routing.route(x, decision, 'one_hot')
-  xn = layers.RMSNorm(dtype=x.dtype).apply({'params': {'scale': scale}}, x)
+  norm = layers.RMSNorm(dtype=x.dtype)
+  _, factor = norm.apply({'params': {'scale': scale}}, routed, factored=True)
+  xn = norm.apply({'params': {'scale': scale}}, x)
   down = layers.DenseGeneral(features=w_down.shape[1], dtype=x.dtype).apply(
       {'params': {'kernel': w_down}}, xn)
-  return routed, jnp.swapaxes(down, 1, 2)
+  return routed, jnp.swapaxes(factor, 1, 2), jnp.swapaxes(down, 1, 2)
 
 
 def test_blocks_of_positions_accumulate_the_route(monkeypatch):
@@ -96,12 +99,13 @@ def test_blocks_of_positions_accumulate_the_route(monkeypatch):
   monkeypatch.setattr(kernel.tpu_blocks, 'VMEM_BUDGET', budget)
   assert kernel.position_block(300, k, e, 4) == 128
   args = _operands(0, 2, 300, k, e, 16)
-  routed, down = kernel.route_adapter(*args, interpret=True)
-  want_routed, want_down = _layer(*args)
+  routed, factor, down = kernel.route_adapter(*args, interpret=True)
+  want_routed, want_factor, want_down = _layer(*args)
   np.testing.assert_array_equal(np.asarray(routed), np.asarray(want_routed))
-  assert down.shape == (2, 16, 300)
+  assert factor.shape == (2, 1, k) and down.shape == (2, 16, 300)
+  np.testing.assert_allclose(np.asarray(factor), np.asarray(want_factor), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(down), np.asarray(want_down), atol=1e-5, rtol=1e-5)
-  for got, want in zip((routed, down), kernel.reference(*args, 1e-6)):
+  for got, want in zip((routed, factor, down), kernel.reference(*args, 1e-6)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
@@ -109,22 +113,24 @@ def test_bfloat16_routes_exactly_and_rounds_like_the_layer():
   """bfloat16: the routed tokens are the selected rows bit for bit; the
   bottleneck is the XLA layer's to bfloat16 rounding."""
   args = _operands(1, 3, 40, 9, 128, 64, jnp.bfloat16)
-  routed, down = kernel.route_adapter(*args, interpret=True)
-  want_routed, want_down = _layer(*args)
-  assert routed.dtype == down.dtype == jnp.bfloat16
+  routed, factor, down = kernel.route_adapter(*args, interpret=True)
+  want_routed, want_factor, want_down = _layer(*args)
+  assert routed.dtype == down.dtype == jnp.bfloat16 and factor.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(routed, np.float32),
                                 np.asarray(want_routed, np.float32))
+  np.testing.assert_allclose(np.asarray(factor), np.asarray(want_factor), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(down, np.float32), np.asarray(want_down, np.float32),
                              atol=2e-2, rtol=2e-2)
 
 
 def test_gradients_are_the_references():
-  """The custom VJP: x's gradient collects the routed tokens' cotangents at
-  their positions plus the down projection's; the norm scale and w_down get
-  theirs."""
+  """The custom VJP: x's gradient collects the routed tokens' cotangents
+  (their norm factors' included) at their positions plus the down
+  projection's; the norm scale and w_down get theirs."""
   args = _operands(2, 2, 24, 5, 16, 4)
   rng = np.random.RandomState(3)
-  weights = [jnp.asarray(rng.randn(*s), jnp.float32) for s in ((2, 5, 16), (2, 4, 24))]
+  weights = [jnp.asarray(rng.randn(*s), jnp.float32)
+             for s in ((2, 5, 16), (2, 1, 5), (2, 4, 24))]
   loss = lambda f: lambda x, s, w: sum(jnp.sum(o * c) for o, c in zip(
       f(x, s, w, args[3]), weights))
   got = jax.grad(loss(lambda *a: kernel.route_adapter(*a, interpret=True)), (0, 1, 2))(
@@ -202,6 +208,9 @@ def test_refusals_name_what_is_wrong():
     kernel.route_adapter(x, scale, jnp.zeros((15, 4)), idx, interpret=True)
   with pytest.raises(ValueError, match='indices must be \\[batch, k\\] with batch 2'):
     kernel.route_adapter(x, scale, w_down, idx[:1], interpret=True)
+  with pytest.raises(ValueError, match='RMSNorm: factor has shape \\(2, 1, 8\\), expected '
+                     '\\(2, 8, 1\\)'):
+    layers.RMSNorm().apply({'params': {'scale': scale}}, x, factor=jnp.ones((2, 1, 8)))
 
 
 _SHARDED = textwrap.dedent('''
@@ -232,7 +241,8 @@ def test_under_a_mesh_the_kernel_runs_per_batch_shard():
 def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
   """Compiled for a TPU v4 chip (libtpu, on this CPU): a Mosaic kernel whose
   `cost_analysis()` is at least its `CostEstimate`, whose bytes are at least
-  x, the routed tokens, the bottleneck and the weights."""
+  x, the routed tokens and their factors, the bottleneck, the indices and
+  the weights."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
   from coda_jax import target  # pylint: disable=g-import-not-at-top
   from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
@@ -247,7 +257,7 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   estimate = kernel.cost_estimate(b, n, k, e, a, jnp.bfloat16)
-  moved = 2 * (b * n * e + b * k * e + b * a * n + e * a + e) + 4 * b * k
+  moved = 2 * (b * n * e + b * k * e + b * a * n + e * a + e) + 4 * 2 * b * k
   assert estimate.bytes_accessed >= moved
   assert cost['bytes accessed'] >= estimate.bytes_accessed
   assert cost['flops'] >= estimate.flops >= 2 * b * n * e * (k + a)

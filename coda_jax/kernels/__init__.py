@@ -12,6 +12,9 @@ tested against that reference in Pallas interpret mode on CPU:
   up projection + un-route, on TPU (`CodaConfig.unroute_kernel`).
 * `coda_jax.kernels.mlp` -- an encoder layer's pre-MLP norm and (gated) MLP
   on TPU, its hidden units kept in VMEM (`T5Config.mlp_kernel`).
+* `coda_jax.kernels.route_adapter` -- a routed layer's route and its parallel
+  adapter's down projection from one read of its input, on TPU
+  (`CodaConfig.route_kernel`).
 
 `coda_jax.kernels.tpu_blocks` holds what the TPU kernels share: their VMEM
 budget, each chip's VMEM, row blocks and mesh axes.

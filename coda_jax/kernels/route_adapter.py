@@ -8,9 +8,13 @@ computes (`reference`), for x `[batch, n, emb]` the layer input and indices
 `[batch, k]` the routed positions:
 
     routed[b,j]   = x[b, indices[b,j]]                       (one-hot matmul, exact)
+    factor[b,0,j] = 1 / rms(routed[b,j])                     (float32)
     down[b,:,i]   = (round(x[b,i] / rms(x[b,i])) * norm_scale) @ w_down
 
-routed is `routing.route` with one-hot dispatch; down is `adapters.Adapter`'s
+routed is `routing.route` with one-hot dispatch; factor its per-token factor
+of T5's `RMSNorm`, rsqrt(mean(x²) + ε), which the layer's attention input
+`norm(routed)` then takes instead of a second pass over the routed tokens
+(`layers.RMSNorm(factor=...)`); down is `adapters.Adapter`'s
 bottleneck before its activation, of T5's `RMSNorm` (`layers.RMSNorm`'s
 roundings), as `[batch, adapter, n]`: the tokens along the lanes, the layout
 the TPU compiler gives the bottleneck in XLA, so its transpose to
@@ -83,56 +87,74 @@ def _precision(dtype) -> lax.Precision:
   return lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize > 2 else lax.Precision.DEFAULT
 
 
-def _bottleneck(x: Array, norm_scale: Array, w_down_t: Array, epsilon: float) -> Array:
-  """`[adapter, tokens]`: `RMSNorm` of x `[tokens, emb]` times w_down, with
-  its roundings; w_down_t is `[adapter, emb]`."""
+def _factor(x32: Array, epsilon: float) -> Array:
+  """`RMSNorm`'s per-token factor rsqrt(mean(x²) + ε) `[..., 1]` of float32 x."""
+  return lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + epsilon)
+
+
+def _bottleneck(x: Array, norm_scale: Array, w_down_t: Array, epsilon: float
+                ) -> Tuple[Array, Array]:
+  """`([adapter, tokens], [tokens, 1])`: `RMSNorm` of x `[tokens, emb]` times
+  w_down, with its roundings (w_down_t is `[adapter, emb]`), and the norm's
+  factor (float32)."""
   x32 = x.astype(jnp.float32)
-  factor = lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + epsilon)
+  factor = _factor(x32, epsilon)
   xn = (x32 * factor).astype(x.dtype) * norm_scale
-  return lax.dot_general(w_down_t, xn, (((1,), (1,)), ((), ())),
+  down = lax.dot_general(w_down_t, xn, (((1,), (1,)), ((), ())),
                          preferred_element_type=jnp.float32).astype(x.dtype)
+  return down, factor
 
 
 def reference(x: Array, norm_scale: Array, w_down: Array, indices: Array, epsilon: float
-              ) -> Tuple[Array, Array]:
-  """`(routed [batch, k, emb], down [batch, adapter, n])` in jnp, in x's dtype."""
+              ) -> Tuple[Array, Array, Array]:
+  """`(routed [batch, k, emb], factor [batch, 1, k] float32, down [batch,
+  adapter, n])` in jnp; routed and down in x's dtype."""
   one_hot = (indices[:, :, None] == jnp.arange(x.shape[1])).astype(x.dtype)   # [b, k, n]
   routed = jnp.einsum('bkn,bne->bke', lax.stop_gradient(one_hot), x,
                       precision=_precision(x.dtype))
   bottleneck = lambda row: _bottleneck(row, norm_scale.astype(x.dtype),
-                                       w_down.astype(x.dtype).T, epsilon)
-  return routed, jax.vmap(bottleneck)(x)
+                                       w_down.astype(x.dtype).T, epsilon)[0]
+  factor = _factor(routed.astype(jnp.float32), epsilon)[..., 0][:, None, :]
+  return routed, factor, jax.vmap(bottleneck)(x)
 
 
-def _kernel(idx_ref, x_ref, s_ref, wd_ref, routed_ref, down_ref, acc_ref, *, block: int,
-            epsilon: float):
+def _kernel(idx_ref, x_ref, s_ref, wd_ref, routed_ref, factor_ref, down_ref, acc_ref, *,
+            block: int, epsilon: float):
   """One (batch row, block of positions): the block's share of the routed
-  tokens (accumulated over the blocks) and its bottleneck `[adapter, block]`."""
+  tokens and of their norm factors (accumulated over the blocks), and the
+  block's bottleneck `[adapter, block]`."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   i = pl.program_id(1)
   x = x_ref[...]                                                          # [block, emb]
-  k = idx_ref.shape[0]
-  positions = lax.broadcasted_iota(jnp.int32, (k, block), 1) + i * block
-  one_hot = (positions == idx_ref[...]).astype(x.dtype)                  # [k, block]
-  share = lax.dot_general(one_hot, x, (((1,), (0,)), ((), ())),
+  k = idx_ref.shape[-1]
+  positions = lax.broadcasted_iota(jnp.int32, (block, k), 0) + i * block
+  one_hot = positions == idx_ref[...]                                     # [block, k]
+  share = lax.dot_general(one_hot.astype(x.dtype), x, (((0,), (0,)), ((), ())),
                           precision=_precision(x.dtype), preferred_element_type=jnp.float32)
-  acc = jnp.where(i == 0, 0.0, acc_ref[...]) + share
+  down, factor = _bottleneck(x, s_ref[...], wd_ref[...], epsilon)
+  # The routed tokens' factors, a row [1, k]: each position's, picked by the
+  # one-hot (a sum over the block's sublanes, one term non-zero).
+  picked = jnp.sum(jnp.where(one_hot, factor, 0.0), axis=0, keepdims=True)
+  first = i == 0
+  acc = jnp.where(first, 0.0, acc_ref[...]) + share                      # [k, emb]
   acc_ref[...] = acc
   routed_ref[...] = acc.astype(routed_ref.dtype)
-  down_ref[...] = _bottleneck(x, s_ref[...], wd_ref[...], epsilon)
+  factor_ref[...] = jnp.where(first, 0.0, factor_ref[...]) + picked
+  down_ref[...] = down
 
 
 def cost_estimate(batch: int, length: int, k: int, emb: int, adapter: int, dtype):
-  """Bytes: x, the routed tokens and the bottleneck, the int32 indices, the
-  norm scale and w_down once. Flops: the one-hot and down matmuls, the norm
-  (4 per element), the one-hot compares; transcendentals: the norm's rsqrt
-  per token. A `pl.CostEstimate`."""
+  """Bytes: x, the routed tokens, their float32 norm factors and the
+  bottleneck, the int32 indices, the norm scale and w_down once. Flops: the
+  one-hot and down matmuls, the norm (4 per element), the one-hot compares
+  and the factors' picking (2 per position and routed token);
+  transcendentals: the norm's rsqrt per token. A `pl.CostEstimate`."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   itemsize = jnp.dtype(dtype).itemsize
   tokens = batch * length
-  flops = 2 * tokens * emb * (k + adapter) + 4 * tokens * emb + tokens * k
+  flops = 2 * tokens * emb * (k + adapter) + 4 * tokens * emb + 3 * tokens * k
   bytes_accessed = (itemsize * (tokens * (emb + adapter) + batch * k * emb)
-                    + 4 * batch * k + itemsize * emb * (1 + adapter))
+                    + 4 * 2 * batch * k + itemsize * emb * (1 + adapter))
   return pl.CostEstimate(flops=int(flops), transcendentals=int(tokens),
                          bytes_accessed=int(bytes_accessed))
 
@@ -147,23 +169,25 @@ def _kernel_call(x, norm_scale, w_down, indices, epsilon, interpret):
   if padded != length:
     x = jnp.pad(x, ((0, 0), (0, padded - length), (0, 0)))
   whole = lambda *shape: pl.BlockSpec(shape, lambda b, i: (0,) * len(shape))
-  routed, down = pl.pallas_call(
+  routed, factor, down = pl.pallas_call(
       functools.partial(_kernel, block=block, epsilon=epsilon),
       grid=(batch, padded // block),
-      in_specs=[pl.BlockSpec((None, k, 1), lambda b, i: (b, 0, 0)),
+      in_specs=[pl.BlockSpec((None, 1, k), lambda b, i: (b, 0, 0)),
                 pl.BlockSpec((None, block, emb), lambda b, i: (b, i, 0)),
                 whole(1, emb), whole(adapter, emb)],
       out_specs=[pl.BlockSpec((None, k, emb), lambda b, i: (b, 0, 0)),
+                 pl.BlockSpec((None, 1, k), lambda b, i: (b, 0, 0)),
                  pl.BlockSpec((None, adapter, block), lambda b, i: (b, 0, i))],
       out_shape=[jax.ShapeDtypeStruct((batch, k, emb), x.dtype),
+                 jax.ShapeDtypeStruct((batch, 1, k), jnp.float32),
                  jax.ShapeDtypeStruct((batch, adapter, padded), x.dtype)],
       scratch_shapes=[pltpu.VMEM((k, emb), jnp.float32)],
       cost_estimate=cost_estimate(batch, padded, k, emb, adapter, x.dtype),
       compiler_params=None if interpret else pltpu.CompilerParams(
           dimension_semantics=('parallel', 'arbitrary')),
       interpret=interpret,
-  )(indices.astype(jnp.int32)[:, :, None], x, norm_scale.reshape(1, emb), w_down.T)
-  return routed, down[:, :, :length] if padded != length else down
+  )(indices.astype(jnp.int32)[:, None, :], x, norm_scale.reshape(1, emb), w_down.T)
+  return routed, factor, down[:, :, :length] if padded != length else down
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -180,6 +204,7 @@ def _route_adapter_bwd(epsilon, interpret, saved, cotangents):
   del interpret
   x, norm_scale, w_down, indices = saved
   _, vjp = jax.vjp(lambda *a: reference(*a, indices, epsilon), x, norm_scale, w_down)
+  # factor is a function of routed: its cotangent reaches x through it.
   return (*vjp(cotangents), np.zeros(indices.shape, jax.dtypes.float0))
 
 
@@ -188,10 +213,11 @@ _route_adapter.defvjp(_route_adapter_fwd, _route_adapter_bwd)
 
 def route_adapter(x: Array, norm_scale: Array, w_down: Array, indices: Array, *,
                   epsilon: float = 1e-6, interpret: Optional[bool] = None
-                  ) -> Tuple[Array, Array]:
-  """The routed tokens `[batch, k, emb]` and the parallel adapter's bottleneck
-  before its activation `[batch, adapter, n]`, both in x's dtype, from one
-  read of x.
+                  ) -> Tuple[Array, Array, Array]:
+  """The routed tokens `[batch, k, emb]`, their RMS norm factors
+  rsqrt(mean(x²) + ε) `[batch, 1, k]` (float32) and the parallel adapter's
+  bottleneck before its activation `[batch, adapter, n]`, from one read of x;
+  the first and last in x's dtype.
 
   Args:
     x: the layer input `[batch, n, emb]`, before its RMS norm.
@@ -225,5 +251,5 @@ def route_adapter(x: Array, norm_scale: Array, w_down: Array, indices: Array, *,
     from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
     rows = P(axis, None, None)
     call = jax.shard_map(call, in_specs=(rows, P(None), P(None, None), P(axis, None)),
-                         out_specs=(rows, rows), check_vma=False)
+                         out_specs=(rows, rows, rows), check_vma=False)
   return call(*operands)
