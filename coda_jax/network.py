@@ -22,8 +22,8 @@ from coda_jax.kernels import route_adapter
 from coda_jax.kernels import tpu_blocks
 from coda_jax.kernels import unroute_combine
 from coda_jax.config import (NO_ADAPTER, PARALLEL, SEQUENTIAL_ADAPTERS, SEQUENTIAL_HOULSBY,
-                             UNROUTE_KERNEL_CHIPS, AcmConfig, CodaConfig, T5Config,
-                             parallel_adapter_baseline, t5_1_1)  # noqa: F401
+                             ROUTE_KERNEL_CHIPS, UNROUTE_KERNEL_CHIPS, AcmConfig, CodaConfig,
+                             T5Config, parallel_adapter_baseline, t5_1_1)  # noqa: F401
 
 Array = jax.Array
 
@@ -243,9 +243,10 @@ class EncoderLayer(nn.Module):
     """Whether `kernels.route_adapter` makes this routed layer's routed tokens
     and adapter bottleneck from one read of its input of `length` tokens
     (`CodaConfig.route_kernel`: 'pallas', or 'auto' in a program for a TPU
-    with one-hot dispatch, the TPU formulation; a parallel adapter; not where
-    the output kernel computes the adapter itself; not with the embedding
-    split over devices; not where its accumulator does not fit VMEM)."""
+    with one-hot dispatch, the TPU formulation, and k / n up to the chip's
+    `ROUTE_KERNEL_CHIPS` fraction; a parallel adapter; not where the output
+    kernel computes the adapter itself; not with the embedding split over
+    devices; not where its accumulator does not fit VMEM)."""
     coda, cfg = self.coda, self.config
     if (coda.adapter != PARALLEL or coda.route_kernel == 'xla'
         or self._fuses_output(length) or tpu_blocks.mesh_shards('embed')
@@ -254,7 +255,9 @@ class EncoderLayer(nn.Module):
       return False
     if coda.route_kernel == 'pallas':
       return True
-    return target.platform() == 'tpu' and routing.resolve_dispatch(coda.dispatch) == 'one_hot'
+    fraction = ROUTE_KERNEL_CHIPS.get(target.device_kind(), 1.0)
+    return (target.platform() == 'tpu' and coda.num_selected(length) <= fraction * length
+            and routing.resolve_dispatch(coda.dispatch) == 'one_hot')
 
   def _routed_update(self, x: Array, norm: nn.Module, xn: Array,
                      adapter: Optional[nn.Module], encoder_mask: Optional[Array],

@@ -163,15 +163,17 @@ def test_where_xla_routes(case, monkeypatch):
 
 
 @pytest.mark.parametrize('kind,attention,reduction_factor,dispatch,expected', [
-    ('TPU v4', 'k_to_k', 5.0, 'auto', True), ('TPU v5 lite', 'k_to_k', 3.0, 'auto', True),
+    ('TPU v4', 'k_to_k', 5.0, 'auto', True), ('TPU v4', 'k_to_all', 3.0, 'auto', False),
+    ('TPU v5 lite', 'k_to_k', 3.0, 'auto', True),
     ('TPU v5 lite', 'k_to_all', 5.0, 'auto', True),
     ('TPU v5 lite', 'k_to_k', 5.0, 'auto', False), ('TPU v4', 'k_to_k', 5.0, 'gather', False),
-    (None, 'k_to_all', 5.0, 'auto', True)])
+    (None, 'k_to_all', 3.0, 'auto', True)])
 def test_auto_routes_with_the_kernel_on_tpu(kind, attention, reduction_factor, dispatch,
                                             expected, monkeypatch):
   """'auto' in a program for a TPU with one-hot dispatch: the kernel, except
-  where the output kernel computes the adapter (v5e k-to-k at k / n <= 0.3:
-  k = 3 of 12 tokens at r = 5) and with gathers."""
+  on a chip of `ROUTE_KERNEL_CHIPS` above its fraction (v4, 0.3: k = 4 of 12
+  tokens at r = 3), where the output kernel computes the adapter (v5e k-to-k
+  at k / n <= 0.3: k = 3 of 12 at r = 5) and with gathers."""
   from coda_jax import target  # pylint: disable=g-import-not-at-top
   enc, dec_in, tgt = batch()
   model = Transformer(tiny(attention_kernel='xla', mlp_kernel='xla'),
