@@ -67,8 +67,9 @@ def parse_args(argv):
                  help="T5Config.attention_kernel and mlp_kernel and CodaConfig."
                       "unroute_kernel and route_kernel: 'auto' (the Pallas kernels where "
                       "they cost less: attention, the encoder's MLP and the routed layer's "
-                      "route on every TPU, its output instead on v5e for k-to-k with k / n "
-                      "up to 0.3), 'xla' (none), 'pallas' (attention, MLP and output "
+                      "route on every TPU, the route on v4 for k / n up to 0.3, the "
+                      "layer's output instead on v5e for k-to-k with k / n up to 0.3), 'xla' "
+                      "(none), 'pallas' (attention, MLP and output "
                       "kernels; the output kernel computes the adapter, so the route kernel "
                       "is not used)")
   p.add_argument('--out', default=None, help='write the JSON here')
