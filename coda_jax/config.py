@@ -152,17 +152,6 @@ DISPATCHES = ('auto', 'gather', 'one_hot')
 # TPU chip and attention variant in UNROUTE_KERNEL_CHIPS, for k / n up to its
 # fraction, XLA elsewhere).
 UNROUTE_KERNELS = ('auto', 'xla', 'pallas')
-# The TPU chips (`device_kind`) on which 'auto' picks the route kernel only up
-# to a routed fraction k / n (elsewhere on TPU: at every k): where the TPU
-# compiler counts more bytes with it above that, the attention and MLP
-# kernels on (jax 0.10.2 / libtpu 0.0.42.1, `tools/routed_cost.py`). v4,
-# route kernel against XLA: base, batch 128, n 384, k = 77 (r = 5): k-to-all
-# 15.44 / 16.40 GB, k-to-k 10.97 / 12.04; k = 128 (r = 3): k-to-all 18.36 /
-# 18.43, k-to-k 14.72 / 14.48; xl, batch 32, n 512, k = 171 (r = 3): k-to-all
-# 64.44 / 64.97, k-to-k 52.84 / 43.64 (memory-space assignment copies the
-# layer input and the routed tokens to CMEM around the kernel). v5e counts
-# fewer bytes with it at every k measured (base r = 3 and 5, xl r = 3).
-ROUTE_KERNEL_CHIPS = {'TPU v4': 0.3}
 # The TPU chips (`device_kind`) on which 'auto' picks the kernel, the
 # attention variants for which it does, and the largest routed fraction k / n
 # for which it does: where the TPU compiler counts fewer bytes for the base
@@ -181,9 +170,8 @@ UNROUTE_KERNEL_CHIPS = {'TPU v5 lite': {'k_to_k': 0.3}}
 # results: 'xla' (the route, a one-hot matmul, and the adapter's down
 # projection are two XLA fusions, each reading the [batch, n, emb] input, and
 # the routed tokens' norm reads them again), 'pallas' (one TPU kernel reads
-# the input once for the three,
-# `coda_jax.kernels.route_adapter`; interpret mode elsewhere, for tests),
-# 'auto' (the kernel in programs for a TPU, with one-hot dispatch, for k / n
+# the input once for the three, `coda_jax.kernels.route_adapter`; interpret
+# mode elsewhere, for tests), 'auto' (the kernel in programs for a TPU, with one-hot dispatch, for k / n
 # up to the chip's ROUTE_KERNEL_CHIPS fraction, where the layer's output is
 # not `unroute_combine`'s, which computes the adapter itself; XLA
 # elsewhere).
