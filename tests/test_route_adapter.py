@@ -3,8 +3,6 @@ read of the layer input (`coda_jax.kernels.route_adapter`,
 `CodaConfig.route_kernel`): the same model as XLA's ops (interpret mode on
 CPU), its blocks, where XLA is kept, its sharding, and what the TPU compiler
 counts for it."""
-import textwrap
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +14,7 @@ from coda_jax.kernels import route_adapter as kernel
 from coda_jax.network import Transformer
 
 from test_coda import assert_same_model, batch, encode, init_params, randomize
-from tiny_models import run_on_cpu_devices, tiny_config as tiny
+from tiny_models import kernel_under_batch_mesh, tiny_config as tiny
 
 
 def _coda(attention='k_to_all', **kw):
@@ -215,28 +213,9 @@ def test_refusals_name_what_is_wrong():
     layers.RMSNorm().apply({'params': {'scale': scale}}, x, factor=jnp.ones((2, 1, 8)))
 
 
-_SHARDED = textwrap.dedent('''
-    import json, sys
-    import jax, numpy as np
-    from flax.linen import partitioning as nn_partitioning
-    from coda_jax import partitioning
-    from coda_jax.kernels import route_adapter as kernel
-    sys.path.insert(0, 'tests')
-    from test_route_adapter import _operands
-    args = _operands(1, 4, 16, 5, 16, 4)
-    expected = kernel.route_adapter(*args, interpret=True)
-    fn = jax.jit(lambda *a: kernel.route_adapter(*a, interpret=True))
-    with jax.set_mesh(partitioning.create_mesh((4, 1))), nn_partitioning.axis_rules(
-        partitioning.standard_logical_axis_rules()):
-      text = str(jax.make_jaxpr(fn)(*args))
-      out = fn(*args)
-    print(json.dumps({'shard_map': 'shard_map' in text, 'diff': max(
-        float(np.abs(np.asarray(o) - np.asarray(e)).max()) for o, e in zip(out, expected))}))
-''')
-
-
 def test_under_a_mesh_the_kernel_runs_per_batch_shard():
-  report = run_on_cpu_devices(_SHARDED)
+  report = kernel_under_batch_mesh('route_adapter', 'route_adapter', 'test_route_adapter',
+                                   (1, 4, 16, 5, 16, 4))
   assert report['shard_map'] and report['diff'] < 1e-6, report
 
 

@@ -2,8 +2,6 @@
 Pallas kernel (`coda_jax.kernels.unroute_combine`, `CodaConfig.unroute_kernel`):
 the same model as XLA's ops (interpret mode on CPU), its blocks, where XLA is
 kept, its sharding, and what the TPU compiler counts for it."""
-import textwrap
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +13,7 @@ from coda_jax.kernels import unroute_combine as kernel
 from coda_jax.network import Transformer
 
 from test_coda import assert_same_model, batch, encode, init_params, randomize
-from tiny_models import run_on_cpu_devices, tiny_config as tiny
+from tiny_models import kernel_under_batch_mesh, tiny_config as tiny
 
 
 
@@ -110,28 +108,9 @@ def test_refusals_name_what_is_wrong():
                            interpret=True)
 
 
-_SHARDED = textwrap.dedent('''
-    import json, sys
-    import jax, numpy as np
-    from flax.linen import partitioning as nn_partitioning
-    from coda_jax import partitioning
-    from coda_jax.kernels import unroute_combine as kernel
-    sys.path.insert(0, 'tests')
-    from test_unroute_combine import _operands
-    args = _operands(1, 4, 16, 5, 16, 4)
-    expected = kernel.unroute_combine(*args, interpret=True)
-    fn = jax.jit(lambda *a: kernel.unroute_combine(*a, interpret=True))
-    with jax.set_mesh(partitioning.create_mesh((4, 1))), nn_partitioning.axis_rules(
-        partitioning.standard_logical_axis_rules()):
-      text = str(jax.make_jaxpr(fn)(*args))
-      out = fn(*args)
-    print(json.dumps({'shard_map': 'shard_map' in text,
-                      'diff': float(np.abs(np.asarray(out) - np.asarray(expected)).max())}))
-''')
-
-
 def test_under_a_mesh_the_kernel_runs_per_batch_shard():
-  report = run_on_cpu_devices(_SHARDED)
+  report = kernel_under_batch_mesh('unroute_combine', 'unroute_combine',
+                                   'test_unroute_combine', (1, 4, 16, 5, 16, 4))
   assert report['shard_map'] and report['diff'] < 1e-6, report
 
 

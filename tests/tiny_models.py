@@ -37,3 +37,35 @@ def run_on_cpu_devices(script: str, count: int = 4) -> dict:
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_BATCH_MESH_SCRIPT = """
+import json, sys
+import jax, numpy as np
+from flax.linen import partitioning as nn_partitioning
+from coda_jax import partitioning
+from coda_jax.kernels import {module} as kernel
+sys.path.insert(0, 'tests')
+from {test_module} import _operands
+args = _operands{operands}
+call = lambda *a: kernel.{function}(*a, interpret=True)
+expected = call(*args)
+fn = jax.jit(call)
+with jax.set_mesh(partitioning.create_mesh((4, 1))), nn_partitioning.axis_rules(
+    partitioning.standard_logical_axis_rules()):
+  text = str(jax.make_jaxpr(fn)(*args))
+  out = fn(*args)
+print(json.dumps({{'shard_map': 'shard_map' in text, 'diff': max(
+    float(np.abs(np.asarray(o) - np.asarray(e)).max())
+    for o, e in zip(jax.tree.leaves(out), jax.tree.leaves(expected)))}}))
+"""
+
+
+def kernel_under_batch_mesh(module: str, function: str, test_module: str,
+                            operands: tuple) -> dict:
+  """Runs `coda_jax.kernels.<module>.<function>` in interpret mode on
+  `<test_module>._operands(*operands)`, alone and jitted under a (4, 1) mesh
+  of 4 CPU devices with the standard logical rules; returns whether the
+  traced call has a `shard_map` and the largest difference of any output."""
+  return run_on_cpu_devices(_BATCH_MESH_SCRIPT.format(
+      module=module, function=function, test_module=test_module, operands=operands))
