@@ -9,7 +9,10 @@ The tiny quickstart model compiles for a v5e 2x2 slice in seconds.
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -20,6 +23,7 @@ from coda_jax.compile import hlo_costs
 from coda_jax.training import k_annealing
 
 QUICKSTART = 'gin_configs/runs/quickstart.gin'
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec('libtpu') is None and sys.platform != 'linux',
@@ -197,6 +201,154 @@ def test_train_step_arguments_are_the_shards_partitioning_places():
   assert analysis.shard_bytes(leaves) <= report.memory.arguments
   # Sharded, not replicated: leaves split over the model axis are smaller per chip.
   assert any(leaf.sharding.shard_shape(leaf.shape) != leaf.shape for leaf in leaves)
+
+
+# The quickstart model's parameters, counted by hand from quickstart.gin
+# (emb 32, 4 heads x 8, gated MLP 64, vocabulary 384, 2 + 2 layers, adapters
+# of 8, one router per encoder layer). SPLIT: the leaves `partitioning` splits
+# over the model axis (attention, MLP, logits, embedding, relative position
+# biases); WHOLE: those every chip holds whole (norm scales, adapters, routers).
+_ATTENTION = 4 * 32 * 32                       # query, key, value, out
+_MLP = 2 * 32 * 64 + 64 * 32                    # wi_0, wi_1, wo
+_ADAPTER = 2 * 32 * 8                           # down, up
+_SPLIT = (384 * 32                              # token_embedder
+          + 2 * (_ATTENTION + _MLP)             # encoder layers
+          + 2 * (2 * _ATTENTION + _MLP)         # decoder layers: self, cross
+          + 32 * 384                            # logits_dense
+          + 2 * 4 * 32)                         # relpos_bias: 4 heads x 32 buckets, each stack
+_WHOLE = (2 * (2 * 32 + _ADAPTER + 32) + 32     # encoder: 2 norms, adapter, router; final norm
+          + 2 * (3 * 32 + _ADAPTER) + 32)       # decoder: 3 norms, adapter; final norm
+# Parameter arrays: 12 per encoder layer, 16 per decoder layer; embedding,
+# logits, 2 final norms, 2 relative position biases.
+_LEAVES = 2 * 12 + 2 * 16 + 6
+F32 = I32 = 4
+
+
+@needs_libtpu
+@pytest.mark.parametrize('mesh_shape', [(4, 1), (2, 2)])
+def test_argument_bytes_per_chip_are_the_shards_partitioning_places(mesh_shape):
+  """What `coda-jax compile` adds up before compiling, checked against the
+  hand count: float32 parameters, whole on every chip or split over the model
+  axis; Adafactor's unfactored second moments (every dimension < 128) with
+  its (1,) row / column placeholders and two step counts (the trainable mask
+  wraps it: quickstart trains 'all'), the step and the RNG key; int32 batch
+  rows split over the data axis."""
+  from coda_jax.compile import analysis, programs, topology
+  from coda_jax.training import gin_utils
+  data, model = mesh_shape
+  gin_utils.parse_gin([QUICKSTART, 'gin_configs/runs/infer.gin'],
+                      [('MESH_SHAPE', str(mesh_shape)), ('K_ANNEAL_MAX_RUNGS', '2')])
+  pod = chips.parse_pod('v5e-4')
+  run = programs.run_programs(topology.devices(pod), pod, rungs=['first'])
+  by_kind = {p.kind: programs.argument_bytes(p) for p in run.programs}
+  params = F32 * (_SPLIT // model + _WHOLE)
+  second_moments = params + F32 * 2 * _LEAVES  # v, split as its parameter; v_row, v_col (1,)
+  counts, step, rng = 2 * I32, I32, 2 * I32
+  optimizer_state = second_moments + counts + step + rng
+  # quickstart.gin: BATCH_SIZE 16, lengths 48 / 32 (inputs; decoder inputs,
+  # targets, loss weights); infer.gin: EVAL_BATCH_SIZE 64 rows of 48 inputs.
+  batch = I32 * 16 // data * (48 + 3 * 32)
+  assert by_kind['train'] == analysis.ArgumentBytes(params, optimizer_state, batch, 'batch')
+  assert by_kind['infer'] == analysis.ArgumentBytes(params, 0, I32 * 64 // data * 48,
+                                                    'inputs')
+  assert by_kind['encode'] == by_kind['infer']
+  # One decoding step: the encoder's float32 output [64, 48, 32] and the
+  # tokens beside its cache, every row's share on its data shard.
+  step = by_kind['decode_step']
+  assert step.params == params and step.optimizer_state == 0
+  assert step.inputs > F32 * 64 // data * 48 * 32 + I32 * 64 // data * (48 + 1)
+
+
+@needs_libtpu
+def test_program_arguments_are_what_each_program_is_lowered_for():
+  """`Program.arguments` (what the bytes above count) against what each
+  program's `lower` lowers: the same arrays, shapes and dtypes."""
+  from coda_jax.compile import programs, topology
+  from coda_jax.training import gin_utils
+  gin_utils.parse_gin([QUICKSTART, 'gin_configs/runs/infer.gin'],
+                      [('MESH_SHAPE', '(2, 2)'), ('K_ANNEAL_MAX_RUNGS', '2')])
+  pod = chips.parse_pod('v5e-4')
+  run = programs.run_programs(topology.devices(pod), pod, rungs=['last'])
+  assert [p.kind for p in run.programs] == ['train', 'infer', 'encode', 'decode_step']
+  for program in run.programs:
+    lowered = jax.tree.leaves(program.lower().args_info)
+    given = jax.tree.leaves(program.arguments())
+    assert [(a.shape, a.dtype) for a in lowered] == [(g.shape, g.dtype) for g in given], (
+        program.name)
+
+
+def test_arguments_alone_over_the_hbm_do_not_fit_before_compiling():
+  from coda_jax.compile import analysis, command
+  pod = chips.parse_pod('v5e-4')
+  hbm = pod.chip.hbm_bytes
+  fits = analysis.ArgumentBytes(params=hbm // 2, optimizer_state=hbm // 4,
+                                inputs=hbm // 4, inputs_name='batch')
+  analysis.check_arguments('train', fits, pod.chip)  # exactly the HBM: no verdict yet
+  over = analysis.ArgumentBytes(params=hbm, optimizer_state=1, inputs=0, inputs_name='batch')
+  with pytest.raises(analysis.DoesNotFitError, match='alone take 16.00 GiB per chip') as e:
+    analysis.check_arguments('train k=8', over, pod.chip)
+  assert (e.value.program, e.value.needed, e.value.arguments) == ('train k=8', hbm + 1, over)
+  line = command.does_not_fit_line('train k=8', e.value.needed, pod, 'more chips', over)
+  assert line == ('train k=8 does not fit: it needs at least 16.00 GiB of HBM per chip for '
+                  'its parameters (16.00 GiB), optimizer state (0.00 GiB) and batch (0.00 '
+                  'GiB) alone, a v5e chip has 16.00 GiB; use more chips')
+
+
+# xxl (T5 v1.1 XXL with CoDA's adapters and routers): float32 parameters that
+# a data-parallel v5e-4 replicates on every chip.
+XXL = [sys.executable, '-m', 'coda_jax.cli', 'compile',
+       '--gin_file=gin_configs/runs/finetune_boolq.gin', "--gin.MODEL_SIZE='xxl'",
+       '--gin.BATCH_SIZE=2048', '--topology=v5e-4']
+# What an answer that needs no compiler may take on a 2-core machine.
+XXL_SECONDS = 60
+
+
+@needs_libtpu
+def test_xxl_on_a_v5e_4_exits_1_before_compiling_anything(tmp_path):
+  out_file = tmp_path / 'report.json'
+  start = time.perf_counter()
+  proc = subprocess.run([*XXL, f'--out={out_file}'], cwd=REPO, capture_output=True,
+                        text=True, timeout=5 * XXL_SECONDS)
+  seconds = time.perf_counter() - start
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert seconds < XXL_SECONDS
+  assert 'compiling nothing' in proc.stderr and 'lowered in' not in proc.stderr
+  lines = [line for line in proc.stderr.splitlines() if 'does not fit' in line]
+  # Five k rungs, the decoding program, its encoder and one decoding step.
+  assert len(lines) == 8, proc.stderr[-2000:]
+  assert lines[0].startswith('coda-jax compile: train k=352 does not fit: it needs at least '
+                             '41.')
+  assert ' GiB of HBM per chip for its parameters (41.' in lines[0]
+  assert 'a v5e chip has 16.00 GiB; use a bigger model axis (--gin.MESH_SHAPE="(1, 4)")' in (
+      lines[0])
+  # Parameters alone fill the chip: no smaller batch, more chips on the model axis.
+  assert '--gin.BATCH_SIZE' not in lines[0]
+  assert 'a bigger topology (v5litepod-16 with --gin.MESH_SHAPE="(4, 4)")' in lines[0]
+  report = json.loads(out_file.read_text())
+  train = report['programs'][0]
+  assert not train['fits'] and train['not_compiled'] and train['compiler_error'] is None
+  # 11.2 billion float32 parameters, whole on each of the 4 chips.
+  assert 41 * 2 ** 30 < train['argument_shards']['params'] < 42 * 2 ** 30
+  assert train['memory']['needed'] == train['argument_shards']['total']
+  assert 'DOES NOT FIT: its arguments alone' in proc.stdout
+
+
+def test_what_to_change_when_parameters_alone_fill_the_chip():
+  from coda_jax.compile import command
+  pod = chips.parse_pod('v5e-4')
+  hbm = pod.chip.hbm_bytes
+  # The parameters and optimizer state alone: a smaller batch cannot help,
+  # more chips only on the model axis.
+  line = command.suggestion(int(2.6 * hbm), pod, (4, 1), 2048, 'BATCH_SIZE',
+                            unbatched=int(2.6 * hbm))
+  assert line == ('a bigger model axis (--gin.MESH_SHAPE="(1, 4)"), or a bigger topology '
+                  '(v5litepod-16 with --gin.MESH_SHAPE="(4, 4)")')
+  # Half the chip is state: the batch shrinks for the rest only, 1.5 GiB
+  # over its 8 GiB share -> half of it.
+  line = command.suggestion(int(1.1 * hbm), pod, (4, 1), 2048, 'BATCH_SIZE',
+                            unbatched=hbm // 2)
+  assert line == ('a bigger model axis (--gin.MESH_SHAPE="(2, 2)"), or a smaller batch '
+                  '(--gin.BATCH_SIZE=1024), or a bigger topology (v5litepod-8)')
 
 
 @needs_libtpu

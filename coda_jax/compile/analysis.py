@@ -17,6 +17,11 @@
 
 These are the compiler's model of the chip, deterministic on any machine, not
 a measurement of one.
+
+Before any of that, `check_arguments` gives the verdict that needs no
+compiler: a program whose arguments alone (`ArgumentBytes`: its parameters,
+optimizer state and batch, each array's shard on one chip) exceed the chip's
+HBM does not fit, whatever its compile would say minutes later.
 """
 from __future__ import annotations
 
@@ -30,11 +35,25 @@ import jax
 import numpy as np
 
 from coda_jax.compile import hlo_costs
-from coda_jax.compile.chips import Chip
+from coda_jax.compile.chips import GIB, Chip
 
 
 class DoesNotFitError(RuntimeError):
-  """A program needs more HBM per chip than the chip has."""
+  """A program needs more HBM per chip than the chip has.
+
+  Attributes:
+    program: the program's name.
+    needed: the bytes per chip it needs, where known (None: more than the
+      chip has, by how much unsaid).
+    arguments: its `ArgumentBytes` where its arguments alone exceed the HBM
+      (`check_arguments`, known before compiling), None where the compiler
+      ran out of HBM.
+  """
+
+  def __init__(self, message: str, program: str = '', needed: Optional[int] = None,
+               arguments: Optional['ArgumentBytes'] = None):
+    super().__init__(message)
+    self.program, self.needed, self.arguments = program, needed, arguments
 
 
 @dataclasses.dataclass
@@ -103,6 +122,63 @@ def shard_bytes(leaves: Sequence[Any]) -> int:
              for leaf in leaves)
 
 
+@dataclasses.dataclass(frozen=True)
+class ArgumentBytes:
+  """Per-chip bytes of a program's arguments, as `partitioning` shards them
+  (`shard_bytes`: each array's shard on one chip, not padded to TPU tiles).
+
+  Known before anything is lowered or compiled, and a lower bound of the HBM
+  the program needs per chip: its arguments are in HBM while it runs (a train
+  step's state lives there between steps too) and the compiler's argument
+  size (`Memory.arguments`) pads each to tiles.
+
+  Attributes:
+    params: the parameters.
+    optimizer_state: the optimizer's state with the step count and RNG key
+      (a train step's; 0 for the decoding programs).
+    inputs: the batch (a train step), the input tokens (decoding, its
+      encoder), the encoder output, tokens and cache (one decoding step).
+    inputs_name: what `inputs` are, for messages ('batch', 'inputs', ...).
+  """
+  params: int
+  optimizer_state: int
+  inputs: int
+  inputs_name: str = 'inputs'
+
+  @property
+  def total(self) -> int:
+    return self.params + self.optimizer_state + self.inputs
+
+  @property
+  def unbatched(self) -> int:
+    """What does not shrink with a smaller batch: parameters and optimizer
+    state."""
+    return self.params + self.optimizer_state
+
+  def describe(self) -> str:
+    """'parameters (41.25 GiB), optimizer state (0.39 GiB) and batch (0.00 GiB)'."""
+    parts = [('parameters', self.params)]
+    if self.optimizer_state:
+      parts.append(('optimizer state', self.optimizer_state))
+    parts.append((self.inputs_name, self.inputs))
+    named = [f'{name} ({n / GIB:.2f} GiB)' for name, n in parts]
+    return ', '.join(named[:-1]) + ' and ' + named[-1]
+
+  def as_dict(self) -> Dict[str, Any]:
+    return {**dataclasses.asdict(self), 'total': self.total}
+
+
+def check_arguments(name: str, arguments: ArgumentBytes, chip: Chip) -> None:
+  """The verdict that needs no compiler: raises `DoesNotFitError` (needing
+  `arguments.total`) where program `name`'s arguments alone exceed the chip's
+  HBM, as its compile would, after minutes, have run out of it."""
+  if arguments.total > chip.hbm_bytes:
+    raise DoesNotFitError(
+        f'its {arguments.describe()} alone take {arguments.total / GIB:.2f} GiB per '
+        f'chip, more than a {chip.generation} chip\'s {chip.hbm_bytes / GIB:.2f} GiB of '
+        'HBM', program=name, needed=arguments.total, arguments=arguments)
+
+
 def roofline_seconds(flops: float, bytes_accessed: float, chip: Chip) -> float:
   """max(flops / peak FLOP/s, bytes / HBM bandwidth): the time of a program
   that runs at the chip's peak in whichever it needs more of."""
@@ -152,10 +228,8 @@ def compile_program(name: str, lowered, chip: Chip):
     text = str(e)
     if 'RESOURCE_EXHAUSTED' not in text and 'Ran out of memory' not in text:
       raise
-    needed = resource_exhausted_bytes(text)
-    error = DoesNotFitError(text.strip().splitlines()[0] if text.strip() else 'out of memory')
-    error.program, error.needed = name, needed
-    raise error from e
+    raise DoesNotFitError(text.strip().splitlines()[0] if text.strip() else 'out of memory',
+                          program=name, needed=resource_exhausted_bytes(text)) from e
   return compiled, time.perf_counter() - start
 
 

@@ -18,6 +18,13 @@ with their time at the interconnect's bandwidth. A table goes to stdout, a
 progress line per program (with its compile time) to stderr, and with
 ``--out`` the JSON (the pod, the exact jax and libtpu versions, the command).
 
+Before anything is lowered or compiled, each program's arguments are added up
+per chip from the shardings `partitioning` gives them (a train step's
+parameters, optimizer state and batch; the decoding programs' parameters and
+inputs): where some program's alone exceed the chip's HBM, the run cannot
+fit, and the command says so at once, compiling nothing (xxl's float32
+parameters replicated over a data-parallel v5e-4 need 41 GiB of a chip's 16).
+
 These are the compiler's model of the chip, deterministic, not a measurement.
 The TPU compiler is libtpu: ``pip install -e ".[tpu]"``. On a 2-core CPU
 machine the BoolQ recipe for base on a v5e-16 (five train-step rungs, the
@@ -25,7 +32,8 @@ decoding program and its two parts) compiled in 475 s; the train steps take
 most of it, 129-189 s each, two at a time.
 
 Exit status: 0 every program fits; 1 one does not (a line each: the program,
-what it needs and has, what to change); 2 a configuration error (an unknown
+what it needs and has, what to change; by the arguments alone, before
+compiling, where they suffice); 2 a configuration error (an unknown
 topology, a MESH_SHAPE that does not cover the pod, a gin error), before
 anything compiles.
 """
@@ -38,7 +46,7 @@ import os
 import shlex
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from coda_jax import quiet
 from coda_jax.bench import flags
@@ -122,14 +130,22 @@ def _ms(seconds: Optional[float]) -> str:
 
 
 def suggestion(needed: Optional[int], pod, mesh_shape: Sequence[int], batch: int,
-               batch_macro: str) -> str:
+               batch_macro: str, unbatched: Optional[int] = None) -> str:
   """What to change so that a program that needs `needed` bytes per chip
   (None: more than the chip has) fits: a bigger model axis, a smaller batch
-  (`batch_macro`), a bigger topology (each where it exists)."""
+  (`batch_macro`), a bigger topology (each where it exists).
+
+  `unbatched`: the bytes per chip that a smaller batch leaves as they are
+  (parameters and optimizer state, `analysis.ArgumentBytes.unbatched`), where
+  known. A smaller batch is advised only for what the rest must shrink by,
+  and not at all where they alone fill the chip; more chips then help only
+  through a wider model axis, which the topology advice names.
+  """
   from coda_jax.compile import chips as chips_lib  # pylint: disable=g-import-not-at-top
   data, model = (int(d) for d in mesh_shape)
+  hbm = pod.chip.hbm_bytes
   options = []
-  factor = (needed or 2 * pod.chip.hbm_bytes) / pod.chip.hbm_bytes
+  factor = (needed or 2 * hbm) / hbm
   # The model axis grown by the power of 2 that covers what is missing (as
   # far as the data axis divides), the parameters' share per chip shrinking
   # with it.
@@ -138,23 +154,42 @@ def suggestion(needed: Optional[int], pod, mesh_shape: Sequence[int], batch: int
     grow //= 2
   if grow > 1:
     options.append(f'a bigger model axis (--gin.MESH_SHAPE="({data // grow}, {model * grow})")')
-  smaller = batch
-  while smaller > 1 and smaller / batch * factor > 0.9 and smaller % 2 == 0:
-    smaller //= 2
-  if smaller < batch and smaller % data == 0:
-    options.append(f'a smaller batch (--gin.{batch_macro}={smaller})')
-  bigger = pod.chips * 2 ** max(1, math.ceil(math.log2(max(factor, 1.0))))
+  state_fits = unbatched is None or unbatched < hbm
+  if state_fits:
+    # How much the batch-sized part must shrink (all of `needed` when the
+    # split is unknown).
+    batch_factor = factor if unbatched is None or needed is None else (
+        (needed - unbatched) / (hbm - unbatched))
+    smaller = batch
+    while smaller > 1 and smaller / batch * batch_factor > 0.9 and smaller % 2 == 0:
+      smaller //= 2
+    if smaller < batch and smaller % data == 0:
+      options.append(f'a smaller batch (--gin.{batch_macro}={smaller})')
+  more = 2 ** max(1, math.ceil(math.log2(max(factor, 1.0))))
   try:
-    name = chips_lib.parse_pod(f'{pod.chip.generation}-{bigger * pod.chip.cores_per_chip}')
-    options.append(f'a bigger topology ({name.accelerator_type})')
+    name = chips_lib.parse_pod(
+        f'{pod.chip.generation}-{pod.chips * more * pod.chip.cores_per_chip}')
+    # More chips as more data replicas leave each chip's parameters as they
+    # are: where those alone do not fit, the new chips widen the model axis.
+    mesh = '' if state_fits else f' with --gin.MESH_SHAPE="({data}, {model * more})"'
+    options.append(f'a bigger topology ({name.accelerator_type}{mesh})')
   except chips_lib.TopologyError:
     pass
   return ', or '.join(options) if options else 'a chip with more HBM'
 
 
-def does_not_fit_line(name: str, needed: Optional[int], pod, advice: str) -> str:
-  needs = f'needs {gib(needed)} GiB of HBM' if needed else 'does not fit in the HBM'
-  return (f'{name} does not fit: it {needs} per chip, a {pod.chip.generation} chip has '
+def does_not_fit_line(name: str, needed: Optional[int], pod, advice: str,
+                      arguments=None) -> str:
+  """The line of a program that does not fit: what it needs per chip (for
+  its `arguments`, an `analysis.ArgumentBytes`, alone where the verdict
+  comes from them, before compiling), what the chip has, what to change."""
+  if arguments is not None:
+    needs = (f'needs at least {gib(needed)} GiB of HBM per chip for its '
+             f'{arguments.describe()} alone')
+  else:
+    needs = (f'needs {gib(needed)} GiB of HBM' if needed else 'does not fit in the HBM'
+             ) + ' per chip'
+  return (f'{name} does not fit: it {needs}, a {pod.chip.generation} chip has '
           f'{gib(pod.chip.hbm_bytes)} GiB; use {advice}')
 
 
@@ -170,6 +205,11 @@ def table(reports: Sequence[Dict[str, Any]], pod) -> str:
            'chip, not a measurement', head, '-' * len(head)]
   for r in reports:
     mem = r['memory']
+    if r.get('not_compiled'):
+      lines.append(f'{r["name"]:<16} {gib(mem["needed"]):>8} {gib(r["hbm_bytes"]):>6} '
+                   f'{gib(mem["arguments"]):>7}  DOES NOT FIT: its arguments alone (not '
+                   'compiled)')
+      continue
     if r.get('compiler_error'):
       lines.append(f'{r["name"]:<16} {gib(mem["needed"]):>8} {gib(r["hbm_bytes"]):>6}  '
                    'DOES NOT FIT: the compiler ran out of HBM')
@@ -185,6 +225,34 @@ def table(reports: Sequence[Dict[str, Any]], pod) -> str:
         f'{_ms(r["roofline_seconds"]):>11} {r["bound"]:>6} {mfu:>6} {coll:<44.44} '
         f'{_ms(r["collective_seconds"]):>8}' + ('' if r['fits'] else '  DOES NOT FIT'))
   return '\n'.join(lines)
+
+
+def _check_arguments(run, pod, log) -> Tuple[List[Any], Optional[List[Any]]]:
+  """Before anything is lowered or compiled: each program's arguments per
+  chip (`programs.argument_bytes`, from the shardings `partitioning` gives
+  them), and, where some programs' arguments alone exceed the chip's HBM,
+  those programs as `_compile_all`'s failed results (the run then compiles
+  nothing: its verdict is already 1).
+
+  Returns:
+    (the `analysis.ArgumentBytes` of each program, in order; the failed
+    results, or None when every program's arguments fit).
+  """
+  from coda_jax.compile import analysis  # pylint: disable=g-import-not-at-top
+  from coda_jax.compile import programs as programs_lib  # pylint: disable=g-import-not-at-top
+  sizes, failed = [], []
+  for program in run.programs:
+    arguments = programs_lib.argument_bytes(program)
+    sizes.append(arguments)
+    try:
+      analysis.check_arguments(program.name, arguments, pod.chip)
+    except analysis.DoesNotFitError as e:
+      failed.append((program, None, e))
+  if not failed:
+    return sizes, None
+  log(f'compiling nothing: the arguments of {len(failed)} of {len(run.programs)} programs '
+      f'alone exceed a {pod.chip.generation} chip\'s {gib(pod.chip.hbm_bytes)} GiB of HBM')
+  return sizes, failed
 
 
 def _compile_all(run, pod, devices, log, jobs: int = 1) -> List[Any]:
@@ -276,7 +344,10 @@ def run(args: argparse.Namespace, extra: Sequence[str] = ()) -> int:
     return 2
   for warning in run_.warnings:
     log(f'warning: {warning}')
-  return _report(run_, pod, devices, args, log)
+  arguments, results = _check_arguments(run_, pod, log)
+  if results is None:
+    results = _compile_all(run_, pod, devices, log, args.jobs)
+  return _report(run_, pod, results, arguments, args, log)
 
 
 # The batch-size macro of each kind of program (coda_common.gin, infer.gin).
@@ -285,30 +356,41 @@ _BATCH_MACROS = {'train': 'BATCH_SIZE', 'infer': 'INFER_BATCH_SIZE',
 
 
 def _failed_row(program, error, pod) -> Dict[str, Any]:
-  """The table / JSON row of a program the compiler could not fit."""
-  needed = getattr(error, 'needed', None)
+  """The table / JSON row of a program that does not fit: by its arguments
+  alone (`not_compiled`: it was not compiled) or as the compiler found
+  (`compiler_error`)."""
+  by_arguments = error.arguments is not None
+  arguments = error.arguments.total if by_arguments else None
   return {'name': program.name, 'kind': program.kind, 'details': program.details,
-          'fits': False, 'compiler_error': str(error), 'hbm_bytes': pod.chip.hbm_bytes,
-          'memory': {'needed': needed, 'arguments': None, 'temporaries': None},
+          'fits': False, 'compiler_error': None if by_arguments else str(error),
+          'not_compiled': str(error) if by_arguments else None,
+          'hbm_bytes': pod.chip.hbm_bytes,
+          'memory': {'needed': error.needed, 'arguments': arguments, 'temporaries': None},
           'flops': None, 'bytes_accessed': None, 'roofline_seconds': None, 'bound': '-',
           'mfu': None, 'collectives': [], 'collective_seconds': None, 'notes': []}
 
 
-def _report(run_, pod, devices, args: argparse.Namespace, log) -> int:
+def _report(run_, pod, results, arguments, args: argparse.Namespace, log) -> int:
+  """Prints the table (and writes the JSON) of `results` (`_compile_all`'s),
+  the line of each program that does not fit; returns the exit status.
+  `arguments`: each of `run_.programs`' `analysis.ArgumentBytes`."""
   from coda_jax.compile import topology  # pylint: disable=g-import-not-at-top
   rows, failures = [], []
-  for program, report, error in _compile_all(run_, pod, devices, log, args.jobs):
+  sizes = {program.name: size for program, size in zip(run_.programs, arguments)}
+  for program, report, error in results:
     mesh_shape = (run_.train_mesh_shape if program.kind == 'train'
                   else run_.infer_mesh_shape)
     row = (_failed_row(program, error, pod) if report is None else
            {**report.as_dict(), 'kind': program.kind, 'details': program.details})
     row['mesh_shape'] = list(mesh_shape)
+    row['argument_shards'] = sizes[program.name].as_dict()
     rows.append(row)
     if not row['fits']:
       needed = row['memory']['needed']
       advice = suggestion(needed, pod, mesh_shape, program.details['batch_size'],
-                          _BATCH_MACROS[program.kind])
-      failures.append(does_not_fit_line(program.name, needed, pod, advice))
+                          _BATCH_MACROS[program.kind], sizes[program.name].unbatched)
+      failures.append(does_not_fit_line(program.name, needed, pod, advice,
+                                        None if error is None else error.arguments))
   infer = next((r for r in rows if r['kind'] == 'infer'), None)
   if infer is not None:
     _decoding_roofline(rows, infer['details']['lengths']['targets'], pod.chip.peak_flops)

@@ -17,15 +17,23 @@ binds for `train_lib.train`, the predictor's those it binds for `infer.infer`
   a loop body once).
 
 Each comes with the analytic FLOPs (`coda_jax.flops`) of one run per chip, for
-the model FLOPs utilisation.
+the model FLOPs utilisation, and its arguments as the sharded
+`ShapeDtypeStruct`s it is lowered for (`Program.arguments`), whose bytes per
+chip (`argument_bytes`) say, before anything compiles, whether its
+parameters, optimizer state and batch alone fit a chip's HBM.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import jax
+import jax.numpy as jnp
+
+from coda_jax import decoding as decoding_lib
 from coda_jax import flops as flops_lib
 from coda_jax import infer as infer_lib
+from coda_jax.compile import analysis
 from coda_jax.compile import chips as chips_lib
 from coda_jax.compile.chips import Pod
 from coda_jax.config import DEFAULT_ADAPTER_DIM, PARALLEL
@@ -55,8 +63,12 @@ class Program:
     model_flops: analytic FLOPs of one run of it per chip (None: not counted,
       e.g. an ACM, whose work depends on its gates).
     details: what it is, for the report (batch, lengths, k, decoding).
-    arguments: `() ->` its arguments as sharded `ShapeDtypeStruct`s (train
-      steps: the state and batch as `partitioning` places them), or None.
+    arguments: `() ->` the positional arguments `lower` lowers it for, as
+      `ShapeDtypeStruct`s sharded as `partitioning` places them: (state,
+      batch) for a train step (the state: params, opt_state, step, rng);
+      (params, tokens [batch, n]) for the decoding program and its encoder;
+      (params, encoded [rows, n, d], tokens [rows, n], token [rows, 1],
+      cache) for one decoding step (rows: batch x beams).
   """
   name: str
   kind: str
@@ -64,7 +76,7 @@ class Program:
   mesh: Any
   model_flops: Optional[float]
   details: Dict[str, Any]
-  arguments: Optional[Callable[[], Any]] = None
+  arguments: Callable[[], Tuple[Any, ...]]
 
 
 @dataclasses.dataclass
@@ -123,6 +135,26 @@ def decode_flops(model, n: int, steps: int, rows: int) -> Optional[Dict[str, flo
   return {'encoder': 2.0 * encoder_macs(model, n, model.coda.num_selected(n)
                                          if model.coda is not None else n),
           'step': 2.0 * step * rows}
+
+
+# What a program's inputs are, by kind, in messages.
+_INPUTS_NAMES = {TRAIN: 'batch', INFER: 'inputs', ENCODE: 'inputs',
+                 DECODE_STEP: 'inputs and cache'}
+
+
+def argument_bytes(program: Program) -> analysis.ArgumentBytes:
+  """Per chip, the bytes of `program`'s arguments (`Program.arguments`) by
+  what they are: parameters, optimizer state (a train step's opt_state, step
+  and rng), inputs. Traces nothing but a decoding step's encoder shapes."""
+  state, *inputs = program.arguments()
+  if program.kind == TRAIN:
+    params = state['params']
+    optimizer_state = [v for k, v in state.items() if k != 'params']
+  else:
+    params, optimizer_state = state, []
+  size = lambda tree: analysis.shard_bytes(jax.tree.leaves(tree))
+  return analysis.ArgumentBytes(params=size(params), optimizer_state=size(optimizer_state),
+                                inputs=size(inputs), inputs_name=_INPUTS_NAMES[program.kind])
 
 
 def check_mesh(name: str, mesh_shape: Sequence[int], pod: Pod) -> tuple:
@@ -241,12 +273,35 @@ def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Prog
       costs[key] * (batch if key == 'encoder' else 1) / pod.total_chips)
   details = {'batch_size': batch, 'lengths': dict(lengths), 'decoding': args['decoding'],
              'num_beams': args['num_beams'] if args['decoding'] == 'beam' else 1}
+  tokens = lambda: (predictor.abstract_params(),
+                    predictor._rows((batch, n), jnp.int32))  # pylint: disable=protected-access
   return [
       Program('infer', INFER, lambda: predictor.lower(batch, n), mesh,
               None if costs is None else per_chip('encoder') + steps * per_chip('step'),
-              details),
+              details, tokens),
       Program('encode', ENCODE, lambda: predictor.lower_encode(batch, n), mesh,
-              per_chip('encoder'), details),
+              per_chip('encoder'), details, tokens),
       Program('decode step', DECODE_STEP, lambda: predictor.lower_decode_step(batch, n),
-              mesh, per_chip('step'), {**details, 'rows': rows}),
+              mesh, per_chip('step'), {**details, 'rows': rows},
+              lambda: _decode_step_arguments(predictor, batch, n)),
   ]
+
+
+def _decode_step_arguments(predictor, batch: int, n: int) -> Tuple[Any, ...]:
+  """The arguments `predictor.lower_decode_step(batch, n)` lowers one
+  decoding step for: params, encoded [rows, n, d], tokens [rows, n], token
+  [rows, 1] and the decoder cache, the rows (batch x beams) split over `data`.
+  The encoder output's and cache's shapes come from `jax.eval_shape`, as
+  there (tests/test_compile.py holds the two to the same shapes)."""
+  # pylint: disable=protected-access
+  rows = batch * (predictor.num_beams if predictor.method == 'beam' else 1)
+  tokens = jax.ShapeDtypeStruct((rows, n), jnp.int32)
+  params = predictor.trainer.param_shapes
+  encoded = jax.eval_shape(predictor._encode_fn, params, tokens)
+  cache = jax.eval_shape(
+      lambda p, e, t: decoding_lib.init_decode_cache(predictor.model, p, e, t,
+                                                     predictor.max_decode_length),
+      params, encoded, tokens)
+  as_rows = lambda s: predictor._rows(s.shape, s.dtype)
+  return (predictor.abstract_params(), as_rows(encoded), as_rows(tokens),
+          predictor._rows((rows, 1), jnp.int32), jax.tree.map(as_rows, cache))
