@@ -29,8 +29,9 @@
 #      --spot for a Spot VM);
 #   2. pack this repository (git's tracked and untracked-but-not-ignored
 #      files), copy it to every worker as ~/coda_jax and install it there with
-#      pip (`-e ~/coda_jax[data]` and JAX_PACKAGE, default jax[tpu]);
-#      --skip_setup skips this;
+#      pip (`-e ~/coda_jax[data,tpu]`: the `tpu` extra pins jax[tpu] to the
+#      version this project is tested with, the one step 0 compiled with, and
+#      so its Pallas and Mosaic); --skip_setup skips this;
 #   3. run `python3 -m coda_jax.train --multiprocess=on FLAGS` in ~/coda_jax on
 #      all workers at once (gcloud ... ssh --worker=all), each worker keeping
 #      its output in ~/coda_jax_logs/train.log;
@@ -83,7 +84,6 @@ done
 [ -n "$tpu" ] || { usage; die "--tpu=NAME is required"; }
 [ -n "$zone" ] || { usage; die "--zone=ZONE is required"; }
 [ -n "$logs" ] || logs="tpu_logs/$tpu"
-jax_package="${JAX_PACKAGE:-jax[tpu]}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 # shellcheck source=launch/quoting.sh
 . "$repo/launch/quoting.sh"
@@ -152,9 +152,14 @@ fi
 if [ "$skip_setup" -eq 0 ]; then
   run "git -C $(quote "$repo") ls-files -z --cached --others --exclude-standard | $(words tar -czf "$tarball" -C "$repo" --null -T -)" || exit $?
   run "$(words "${tpu_vm[@]}" scp "$tarball" "$tpu:coda_jax.tar.gz" --worker=all "${where[@]}")" || exit $?
-  install="rm -rf ~/coda_jax && mkdir -p ~/coda_jax && tar -xzf ~/coda_jax.tar.gz -C ~/coda_jax && cd ~/coda_jax && python3 -m pip install -q -e '.[data]' $(quote "$jax_package")"
+  # The `tpu` extra: jax[tpu] at the tested version (pyproject.toml), not
+  # whichever jax is newest that day.
+  install="rm -rf ~/coda_jax && mkdir -p ~/coda_jax && tar -xzf ~/coda_jax.tar.gz -C ~/coda_jax && cd ~/coda_jax && python3 -m pip install -q -e '.[data,tpu]'"
   run "$(words "${tpu_vm[@]}" ssh "$tpu" --worker=all "${where[@]}" --command="$install")" || exit $?
 fi
+
+# Checks of the installed package on the workers belong here: after the
+# install (2), before training (3).
 
 # 3. Training on all workers.
 train="mkdir -p ~/coda_jax_logs && cd ~/coda_jax && python3 -m coda_jax.train --multiprocess=on"

@@ -29,7 +29,7 @@ cd {REPO} && python3 -m coda_jax.cli compile --topology=v4-32 --gin_file=gin_con
 gcloud compute tpus tpu-vm describe coda-v4-32 --zone=us-central2-b --project=my-project >/dev/null 2>&1 || gcloud compute tpus tpu-vm create coda-v4-32 --zone=us-central2-b --project=my-project --accelerator-type=v4-32 --version=tpu-ubuntu2204-base --spot
 git -C {REPO} ls-files -z --cached --others --exclude-standard | tar -czf {TMP}/coda_jax_coda-v4-32.tar.gz -C {REPO} --null -T -
 gcloud compute tpus tpu-vm scp {TMP}/coda_jax_coda-v4-32.tar.gz coda-v4-32:coda_jax.tar.gz --worker=all --zone=us-central2-b --project=my-project
-gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --project=my-project --command="rm -rf ~/coda_jax && mkdir -p ~/coda_jax && tar -xzf ~/coda_jax.tar.gz -C ~/coda_jax && cd ~/coda_jax && python3 -m pip install -q -e '.[data]' 'jax[tpu]'"
+gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --project=my-project --command="rm -rf ~/coda_jax && mkdir -p ~/coda_jax && tar -xzf ~/coda_jax.tar.gz -C ~/coda_jax && cd ~/coda_jax && python3 -m pip install -q -e '.[data,tpu]'"
 gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --project=my-project --command="set -o pipefail; mkdir -p ~/coda_jax_logs && cd ~/coda_jax && python3 -m coda_jax.train --multiprocess=on --gin_file=gin_configs/runs/finetune_boolq.gin --gin.MODEL_DIR=/mnt/runs/boolq --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 384, 'targets': 8}\" --gin.REDUCTION_FACTOR=3 --gin.ATTENTION=\"'k_to_all'\" --gin_bindings='train_lib.train.eval_period = 100' --gin.INITIAL_CHECKPOINT_PATH=gs://t5-data/pretrained_models/t5x/t5_1_1_base/checkpoint_1000000 2>&1 | tee ~/coda_jax_logs/train.log"
 mkdir -p tpu_logs/coda-v4-32
 gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --project=my-project --command='cat ~/coda_jax_logs/train.log' --output-directory=tpu_logs/coda-v4-32
@@ -100,6 +100,23 @@ def test_tpu_vm_dry_run_golden(fake_tools, tmp_path):
   # Every line is one valid shell command line.
   for line in proc.stdout.splitlines():
     assert subprocess.run(['bash', '-n', '-c', line]).returncode == 0, line
+
+
+def test_tpu_vm_installs_the_tested_jax(fake_tools):
+  """The workers install the `tpu` extra, whose jax[tpu] pyproject.toml pins
+  (tests/test_dependencies.py), and no jax[tpu] of the day; then train."""
+  env, _ = fake_tools
+  proc = _run([TPU_VM, '--dry-run', '--tpu=coda-v4-32', '--zone=us-central2-b',
+               '--accelerator_type=v4-32', *FLAGS], env)
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  [install] = [i for i, line in enumerate(lines) if 'pip install' in line]
+  argv = _remote_argv(lines[install])
+  assert argv[argv.index('install'):] == ['install', '-q', '-e', '.[data,tpu]']
+  assert 'jax[tpu]' not in proc.stdout
+  # The slice's run comes after the install.
+  [train] = [i for i, line in enumerate(lines) if 'coda_jax.train' in line]
+  assert install < train
 
 
 def test_tpu_vm_dry_run_reuses_a_tpu_and_passes_everything_after_the_separator(
