@@ -21,21 +21,21 @@ import jax.numpy as jnp
 
 from coda_jax.validation import is_int, positive_int
 
-# How attention with T5's relative position bias is computed, with the same
-# results: 'xla' (logits, bias and softmax as XLA fusions), 'pallas' (one TPU
-# kernel that computes the bias from the positions and writes only the output,
-# `coda_jax.kernels.relpos_attention`; interpret mode elsewhere, for tests),
-# 'auto' (the kernel in programs for a TPU, XLA elsewhere). The kernel serves
-# encoder attention without attention dropout and with a padding-only mask;
-# other attention uses XLA whatever this says.
+# How the encoder's attention with T5's relative position bias is computed,
+# with the same results: 'xla' (logits, bias and softmax as XLA fusions),
+# 'pallas' (one TPU kernel that computes the bias from the positions and
+# writes only the output, `coda_jax.kernels.relpos_attention`; interpret mode
+# off TPU, for tests), 'auto' (as `coda_jax.plan`'s measured rules say for the
+# chip). The kernel serves encoder attention without attention dropout or
+# segment masks; the decoder's attention is XLA whatever this says.
 ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
 # How an encoder layer computes its pre-MLP norm and MLP, same results: 'xla'
 # (the norm, each input projection and the output projection as XLA
 # fusions), 'pallas' (one TPU kernel that keeps the hidden units in VMEM,
-# `coda_jax.kernels.mlp`; interpret mode elsewhere, for tests), 'auto' (the
-# kernel in programs for a TPU, XLA elsewhere). The kernel serves MLPs
-# without LoRA, intermediate dropout or model-parallel sharding of their
-# units; the others, the decoder's and an ACM's use XLA whatever this says.
+# `coda_jax.kernels.mlp`; interpret mode off TPU, for tests), 'auto' (as
+# `coda_jax.plan`'s rules say). The kernel serves MLPs without LoRA,
+# intermediate dropout or model-parallel sharding of their units, whose
+# weights fit the chip's VMEM; the decoder's and an ACM's use XLA.
 MLP_KERNELS = ('auto', 'xla', 'pallas')
 
 
@@ -142,54 +142,28 @@ NORMALIZERS = ('soft_topk', 'sigmoid', 'truncation')
 # (`coda_jax.routing`), with identical results: 'gather' (row gathers with
 # gather VJPs, MaxText's MoE permute), 'one_hot' (matmuls with a [k, n]
 # one-hot, GShard / flaxformer: TPUs charge a row gather whole tiles), or
-# 'auto' (one-hot on TPU, gathers elsewhere).
+# 'auto' (as `coda_jax.plan`'s measured rules say for the chip; gathers where
+# none was measured).
 DISPATCHES = ('auto', 'gather', 'one_hot')
 # How a routed layer with a parallel adapter makes its output, with the same
 # results: 'xla' (un-route, adapter up projection and residual adds as XLA
 # ops), 'pallas' (one TPU kernel that reads x, the adapter's bottleneck and
 # the k updates and writes y once, `coda_jax.kernels.unroute_combine`;
-# interpret mode elsewhere, for tests), 'auto' (the kernel in programs for a
-# TPU chip and attention variant in UNROUTE_KERNEL_CHIPS, for k / n up to its
-# fraction, XLA elsewhere).
+# interpret mode off TPU, for tests), 'auto' (as `coda_jax.plan`'s rules say
+# for the chip, the attention variant and k / n).
 UNROUTE_KERNELS = ('auto', 'xla', 'pallas')
-# The TPU chips (`device_kind`) on which 'auto' picks the kernel, the
-# attention variants for which it does, and the largest routed fraction k / n
-# for which it does: where the TPU compiler counts fewer bytes for the base
-# encoder with it than with `kernels.route_adapter` (the route, the routed
-# tokens' norm factors and the adapter's down projection from one read of x,
-# 'auto's other choice), the attention and MLP kernels on (batch 128, n 384,
-# 12 layers, jax 0.10.2 / libtpu 0.0.42.1, `tools/routed_cost.py`). v5e,
-# k-to-k, output kernel against route kernel: k = 70 10.19 / 10.80 GB, 77
-# 10.59 / 11.06, 110 12.18 / 12.51; k = 128 21.59 / 13.59 (memory-space
-# assignment then copies the layer input into VMEM for the output kernel).
-# k-to-all, never: k = 77 17.77 / 15.41. v4, none: k-to-k k = 77 13.85 /
-# 10.97 GB (its memory-space assignment copies the layer input to CMEM
-# around the output kernel).
-UNROUTE_KERNEL_CHIPS = {'TPU v5 lite': {'k_to_k': 0.3}}
 # How a routed layer with a parallel adapter reads its input, with the same
-# results: 'xla' (the route, a one-hot matmul, and the adapter's down
-# projection are two XLA fusions, each reading the [batch, n, emb] input, and
-# the routed tokens' norm reads them again), 'pallas' (one TPU kernel reads
-# the input once for the three, `coda_jax.kernels.route_adapter`; interpret
-# mode elsewhere, for tests), 'auto' (the kernel in programs for a TPU, with one-hot dispatch, for k / n
-# up to the chip's ROUTE_KERNEL_CHIPS fraction, where the layer's output is
-# not `unroute_combine`'s, which computes the adapter itself; XLA
-# elsewhere).
+# results: 'xla' (the route and the adapter's down projection are two XLA
+# fusions, each reading the [batch, n, emb] input, and the routed tokens'
+# norm reads them again), 'pallas' (one TPU kernel reads the input once for
+# the three, `coda_jax.kernels.route_adapter`; interpret mode off TPU, for
+# tests; not where the output kernel computes the adapter), 'auto' (as
+# `coda_jax.plan`'s rules say).
 ROUTE_KERNELS = ('auto', 'xla', 'pallas')
-# The TPU chips (`device_kind`) on which 'auto' picks the route kernel only up
-# to a routed fraction k / n (elsewhere on TPU: at every k): where the TPU
-# compiler counts more bytes with it above that, the attention and MLP
-# kernels on (jax 0.10.2 / libtpu 0.0.42.1, `tools/routed_cost.py`). v4,
-# route kernel against XLA: base, batch 128, n 384, k = 77 (r = 5): k-to-all
-# 15.44 / 16.40 GB, k-to-k 10.97 / 12.04; k = 128 (r = 3): k-to-all 18.36 /
-# 18.43, k-to-k 14.72 / 14.48; xl, batch 32, n 512, k = 171 (r = 3): k-to-all
-# 64.44 / 64.97, k-to-k 52.84 / 43.64 (memory-space assignment copies the
-# layer input and the routed tokens to CMEM around the kernel). v5e counts
-# fewer bytes with it at every k measured (base r = 3 and 5, xl r = 3).
-ROUTE_KERNEL_CHIPS = {'TPU v4': 0.3}
 # Soft top-k solvers (`coda_jax.soft_topk`) and their implementations: 'xla'
-# (the reference, the CPU/TPU default), 'pallas' (a fused kernel,
-# `coda_jax.kernels`), 'auto' (the kernel on GPU, XLA elsewhere).
+# (the reference), 'pallas' (a fused GPU kernel for the iterative solver,
+# `coda_jax.kernels.soft_topk`; interpret mode off GPU), 'auto' (as
+# `coda_jax.plan`'s measured rules say for the chip: XLA where none was).
 SOFT_TOPK_METHODS = ('iterative', 'exact')
 # The soft top-k's finite stand-in for -inf on padding (XLA path and kernel):
 # large enough that exp() of it, even after division by a small ε, is exactly

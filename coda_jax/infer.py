@@ -58,6 +58,7 @@ from coda_jax import network
 from coda_jax import params as params_lib
 from coda_jax import partitioning
 from coda_jax import quiet
+from coda_jax import selftest as selftest_lib
 from coda_jax import validation
 from coda_jax.training import data as data_lib
 from coda_jax.training import metrics as metrics_lib
@@ -366,7 +367,8 @@ def infer(*,
           logical_axis_rules=None,
           vocabulary=None,
           register_tasks: bool = True,
-          progress_bar: Optional[bool] = None) -> Dict[str, Any]:
+          progress_bar: Optional[bool] = None,
+          selftest: str = 'auto') -> Dict[str, Any]:
   """Decodes a task's split or an input file with a trained model (module doc).
 
   Args:
@@ -382,6 +384,9 @@ def infer(*,
     mesh_shape / logical_axis_rules: the `(data, model)` mesh and its rules.
     vocabulary / register_tasks: as for `train_lib.train`.
     progress_bar: None (on a terminal), True or False.
+    selftest: before decoding, the kernels the plan selects against XLA at the
+      run's shapes (`coda_jax.selftest.check_run`): 'auto' (on a TPU or GPU),
+      'always', 'never'; a kernel that is off runs as XLA, with a line.
 
   Returns:
     A JSON-able summary (paths, step, number of examples, metrics in 'eval').
@@ -394,6 +399,12 @@ def infer(*,
   if input_file is None:
     data_lib.ensure_tfds_prepared(dataset_cfg)
   loaded = load_model(checkpoint_path, checkpoint_step, adapters_path, acm_inference)
+  n = lengths['inputs']
+  model = selftest_lib.check_run(
+      loaded.model, n, [loaded.model.coda.num_selected(n)] if loaded.model.routes_tokens
+      else [n], dtype=jnp.dtype(loaded.model.config.dtype).name, mode=selftest,
+      log=lambda line: print(line, file=sys.stderr, flush=True)
+      if jax.process_index() == 0 else None)
   if output_dir is None:
     if loaded.model_dir is None:
       raise train_lib.ConfigError(f'set {mode.upper()}_OUTPUT_DIR: {checkpoint_path} is '
@@ -404,7 +415,7 @@ def infer(*,
     mesh = partitioning.create_mesh(tuple(mesh_shape))
   except ValueError as e:
     raise train_lib.ConfigError(str(e)) from e
-  predictor = Predictor(loaded.model, loaded.params, mesh, logical_axis_rules,
+  predictor = Predictor(model, loaded.params, mesh, logical_axis_rules,
                         lengths['targets'], decoding, num_beams, alpha)
   decoded = _decode(predictor, evaluator, mesh, mode, progress_bar)
   source = (os.path.splitext(os.path.basename(input_file))[0] if input_file

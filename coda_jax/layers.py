@@ -27,12 +27,11 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from coda_jax import target
-from coda_jax.config import ATTENTION_KERNELS, LORA_AXIS, MLP_KERNELS
+from coda_jax.config import LORA_AXIS
 from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import relpos_attention as relpos_kernel
 from coda_jax.kernels import tpu_blocks
-from coda_jax.kernels.relpos_attention import relative_position_bucket  # pylint: disable=unused-import
+from coda_jax.relpos import MASK_VALUE, relative_position_bucket
 from coda_jax.validation import positive_int
 
 Array = jax.Array
@@ -47,9 +46,6 @@ default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated
 attention_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'normal')
 embedding_init = nn.initializers.normal(stddev=1.0)
 relpos_embedding_init = nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform')
-
-# Additive bias for masked attention logits (t5x's value).
-MASK_VALUE = relpos_kernel.MASK_VALUE
 
 
 def _normalize_axes(axes: Iterable[int], ndim: int) -> Tuple[int, ...]:
@@ -82,6 +78,8 @@ def lora_scaling(rank: int, alpha: float) -> float:
 
 
 KV_LAYOUTS = ('bskd', 'heads_major')
+# A layer's formulation, as a plan (`coda_jax.plan`) chose it.
+_FORMULATIONS = ('xla', 'pallas')
 
 
 def dot_product_attention(query: Array,
@@ -215,8 +213,11 @@ class MultiHeadDotProductAttention(nn.Module):
   # Shared `RelativePositionBiases` of the stack (owned by the Encoder/Decoder).
   relative_embedding: Optional[nn.Module] = None
   bidirectional: bool = True
-  # 'auto' | 'xla' | 'pallas' (config.ATTENTION_KERNELS): `_uses_kernel`.
-  attention_kernel: str = 'auto'
+  # 'xla' or 'pallas' (`kernels.relpos_attention`): a plan's choice
+  # (`coda_jax.plan`), for calls the kernel serves (`_check_kernel_call`).
+  attention_kernel: str = 'xla'
+  # Pallas interpret mode for the kernel (None: when not on a TPU).
+  kernel_interpret: Optional[bool] = None
 
   @property
   def kv_heads(self) -> int:
@@ -288,13 +289,17 @@ class MultiHeadDotProductAttention(nn.Module):
         projections that keep per-token statistics (`acm.AcmAttention`).
       mask_is_padding: `mask` is `make_attention_mask(query_token_mask,
         kv_token_mask)` (no causal or segment part), so the fused kernel may
-        compute it from the token masks (`_uses_kernel`).
+        compute it from the token masks (`_check_kernel_call`).
 
     Returns:
       `[batch, q_len, emb]`.
     """
-    if self._uses_kernel(decode, cache_kv, mask, bias, mask_is_padding, deterministic,
-                         query_token_mask, kv_token_mask, inputs_kv.shape[1]):
+    if self.attention_kernel not in _FORMULATIONS:
+      raise ValueError(f'attention_kernel must be one of {_FORMULATIONS} (a plan\'s choice, '
+                       f'`coda_jax.plan`), got {self.attention_kernel!r}')
+    if self.attention_kernel == 'pallas':
+      self._check_kernel_call(decode, cache_kv, mask, bias, mask_is_padding, deterministic,
+                              query_token_mask, kv_token_mask, inputs_kv.shape[1])
       return self._fused_attention(inputs_q, inputs_kv, mask, query_positions,
                                    key_positions, query_token_mask, kv_token_mask,
                                    deterministic)
@@ -316,28 +321,31 @@ class MultiHeadDotProductAttention(nn.Module):
         dtype=self.dtype, float32_logits=self.float32_logits, kv_layout=kv_layout)
     return self._output(x, inputs_q.shape[-1], query_token_mask, deterministic)
 
-  def _uses_kernel(self, decode: bool, cache_kv: bool, mask: Optional[Array],
-                   bias: Optional[Array], mask_is_padding: bool, deterministic: bool,
-                   query_token_mask: Optional[Array], kv_token_mask: Optional[Array],
-                   kv_len: int) -> bool:
-    """Whether `relpos_kernel.relpos_attention` computes this attention: asked
-    for ('pallas', or 'auto' in a program for a TPU), and what it computes is
-    what this call needs: the relative position bias, a mask that is none or
-    the padding of the two token masks, no other bias, no cache, no attention
-    dropout, keys that fit its block."""
-    if self.attention_kernel not in ATTENTION_KERNELS:
-      raise ValueError(f'attention_kernel must be one of {ATTENTION_KERNELS}, '
-                       f'got {self.attention_kernel!r}')
-    if self.attention_kernel == 'xla' or self.relative_embedding is None:
-      return False
-    if decode or cache_kv or bias is not None or not relpos_kernel.supported(kv_len):
-      return False
+  def _check_kernel_call(self, decode: bool, cache_kv: bool, mask: Optional[Array],
+                         bias: Optional[Array], mask_is_padding: bool, deterministic: bool,
+                         query_token_mask: Optional[Array], kv_token_mask: Optional[Array],
+                         kv_len: int) -> None:
+    """Raises ValueError unless `relpos_kernel.relpos_attention` computes what
+    this call needs: the relative position bias, a mask that is none or the
+    padding of the two token masks, no other bias, no cache, no attention
+    dropout, keys it holds (the plan gives the kernel only to such calls)."""
+    why = []
+    if self.relative_embedding is None:
+      why.append('no relative position bias')
+    if decode or cache_kv:
+      why.append('a decoding cache')
+    if bias is not None:
+      why.append('an extra bias')
+    if not relpos_kernel.supported(kv_len):
+      why.append(f'{kv_len} keys')
     if mask is not None and not (mask_is_padding and query_token_mask is not None
                                  and kv_token_mask is not None):
-      return False
+      why.append('a mask that is not the padding of its token masks')
     if not deterministic and self.dropout_rate > 0.:
-      return False
-    return self.attention_kernel == 'pallas' or target.platform() == 'tpu'
+      why.append('attention dropout')
+    if why:
+      raise ValueError(f"attention_kernel='pallas' cannot compute this attention: "
+                       f"{', '.join(why)}; use 'xla'")
 
   def _fused_attention(self, inputs_q: Array, inputs_kv: Array, mask: Optional[Array],
                        query_positions: Optional[Array], key_positions: Optional[Array],
@@ -363,7 +371,8 @@ class MultiHeadDotProductAttention(nn.Module):
         query_positions=query_positions, key_positions=key_positions,
         query_real=None if mask is None else query_token_mask,
         key_real=None if mask is None else kv_token_mask,
-        bidirectional=self.bidirectional, max_distance=self.relative_embedding.max_distance)
+        bidirectional=self.bidirectional, max_distance=self.relative_embedding.max_distance,
+        interpret=self.kernel_interpret)
     return self._output(x.reshape(b, q_len, heads * dim), inputs_q.shape[-1],
                         query_token_mask, deterministic)
 
@@ -538,9 +547,10 @@ class RMSNorm(nn.Module):
 class MlpBlock(nn.Module):
   """T5's (gated) feed-forward block: `wo(act_0(wi_0 x) * act_1(wi_1 x))`.
 
-  `kernel` (`T5Config.mlp_kernel`): with a `norm` passed to the call,
-  'pallas' or 'auto' in a program for a TPU computes the norm and the block
-  in one kernel (`kernels.mlp`), where `uses_kernel` says it serves.
+  `kernel` ('xla' or 'pallas', a plan's choice, `coda_jax.plan`): with a
+  `norm` passed to the call, 'pallas' computes the norm and the block in one
+  kernel (`kernels.mlp`; `kernel_interpret`: Pallas interpret mode, None:
+  when not on a TPU), its weights resident if they fit `vmem_bytes`.
   """
   intermediate_dim: int = 2048
   activations: Sequence[Union[str, Callable]] = ('relu',)
@@ -550,21 +560,17 @@ class MlpBlock(nn.Module):
   lora_rank: int = 0
   lora_alpha: float = 1.0
   kernel: str = 'xla'
+  kernel_interpret: Optional[bool] = None
+  vmem_bytes: int = tpu_blocks.SMALLEST_VMEM
 
-  def uses_kernel(self, deterministic: bool) -> bool:
-    """Whether a call with a `norm` runs `kernels.mlp`: asked for ('pallas',
-    or 'auto' in a program for a TPU) and what it computes is this block's:
-    no LoRA, no intermediate dropout, hidden units and embedding not split
-    over devices."""
-    if self.kernel not in MLP_KERNELS:
-      raise ValueError(f'MlpBlock.kernel must be one of {MLP_KERNELS}, got {self.kernel!r}')
-    if self.kernel == 'xla' or self.lora_rank:
-      return False
-    if not deterministic and self.intermediate_dropout_rate > 0.:
-      return False
-    if tpu_blocks.mesh_shards('mlp') or tpu_blocks.mesh_shards('embed'):
-      return False
-    return self.kernel == 'pallas' or target.platform() == 'tpu'
+  def _check_kernel(self, deterministic: bool) -> None:
+    if self.kernel not in _FORMULATIONS:
+      raise ValueError(f'MlpBlock.kernel must be one of {_FORMULATIONS} (a plan\'s choice, '
+                       f'`coda_jax.plan`), got {self.kernel!r}')
+    if self.kernel == 'pallas' and (self.lora_rank or (
+        not deterministic and self.intermediate_dropout_rate > 0.)):
+      raise ValueError("MlpBlock.kernel='pallas' computes no LoRA and no intermediate "
+                       "dropout; use 'xla'")
 
   @nn.compact
   def __call__(self, inputs: Array, deterministic: bool = False,
@@ -572,20 +578,21 @@ class MlpBlock(nn.Module):
     """`[batch, length, emb] -> [batch, length, emb]`; `row_scale [batch,
     length, 1]`: the input is `inputs * row_scale` (`RMSNorm(factored=True)`),
     applied to the input projections' outputs; `norm`: an `RMSNorm` the
-    block applies to `inputs` first (in the kernel, when `uses_kernel`)."""
+    block applies to `inputs` first (in the kernel, with `kernel='pallas'`)."""
+    self._check_kernel(deterministic)
     dense = functools.partial(DenseGeneral, dtype=self.dtype, kernel_init=self.kernel_init,
                               lora_rank=self.lora_rank, lora_alpha=self.lora_alpha)
     names = (['wi'] if len(self.activations) == 1
              else [f'wi_{idx}' for idx in range(len(self.activations))])
     if norm is not None:
-      if (self.uses_kernel(deterministic) and not self.is_initializing() and inputs.ndim == 3
-          and mlp_kernel.fits(inputs.shape, self.intermediate_dim, len(names), self.dtype)):
+      if self.kernel == 'pallas' and not self.is_initializing():
         params = self.variables['params']
         weight = lambda name: jnp.asarray(params[name]['kernel'], self.dtype)
         return mlp_kernel.mlp(jnp.asarray(inputs, self.dtype), norm.variables['params']['scale'],
                               [weight(n) for n in names], weight('wo'),
                               [get_activation(a) for a in self.activations],
-                              epsilon=norm.epsilon)
+                              epsilon=norm.epsilon, vmem_bytes=self.vmem_bytes,
+                              interpret=self.kernel_interpret)
       inputs = norm(inputs)
     hidden = []
     for name, act in zip(names, self.activations):

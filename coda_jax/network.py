@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional, Tuple
 
 import flax.linen as nn
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 from coda_jax import acm as acm_lib
 from coda_jax import adapters
 from coda_jax import layers
+from coda_jax import plan as plan_lib
 from coda_jax import routing
 from coda_jax import soft_topk
 from coda_jax import target
@@ -22,8 +25,9 @@ from coda_jax.kernels import route_adapter
 from coda_jax.kernels import tpu_blocks
 from coda_jax.kernels import unroute_combine
 from coda_jax.config import (NO_ADAPTER, PARALLEL, SEQUENTIAL_ADAPTERS, SEQUENTIAL_HOULSBY,
-                             ROUTE_KERNEL_CHIPS, UNROUTE_KERNEL_CHIPS, AcmConfig, CodaConfig,
-                             T5Config, parallel_adapter_baseline, t5_1_1)  # noqa: F401
+                             AcmConfig, CodaConfig, T5Config, parallel_adapter_baseline,
+                             t5_1_1)  # noqa: F401
+from coda_jax.plan import LayerPlan
 
 Array = jax.Array
 
@@ -58,8 +62,7 @@ def _attention(config: T5Config, name: str, coda: Optional[CodaConfig] = None,
       num_heads=config.num_heads, num_kv_heads=config.kv_heads,
       head_dim=config.head_dim, dtype=config.dtype,
       dropout_rate=config.dropout_rate,
-      float32_logits=config.float32_attention_logits,
-      attention_kernel=config.attention_kernel, name=name, **_lora(coda),
+      float32_logits=config.float32_attention_logits, name=name, **_lora(coda),
       **extra, **kwargs)
 
 
@@ -67,7 +70,7 @@ def _mlp(config: T5Config, coda: Optional[CodaConfig] = None, **kwargs) -> layer
   return layers.MlpBlock(
       intermediate_dim=config.mlp_dim, activations=config.mlp_activations,
       intermediate_dropout_rate=config.dropout_rate, dtype=config.dtype,
-      kernel=config.mlp_kernel, name='mlp', **_lora(coda), **kwargs)
+      name='mlp', **_lora(coda), **kwargs)
 
 
 def _ffn(module: nn.Module, config: T5Config, coda: Optional[CodaConfig],
@@ -103,218 +106,180 @@ def _relative_embedding(config: T5Config) -> layers.RelativePositionBiases:
       num_heads=config.num_heads, dtype=config.dtype, name='relpos_bias')
 
 
+def _pretrained_update(config: T5Config, coda: Optional[CodaConfig],
+                       acm: Optional[AcmConfig], relative_embedding: nn.Module,
+                       plan: LayerPlan, parent: nn.Module, x: Array, xn: Array, kv: Array,
+                       mask: Optional[Array], deterministic: bool, *,
+                       query_positions: Optional[Array] = None,
+                       key_positions: Optional[Array] = None,
+                       token_mask: Optional[Array] = None,
+                       kv_token_mask: Optional[Array] = None) -> Tuple[Array, Array]:
+  """The pretrained layer's attention and MLP updates of the query tokens
+  `x [b, q, emb]`, built in `parent` (their t5x names: `attention`,
+  `pre_mlp_layer_norm`, `mlp`, and sequential adapters' `adapter_*`).
+
+  `xn` is LN(x), `kv [b, s, emb]` the normalised tokens attended to,
+  `token_mask [b, q]` the real queries and `kv_token_mask [b, s]` the real
+  keys (default: `token_mask`); `mask` is their padding mask (or a packed
+  row's). Returns `(att, ffn)`, each `[b, q, emb]`: the layer's output is
+  x + att + ffn.
+  """
+  sequential = coda is not None and coda.adapter in SEQUENTIAL_ADAPTERS
+  att = _attention(config, 'attention', coda, acm, 'encoder',
+                   relative_embedding=relative_embedding, attention_kernel=plan.attention,
+                   kernel_interpret=plan.interpret)(
+      xn, kv, mask, query_positions=query_positions, key_positions=key_positions,
+      deterministic=deterministic, query_token_mask=token_mask,
+      kv_token_mask=token_mask if kv_token_mask is None else kv_token_mask,
+      mask_is_padding=plan.attention == 'pallas')
+  att = _dropout(config)(att, deterministic=deterministic)
+  if sequential and coda.adapter == SEQUENTIAL_HOULSBY:
+    att = _adapter(config, coda, 'adapter_attention', sequential=True)(att)
+  h = x + att
+  norm = layers.RMSNorm(dtype=config.dtype, name='pre_mlp_layer_norm')
+  mlp = functools.partial(_mlp, config, coda, kernel=plan.mlp,
+                          kernel_interpret=plan.interpret, vmem_bytes=plan.vmem_bytes)
+  if plan.mlp == 'pallas':
+    ffn = mlp()(h, deterministic=deterministic, norm=norm)
+  elif plan.factored_norm:
+    # The norm's per-token factor applied after the input projections, so
+    # the normalised [b, k, emb] is not written (`coda_jax.plan`).
+    scaled, factor = norm(h, factored=True)
+    ffn = mlp()(scaled, deterministic=deterministic, row_scale=factor)
+  else:
+    ffn = _ffn(parent, config, coda, acm, 'encoder', norm(h), token_mask, deterministic)
+  ffn = _dropout(config)(ffn, deterministic=deterministic)
+  if sequential:
+    ffn = _adapter(config, coda, 'adapter_mlp', sequential=True)(ffn)
+  return att, ffn
+
+
 class EncoderLayer(nn.Module):
-  """A T5 encoder layer, dense or CoDA-routed, with optional adapters.
+  """A T5 encoder layer (t5x's), with optional adapters:
 
-  Dense (t5x): `h = x + att(LN(x))`, `y = h + mlp(LN(h))`. With a parallel
-  adapter, `y += adapter(LN(x))`. Routed (`routed=True`, paper §3.1; the data
-  flow with shapes: ARCHITECTURE.md, "A CoDA encoder layer"):
-  the router picks k = ceil(n / r) tokens of `LN(x)`; only they go through the
-  pretrained attention and MLP, and their update `delta = att + ffn` is put
-  back at their positions scaled by the router's gate:
+      xn = LN(x);  h = x + att(xn);  y = h + mlp(LN(h)) [+ adapter(xn)]
 
-      y = x + adapter(LN(x)) + unroute(gate * delta)             [batch, n, emb]
-
-  Tokens move by gathers both ways (`routing.gather_tokens` /
-  `ungather_tokens`, whose backward passes are gathers too). k-to-all: the
-  routed queries attend to every token's keys/values; k-to-k: only to the
-  routed ones. Relative position biases use original positions. A routed
-  layer's attention mask is the padding mask (`input_mask`) of its queries
-  and keys: routing refuses packed inputs. With k = n (r = 1) every token is
-  routed in order, so the layer is the dense one, gated, with no gathers.
+  (a parallel adapter adds `adapter(xn)`; sequential ones sit inside
+  `_pretrained_update`). `plan`: how its attention and MLP run
+  (`coda_jax.plan`).
   """
   config: T5Config
   relative_embedding: nn.Module
+  plan: LayerPlan
   coda: Optional[CodaConfig] = None
-  routed: bool = False
   acm: Optional[AcmConfig] = None
 
   @nn.compact
   def __call__(self, inputs: Array, encoder_mask: Optional[Array] = None,
-               deterministic: bool = False, input_mask: Optional[Array] = None,
-               mask_is_padding: bool = False) -> Array:
-    """Args:
-      inputs: `[batch, length, emb]`.
-      encoder_mask: `[batch, 1, length, length]` attention mask.
-      input_mask: `[batch, length]` bool, True at real tokens (the router's
-        padding mask; default: every token is real).
-      mask_is_padding: `encoder_mask` is `make_attention_mask(input_mask,
-        input_mask)` (unpacked inputs), so attention may compute it from
-        `input_mask` (the fused kernel, `T5Config.attention_kernel`).
-    """
+               deterministic: bool = False, input_mask: Optional[Array] = None) -> Array:
+    """`inputs [batch, length, emb]`, `encoder_mask [batch, 1, length, length]`,
+    `input_mask [batch, length]` (True at real tokens) -> `[batch, length, emb]`."""
     cfg, coda = self.config, self.coda
-    norm = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')
-    xn = norm(inputs)
-    adapter = (_adapter(cfg, coda, 'adapter') if coda is not None and coda.adapter == PARALLEL
-               else None)
-    bottleneck = None                # the adapter's, when `route_adapter` made it
-    if not self.routed:
-      att, ffn = self._pretrained_update(inputs, xn, xn, encoder_mask, deterministic,
-                                         token_mask=input_mask,
-                                         mask_is_padding=mask_is_padding)
-      y = inputs + att
-      y = y + ffn
-    else:
-      update, decision, bottleneck = self._routed_update(inputs, norm, xn, adapter,
-                                                         encoder_mask, input_mask,
-                                                         deterministic)
-      if decision is None:                                       # k = n: in place
-        y = inputs + update
-      elif self._fuses_output(inputs.shape[1]):
-        with jax.named_scope('unroute'):
-          scale = norm.variables['params']['scale']
-          y = adapter(xn, fused=lambda w_down, w_up, act: (
-              unroute_combine.unroute_combine(
-                  inputs, scale, w_down, w_up, update, decision.indices, activation=act,
-                  epsilon=norm.epsilon)))
-        return layers.with_sharding_constraint(y, ('batch', 'length', 'embed'))
-      else:
-        with jax.named_scope('unroute'):
-          y = inputs + routing.unroute(update, decision, inputs.shape[1], coda.dispatch)
-    if adapter is not None:
-      y = y + adapter(xn, down=bottleneck)
+    xn = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')(inputs)
+    att, ffn = _pretrained_update(cfg, coda, self.acm, self.relative_embedding, self.plan,
+                                  self, inputs, xn, xn, encoder_mask, deterministic,
+                                  token_mask=input_mask)
+    y = inputs + att + ffn
+    if coda is not None and coda.adapter == PARALLEL:
+      y = y + _adapter(cfg, coda, 'adapter')(xn)
     return layers.with_sharding_constraint(y, ('batch', 'length', 'embed'))
 
-  def _pretrained_update(self, x: Array, xn: Array, kv: Array, mask: Optional[Array],
-                         deterministic: bool, query_positions: Optional[Array] = None,
-                         key_positions: Optional[Array] = None,
-                         token_mask: Optional[Array] = None,
-                         kv_token_mask: Optional[Array] = None,
-                         mask_is_padding: bool = False,
-                         fuses_output: bool = False) -> Tuple[Array, Array]:
-    """The frozen layer's attention and MLP updates of the query tokens `x [b, q, emb]`.
 
-    `xn` is LN(x), `kv [b, s, emb]` the normalised tokens attended to,
-    `token_mask [b, q]` the real queries and `kv_token_mask [b, s]` the real
-    keys (default: `token_mask`; for an ACM's statistics); `mask_is_padding`:
-    `mask` is their `make_attention_mask`; `fuses_output`: the routed layer's
-    output kernel finishes the layer (`_fuses_output`).
-    Returns `(att, ffn)`, each `[b, q, emb]`; the layer output is x + att + ffn.
-    """
-    cfg, coda = self.config, self.coda
-    sequential = coda is not None and coda.adapter in SEQUENTIAL_ADAPTERS
-    att = _attention(cfg, 'attention', coda, self.acm, 'encoder',
-                     relative_embedding=self.relative_embedding)(
-        xn, kv, mask, query_positions=query_positions, key_positions=key_positions,
-        deterministic=deterministic, query_token_mask=token_mask,
-        kv_token_mask=token_mask if kv_token_mask is None else kv_token_mask,
-        mask_is_padding=mask_is_padding)
-    att = _dropout(cfg)(att, deterministic=deterministic)
-    if sequential and coda.adapter == SEQUENTIAL_HOULSBY:
-      att = _adapter(cfg, coda, 'adapter_attention', sequential=True)(att)
-    h = x + att
-    norm = layers.RMSNorm(dtype=cfg.dtype, name='pre_mlp_layer_norm')
-    pretrained_mlp = self.acm is None or not self.acm.replaces('mlp', 'encoder')
-    if pretrained_mlp and _mlp(cfg, coda, parent=None).uses_kernel(deterministic):
-      # The norm and the MLP in one kernel (`T5Config.mlp_kernel`).
-      ffn = _mlp(cfg, coda)(h, deterministic=deterministic, norm=norm)
-    elif fuses_output and pretrained_mlp:
-      # Routed tokens, in the layer that the output kernel finishes: the
-      # norm's per-token factor applied after the input projections, so the
-      # normalised [b, k, emb] is not written (at k = 77 the v5e compiler
-      # writes it). Measured with the kernel only: on v4 and without it, XLA
-      # moved more bytes this way at k = 128 (base) and k = 86 (small).
-      scaled, factor = norm(h, factored=True)
-      ffn = _mlp(cfg, coda)(scaled, deterministic=deterministic, row_scale=factor)
-    else:
-      ffn = _ffn(self, cfg, coda, self.acm, 'encoder', norm(h), token_mask, deterministic)
-    ffn = _dropout(cfg)(ffn, deterministic=deterministic)
-    if sequential:
-      ffn = _adapter(cfg, coda, 'adapter_mlp', sequential=True)(ffn)
-    return att, ffn
+class RoutedEncoderLayer(nn.Module):
+  """A CoDA encoder layer (paper §3.1; the data flow with shapes:
+  ARCHITECTURE.md, "A CoDA encoder layer"):
 
-  def _fuses_output(self, length: int) -> bool:
-    """Whether `kernels.unroute_combine` makes the output of this routed layer
-    of `length` tokens (`CodaConfig.unroute_kernel`: 'pallas', or 'auto' in a
-    program for a TPU chip and attention variant of `UNROUTE_KERNEL_CHIPS` with
-    k / n up to its fraction; a parallel adapter and one-hot dispatch, the TPU
-    formulation)."""
-    coda = self.coda
-    if coda.adapter != PARALLEL or coda.unroute_kernel == 'xla':
-      return False
-    if coda.unroute_kernel == 'pallas':
-      return True
-    fraction = UNROUTE_KERNEL_CHIPS.get(target.device_kind(), {}).get(coda.attention)
-    return (target.platform() == 'tpu' and fraction is not None
-            and coda.num_selected(length) <= fraction * length
-            and routing.resolve_dispatch(coda.dispatch) == 'one_hot')
+      xn = LN(x);  idx, gate = router(x) [batch, k]
+      delta = att(xn[idx], kv) + mlp(...)  of the pretrained layer   [batch, k, emb]
+      y = x + adapter(xn) + unroute(gate * delta)                    [batch, n, emb]
 
-  def _routes_with_adapter(self, length: int) -> bool:
-    """Whether `kernels.route_adapter` makes this routed layer's routed tokens
-    and adapter bottleneck from one read of its input of `length` tokens
-    (`CodaConfig.route_kernel`: 'pallas', or 'auto' in a program for a TPU
-    with one-hot dispatch, the TPU formulation, and k / n up to the chip's
-    `ROUTE_KERNEL_CHIPS` fraction; a parallel adapter; not where the output
-    kernel computes the adapter itself; not with the embedding split over
-    devices; not where its accumulator does not fit VMEM)."""
-    coda, cfg = self.coda, self.config
-    if (coda.adapter != PARALLEL or coda.route_kernel == 'xla'
-        or self._fuses_output(length) or tpu_blocks.mesh_shards('embed')
-        or not route_adapter.fits(length, coda.num_selected(length), cfg.emb_dim,
-                                  jnp.dtype(cfg.dtype).itemsize)):
-      return False
-    if coda.route_kernel == 'pallas':
-      return True
-    fraction = ROUTE_KERNEL_CHIPS.get(target.device_kind(), 1.0)
-    return (target.platform() == 'tpu' and coda.num_selected(length) <= fraction * length
-            and routing.resolve_dispatch(coda.dispatch) == 'one_hot')
+  The router picks k = ceil(n / r) tokens; only they go through the frozen
+  attention and MLP, with their original positions' relative bias; k-to-all
+  queries attend to every real token, k-to-k only to the routed ones. The
+  attention mask is the padding of its queries and keys (routing refuses
+  packed inputs). With k = n every token goes, in place: the dense layer,
+  gated. `plan` says how each step runs (`coda_jax.plan`: gathers or one-hot
+  matmuls; on TPU, kernels for the route with the adapter's down projection,
+  the attention, the MLP, and the output with the adapter).
+  """
+  config: T5Config
+  relative_embedding: nn.Module
+  plan: LayerPlan
+  coda: CodaConfig
+  acm: Optional[AcmConfig] = None
 
-  def _routed_update(self, x: Array, norm: nn.Module, xn: Array,
-                     adapter: Optional[nn.Module], encoder_mask: Optional[Array],
-                     input_mask: Optional[Array], deterministic: bool
-                     ) -> Tuple[Array, Optional[routing.RoutingDecision], Optional[Array]]:
-    """The routed tokens' update `gate * (att + ffn)` `[batch, k, emb]`, the
-    routing decision that puts it back, and the parallel adapter's bottleneck
-    `[batch, n, adapter]` before its activation when `route_adapter` made it
-    (else None); with k = n, the update in place `[batch, n, emb]` and None.
-
-    Only `x` is routed; the routed tokens' norm is `norm` applied to them
-    (the same per-token function as `xn = norm(x)`, so the same values);
-    `adapter` is the layer's parallel adapter (None without one)."""
-    cfg, coda = self.config, self.coda
-    batch, length = x.shape[:2]
-    k = coda.num_selected(length)
+  @nn.compact
+  def __call__(self, inputs: Array, encoder_mask: Optional[Array] = None,
+               deterministic: bool = False, input_mask: Optional[Array] = None) -> Array:
+    """As `EncoderLayer.__call__`."""
+    cfg, coda, plan = self.config, self.coda, self.plan
+    norm = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')
+    xn = norm(inputs)
+    scale = norm.variables['params']['scale']
+    adapter = _adapter(cfg, coda, 'adapter') if coda.adapter == PARALLEL else None
+    real = (jnp.ones(inputs.shape[:2], bool) if input_mask is None else input_mask)
     with jax.named_scope('router'):
       decision = routing.Router(
-          normalizer=coda.normalizer, soft_topk=coda.soft_topk,
+          normalizer=coda.normalizer,
+          soft_topk=dataclasses.replace(coda.soft_topk, impl=plan.soft_topk),
           w_init=nn.initializers.normal(stddev=coda.router_init_stddev),
-          name='router')(x, k, input_mask, rms_scale=norm.variables['params']['scale'],
-                         rms_epsilon=norm.epsilon)
+          name='router')(inputs, plan.k, input_mask, rms_scale=scale, rms_epsilon=norm.epsilon)
     self.sow('intermediates', 'routing', {
         'indices': decision.indices, 'gate': decision.gate,
-        'mass_ratio': soft_topk.topk_mass_ratio(decision.weights, k, mask=input_mask)})
+        'mass_ratio': soft_topk.topk_mass_ratio(decision.weights, plan.k, mask=input_mask)})
     gate = decision.gate[..., None].astype(cfg.dtype)            # [b, k, 1]
-    if k == length:
-      att, ffn = self._pretrained_update(x, xn, xn, encoder_mask, deterministic,
-                                         token_mask=input_mask, mask_is_padding=True)
-      return (att + ffn) * gate, None, None
-    idx = decision.indices                                       # [b, k]
-    real = jnp.ones((batch, length), bool) if input_mask is None else input_mask
-    bottleneck = factor = None
+    if plan.k == inputs.shape[1]:                                # k = n: in place
+      att, ffn = self._update(inputs, xn, xn, encoder_mask, real, real, None, None,
+                              deterministic)
+      y = inputs + (att + ffn) * gate
+      return self._finish(y if adapter is None else y + adapter(xn))
     with jax.named_scope('route'):
-      if self._routes_with_adapter(length):
-        # The route, the routed tokens' norm factor and the adapter's down
-        # projection from one read of x.
-        w_down = adapter(xn, fused=lambda w_down, w_up, act: w_down)
-        xr, factor, down = route_adapter.route_adapter(
-            x, norm.variables['params']['scale'], w_down, idx, epsilon=norm.epsilon)
-        factor = jnp.swapaxes(factor, 1, 2)                      # [b, k, 1]
-        bottleneck = jnp.swapaxes(down, 1, 2)                    # [b, n, adapter]
-      else:
-        xr = routing.route(x, decision, coda.dispatch)           # [b, k, emb]
-      query_real = routing.gather_tokens(real, idx)              # [b, k]
+      xr, factor, bottleneck = self._route(inputs, scale, norm.epsilon, adapter, xn, decision)
+      query_real = routing.gather_tokens(real, decision.indices)  # [b, k]
     xrn = norm(xr, factor=factor)
     if coda.attention == 'k_to_all':
       kv, key_real, key_positions = xn, real, None
     else:
-      kv, key_real, key_positions = xrn, query_real, idx
+      kv, key_real, key_positions = xrn, query_real, decision.indices
     mask = None if encoder_mask is None else layers.make_attention_mask(
         query_real, key_real, dtype=encoder_mask.dtype)          # [b, 1, k, n | k]
-    att, ffn = self._pretrained_update(xr, xrn, kv, mask, deterministic,
-                                       query_positions=idx, key_positions=key_positions,
-                                       token_mask=query_real, kv_token_mask=key_real,
-                                       mask_is_padding=True, fuses_output=self._fuses_output(length))
-    return (att + ffn) * gate, decision, bottleneck
+    att, ffn = self._update(xr, xrn, kv, mask, query_real, key_real, decision.indices,
+                            key_positions, deterministic)
+    delta = (att + ffn) * gate                                   # [b, k, emb]
+    with jax.named_scope('unroute'):
+      if plan.output == 'pallas':
+        # x + adapter(LN(x)) + un-route(delta) in one kernel.
+        y = adapter(xn, fused=lambda w_down, w_up, act: unroute_combine.unroute_combine(
+            inputs, scale, w_down, w_up, delta, decision.indices, activation=act,
+            epsilon=norm.epsilon, interpret=plan.interpret))
+        return self._finish(y)
+      y = inputs + routing.unroute(delta, decision, inputs.shape[1], plan.dispatch)
+    return self._finish(y if adapter is None else y + adapter(xn, down=bottleneck))
+
+  def _update(self, x, xn, kv, mask, query_real, key_real, query_positions, key_positions,
+              deterministic):
+    return _pretrained_update(self.config, self.coda, self.acm, self.relative_embedding,
+                              self.plan, self, x, xn, kv, mask, deterministic,
+                              query_positions=query_positions, key_positions=key_positions,
+                              token_mask=query_real, kv_token_mask=key_real)
+
+  def _route(self, x: Array, scale: Array, epsilon: float, adapter: Optional[nn.Module],
+             xn: Array, decision: routing.RoutingDecision
+             ) -> Tuple[Array, Optional[Array], Optional[Array]]:
+    """The routed tokens `[b, k, emb]`; with the route kernel also their
+    norm factors `[b, k, 1]` and the adapter's bottleneck `[b, n, adapter]`
+    before its activation, from one read of x (else None, None)."""
+    if self.plan.route != 'pallas':
+      return routing.route(x, decision, self.plan.dispatch), None, None
+    w_down = adapter(xn, fused=lambda w_down, w_up, act: w_down)
+    xr, factor, down = route_adapter.route_adapter(x, scale, w_down, decision.indices,
+                                                   epsilon=epsilon,
+                                                   interpret=self.plan.interpret)
+    return xr, jnp.swapaxes(factor, 1, 2), jnp.swapaxes(down, 1, 2)
+
+  @staticmethod
+  def _finish(y: Array) -> Array:
+    return layers.with_sharding_constraint(y, ('batch', 'length', 'embed'))
 
 
 class DecoderLayer(nn.Module):
@@ -370,7 +335,12 @@ class DecoderLayer(nn.Module):
 
 
 class Encoder(nn.Module):
-  """Embedding, `num_encoder_layers` layers (dense or routed), final RMS norm."""
+  """Embedding, `num_encoder_layers` layers (dense or routed), final RMS norm.
+
+  Its plan (`coda_jax.plan`) is resolved here, once per traced program, from
+  the configs, the chip the program is for (`target.current()`), the input
+  length and the mesh; the layers receive its choices.
+  """
   config: T5Config
   shared_embedding: nn.Module
   coda: Optional[CodaConfig] = None
@@ -382,15 +352,23 @@ class Encoder(nn.Module):
     """`[batch, length]` tokens -> `[batch, length, emb]`; `mask_is_padding`:
     `encoder_mask` is the padding mask of the tokens (no segments)."""
     cfg = self.config
+    plan = plan_lib.resolve(cfg, self.coda, self.acm, target=target.current(),
+                            length=encoder_input_tokens.shape[1],
+                            training=not deterministic, packed=not mask_is_padding,
+                            sharded=tpu_blocks.split_axes('mlp', 'embed'))
+    plan_lib.note(plan)
     rel_emb = _relative_embedding(cfg)
     x = self.shared_embedding(encoder_input_tokens.astype('int32'))
     x = _dropout(cfg)(x, deterministic=deterministic).astype(cfg.dtype)
     input_mask = layers.real_token_mask(encoder_input_tokens)
     for lyr in range(cfg.num_encoder_layers):
-      routed = self.coda is not None and self.coda.is_routed(lyr, cfg.num_encoder_layers)
-      x = EncoderLayer(config=cfg, relative_embedding=rel_emb, coda=self.coda,
-                       routed=routed, acm=self.acm, name=f'layers_{lyr}')(
-                           x, encoder_mask, deterministic, input_mask, mask_is_padding)
+      if self.coda is not None and self.coda.is_routed(lyr, cfg.num_encoder_layers):
+        layer = RoutedEncoderLayer(cfg, rel_emb, plan.routed, self.coda, self.acm,
+                                   name=f'layers_{lyr}')
+      else:
+        layer = EncoderLayer(cfg, rel_emb, plan.dense, self.coda, self.acm,
+                             name=f'layers_{lyr}')
+      x = layer(x, encoder_mask, deterministic, input_mask)
     x = layers.RMSNorm(dtype=cfg.dtype, name='encoder_norm')(x)
     return _dropout(cfg)(x, deterministic=deterministic)
 

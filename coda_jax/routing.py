@@ -28,7 +28,7 @@ TPU). Two formulations with identical results, chosen by
   the transposed matmuls. A TPU reads a gathered row as whole (8, 128)
   tiles, about 11 times its bytes by the compiler's cost model, while the
   matmul moves each byte once for ~3% more flops in a base layer.
-  'auto' picks one-hot on TPU and gathers elsewhere (`target.platform`).
+  `coda_jax.plan` resolves 'auto' for the program's chip.
 """
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from coda_jax import soft_topk as soft_topk_lib
-from coda_jax import target
-from coda_jax.config import DISPATCHES, NORMALIZERS, SoftTopKConfig
+from coda_jax.config import NORMALIZERS, SoftTopKConfig
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -175,13 +174,13 @@ def ungather_tokens(y: Array, indices: Array, slots: Array) -> Array:
   return _unroute(y, indices, slots)
 
 
-def resolve_dispatch(dispatch: str) -> str:
-  """'gather' or 'one_hot' for a `CodaConfig.dispatch` ('auto': one-hot on
-  TPU, gathers elsewhere)."""
-  if dispatch not in DISPATCHES:
-    raise ValueError(f'unknown dispatch {dispatch!r}; expected one of {DISPATCHES}')
-  if dispatch == 'auto':
-    return 'one_hot' if target.platform() == 'tpu' else 'gather'
+_FORMULATIONS = ('gather', 'one_hot')
+
+
+def _formulation(dispatch: str) -> str:
+  if dispatch not in _FORMULATIONS:
+    raise ValueError(f'dispatch must be one of {_FORMULATIONS} (a plan\'s choice, '
+                     f'`coda_jax.plan`), got {dispatch!r}')
   return dispatch
 
 
@@ -199,7 +198,7 @@ def _exact_precision(dtype) -> lax.Precision:
 def route(x: Array, decision: 'RoutingDecision', dispatch: str = 'gather') -> Array:
   """The selected tokens of `x [batch, n, ...]`: `[batch, k, ...]` (module
   docstring: 'gather' or 'one_hot', identical values)."""
-  if resolve_dispatch(dispatch) == 'gather' or not jnp.issubdtype(x.dtype, jnp.floating):
+  if _formulation(dispatch) == 'gather' or not jnp.issubdtype(x.dtype, jnp.floating):
     return gather_tokens(x, decision.indices, decision.slots)
   d = lax.stop_gradient(dispatch_mask(decision.indices, x.shape[1], x.dtype))
   flat = x.reshape(x.shape[:2] + (-1,))
@@ -211,7 +210,7 @@ def unroute(y: Array, decision: 'RoutingDecision', length: int,
             dispatch: str = 'gather') -> Array:
   """`y [batch, k, ...]` put back at the selected positions of a
   `[batch, length, ...]` array of zeros (module docstring)."""
-  if resolve_dispatch(dispatch) == 'gather':
+  if _formulation(dispatch) == 'gather':
     return ungather_tokens(y, decision.indices, decision.slots)
   d = lax.stop_gradient(dispatch_mask(decision.indices, length, y.dtype))
   flat = y.reshape(y.shape[:2] + (-1,))

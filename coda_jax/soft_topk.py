@@ -38,9 +38,10 @@ the unique scalar `a` (per row) with Σ λ = k. Two solvers:
 steps above as XLA ops, the reference), ``"pallas"`` (the fused Pallas kernels
 of `coda_jax.kernels.soft_topk`: the T steps on-chip, forward and backward;
 Pallas interpret mode off GPU; method "exact" has no kernel and raises) or
-``"auto"`` (the default: the kernel on GPU where a one-time probe finds that
-it lowers, compiles and matches XLA, else XLA; always XLA on CPU/TPU and for
-method "exact").
+``"auto"`` (the default: as `coda_jax.plan`'s measured rules say for the chip
+the program is for; XLA where no rule was measured, which today is every
+chip, and for method "exact"). `coda-jax selftest` checks the kernel against
+XLA on the devices present.
 
 Both compute in float32 (float64 inputs stay float64), accept a padding mask
 (`True` = real token; padding gets λ = 0 and no gradient), give every real
@@ -51,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 import operator
 from typing import Optional
@@ -225,31 +225,24 @@ def soft_topk(scores: Array, k: int, config: Optional[SoftTopKConfig] = None, *,
     if mask.shape != scores.shape:
       raise ValueError(f'mask shape {mask.shape} must equal scores shape '
                        f'{scores.shape}')
+  if config.impl == 'auto':
+    # Resolved here, outside the jit: its trace is cached by the config, and
+    # the choice depends on the chip the program is for.
+    # Imported here: `coda_jax.plan` imports the kernels' modules.
+    from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    from coda_jax import target  # pylint: disable=g-import-not-at-top
+    config = dataclasses.replace(config, impl=plan_lib.soft_topk_impl(config, target.current()))
   return _soft_topk(scores, mask, k=k, config=config)
 
 
-def _iterative_solver(config: SoftTopKConfig, shape: tuple[int, ...], dtype,
-                      k: int, sched: tuple[float, ...]):
-  """`_iterative` (XLA) or its Pallas kernel, as `config.impl` says.
-
-  'xla': XLA. 'pallas': the kernel (`coda_jax.kernels.soft_topk`; in Pallas
-  interpret mode off GPU). 'auto': the kernel on GPU if it lowers, compiles
-  and matches XLA there (probed once per block shape and setting; a failure
-  is logged and falls back to XLA), XLA elsewhere.
-  """
-  if config.impl == 'xla' or (config.impl == 'auto' and config.b_init != 'colt5'):
+def _iterative_solver(config: SoftTopKConfig):
+  """`_iterative` (XLA) or its Pallas kernel, as `config.impl` ('xla' or
+  'pallas') says."""
+  if config.impl == 'xla':
     return functools.partial(_iterative, b_init=config.b_init)
   # Imported here: `import coda_jax` never loads Pallas.
-  try:
-    from coda_jax.kernels import soft_topk as kernel_lib  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    if config.impl == 'pallas':
-      raise
-    logging.warning('soft top-k: no Pallas (%s); the XLA path is used.', e)
-    return _iterative
-  if config.impl == 'pallas' or kernel_lib.use_in_auto(shape, dtype, k, sched, _iterative):
-    return kernel_lib.soft_topk_iterative
-  return _iterative
+  from coda_jax.kernels import soft_topk as kernel_lib  # pylint: disable=g-import-not-at-top
+  return kernel_lib.soft_topk_iterative
 
 
 @functools.partial(jax.jit, static_argnames=('k', 'config'))
@@ -288,7 +281,7 @@ def _soft_topk(scores: Array, mask: Optional[Array], *, k: int,
     sched = epsilon_schedule(config.num_iters, epsilon=config.epsilon,
                              epsilon_init=config.epsilon_init,
                              epsilon_decay=config.epsilon_decay)
-    solver = _iterative_solver(config, s.shape, s.dtype, k, sched)
+    solver = _iterative_solver(config)
     lam = solver(s, real_safe, k, sched)
   else:
     lam = _exact(s, real_safe.astype(dtype), k, config.epsilon)

@@ -12,9 +12,11 @@ import optax
 import pytest
 
 from coda_jax import layers
+from coda_jax import plan as plan_lib
+from coda_jax import target
 from coda_jax import trainable
 from coda_jax.config import CodaConfig, parallel_adapter_baseline, t5_1_1
-from coda_jax.network import EncoderLayer, Transformer
+from coda_jax.network import RoutedEncoderLayer, Transformer
 
 from tiny_models import tiny_config as tiny
 
@@ -126,10 +128,10 @@ class DenseReference(nn.Module):
 
 
 class OneLayer(nn.Module):
-  """One (routed) encoder layer owning its relative position table, like Encoder."""
+  """One routed encoder layer owning its relative position table, with its
+  program's plan, like Encoder."""
   config: object
   coda: object
-  routed: bool = True
 
   @nn.compact
   def __call__(self, x, mask, input_mask):
@@ -137,7 +139,8 @@ class OneLayer(nn.Module):
     rel = layers.RelativePositionBiases(cfg.relative_attention_num_buckets,
                                         cfg.relative_attention_max_distance,
                                         cfg.num_heads, name='relpos_bias')
-    return EncoderLayer(cfg, rel, coda=self.coda, routed=self.routed, name='layer')(
+    plan = plan_lib.resolve(cfg, self.coda, target=target.current(), length=x.shape[1])
+    return RoutedEncoderLayer(cfg, rel, plan.routed, self.coda, name='layer')(
         x, mask, True, input_mask)
 
 

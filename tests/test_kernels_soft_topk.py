@@ -4,7 +4,6 @@ On CPU the kernels run in Pallas interpret mode, whose compiles are slow: the
 structural tests use T = 3 steps (`SHORT`), one test the paper's T = 20.
 """
 import importlib.util
-import logging
 import pathlib
 import re
 
@@ -158,30 +157,28 @@ def test_auto_is_xla_off_gpu_and_exact_has_no_kernel():
     st.soft_topk(s, 3, method='exact', impl='pallas')
 
 
-def test_auto_on_gpu_falls_back_to_xla_when_the_probe_fails(monkeypatch, caplog):
-  """A 'GPU' whose kernel cannot lower (here: CPU without interpret mode)."""
-  monkeypatch.setattr(kernel, '_backend', lambda: 'gpu')
-  kernel._probe_once.cache_clear()
-  rng = np.random.default_rng(3)
-  s, mask, _ = _inputs(rng, (4, 24), 5)
-  with caplog.at_level(logging.WARNING):
-    assert not _uses_kernel(lambda x: st.soft_topk(x, 5, SHORT, mask=mask), s)
-    got = st.soft_topk(s, 5, SHORT, mask=mask)
-  warnings = [r.getMessage() for r in caplog.records if 'Pallas kernel' in r.getMessage()]
-  assert len(warnings) == 1, warnings  # probed once per setting
-  assert 'Error: ' in warnings[0] and 'uses the XLA path' in warnings[0]  # names the error
-  want = st.soft_topk(s, 5, SHORT, mask=mask, impl='xla')
-  np.testing.assert_array_equal(got, want)
-  kernel._probe_once.cache_clear()
-
-
-def test_auto_on_gpu_uses_the_kernel_when_the_probe_passes(monkeypatch):
-  monkeypatch.setattr(kernel, 'use_in_auto', lambda *args: True)
-  assert _uses_kernel(lambda x: st.soft_topk(x, 3, SHORT), jnp.ones((2, 16)))
+def test_auto_on_gpu_is_xla_until_a_rule_is_measured(monkeypatch):
+  """'auto' follows `coda_jax.plan`'s rules for the chip the program is for:
+  no GPU row has been measured, so XLA; a row for 'gpu' turns the kernel
+  on, in a program for a GPU only."""
+  from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  s = jnp.ones((2, 16))
+  with target.targeting('gpu'):
+    assert not _uses_kernel(lambda x: st.soft_topk(x, 3, SHORT), s)
+  monkeypatch.setattr(plan_lib, 'RULES', plan_lib.RULES + (
+      plan_lib.Rule(plan_lib.SOFT_TOPK, 'gpu', plan_lib.PALLAS),))
+  with target.targeting('gpu'):
+    assert _uses_kernel(lambda x: st.soft_topk(x, 3, SHORT), s)
+    # The kernel has no 'exact' solver and no 'zeros' start: XLA serves them.
+    assert not _uses_kernel(lambda x: st.soft_topk(x, 3, SHORT, method='exact'), s)
+    assert not _uses_kernel(lambda x: st.soft_topk(x, 3, SHORT, b_init='zeros'), s)
+  assert not _uses_kernel(lambda x: st.soft_topk(x, 3, SHORT), s)  # on this CPU
 
 
 def test_probe_runs_inside_a_trace():
-  """'auto' probes while `_soft_topk` is being traced."""
+  """`probe` (which `coda-jax selftest` runs) works while a jit is being
+  traced."""
   errors = []
 
   def f(x):

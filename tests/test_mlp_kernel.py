@@ -92,14 +92,13 @@ def test_resident_weights_or_blocks_of_hidden_units(monkeypatch, vmem, resident)
   128 hidden units with a float32 accumulator, several programs of batch
   rows and several chunks per row; each is the layer's own function."""
   monkeypatch.setattr(kernel.tpu_blocks, 'VMEM_BUDGET', 48 * 1024)
-  monkeypatch.setattr(kernel.tpu_blocks, 'vmem_capacity', lambda kind: vmem)
   monkeypatch.setattr(kernel, '_CHUNK', 16)
   x, scale, wi, wo = _operands(0, 4, 40, 128, 384)
   p = kernel.plan(4, 40, 128, 384, 2, 4, vmem)
   assert p.resident == resident and p.chunk == 8 and p.batch_block < 4
   assert p.hidden_block == (384 if resident else 128)
   acts = [jax.nn.gelu, lambda a: a]
-  out = kernel.mlp(x, scale, wi, wo, acts, interpret=True)
+  out = kernel.mlp(x, scale, wi, wo, acts, vmem_bytes=vmem, interpret=True)
   expected = _layer(x, scale, wi, wo, ('gelu', 'linear'))
   np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=2e-5, rtol=1e-5)
   np.testing.assert_allclose(np.asarray(out), np.asarray(kernel.reference(
@@ -157,15 +156,16 @@ _SHARDED = textwrap.dedent('''
     import json, sys
     import jax, numpy as np
     from flax.linen import partitioning as nn_partitioning
-    from coda_jax import layers, partitioning
-    from coda_jax.kernels import mlp as kernel
+    from coda_jax import partitioning, plan, target
+    from coda_jax.config import T5Config
+    from coda_jax.kernels import mlp as kernel, tpu_blocks
     sys.path.insert(0, 'tests')
     from test_mlp_kernel import _operands
     x, scale, wi, wo = _operands(1, 4, 8, 16, 24)
     acts = [jax.nn.gelu, lambda a: a]
     expected = kernel.mlp(x, scale, wi, wo, acts, interpret=True)
     fn = jax.jit(lambda *a: kernel.mlp(*a, acts, interpret=True))
-    block = layers.MlpBlock(kernel='pallas', intermediate_dropout_rate=0.)
+    config = T5Config(emb_dim=16, mlp_dim=24, num_heads=2, head_dim=8, mlp_kernel='pallas')
     report = {}
     for shape in ((4, 1), (2, 2)):
       with jax.set_mesh(partitioning.create_mesh(shape)), nn_partitioning.axis_rules(
@@ -174,19 +174,21 @@ _SHARDED = textwrap.dedent('''
         out = fn(x, scale, wi, wo)
         report[str(shape)] = {'shard_map': 'shard_map' in text,
                               'diff': float(np.abs(np.asarray(out) - np.asarray(expected)).max()),
-                              'block_uses_kernel': block.uses_kernel(True)}
+                              'plan': plan.resolve(config, target=target.current(), length=8,
+                                                   sharded=tpu_blocks.split_axes('mlp', 'embed')
+                                                   ).dense.mlp}
     print(json.dumps(report))
 ''')
 
 
 def test_under_a_mesh_the_kernel_runs_per_batch_shard():
   """On a (data 4) mesh the call runs in shard_map over the batch; on a
-  (data 2, model 2) mesh, whose rules split the hidden units, `MlpBlock`
-  keeps XLA (the kernel would need a reduction of partial outputs)."""
+  (data 2, model 2) mesh, whose rules split the hidden units, the plan keeps
+  XLA (the kernel would need a reduction of partial outputs)."""
   report = run_on_cpu_devices(_SHARDED)
   assert report['(4, 1)']['shard_map'] and report['(4, 1)']['diff'] < 1e-6, report
-  assert report['(4, 1)']['block_uses_kernel'], report
-  assert not report['(2, 2)']['block_uses_kernel'], report
+  assert report['(4, 1)']['plan'] == 'pallas', report
+  assert report['(2, 2)']['plan'] == 'xla', report
 
 
 @pytest.mark.parametrize('pod,resident', [('v5e-1', True), ('v4-8', True)])
@@ -205,9 +207,10 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate(pod, resident):
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                           (x, scale, wi, wo))
   acts = [jax.nn.gelu, lambda a: a]
+  vmem = chips.by_device_kind(device.device_kind).vmem_bytes
   with target.targeting('tpu', device.device_kind):
-    compiled = jax.jit(lambda *a: kernel.mlp(*a, acts)).lower(*abstract).compile()
-    vmem = kernel.tpu_blocks.vmem_capacity(target.device_kind())
+    compiled = jax.jit(lambda *a: kernel.mlp(*a, acts, vmem_bytes=vmem)).lower(
+        *abstract).compile()
   assert 'tpu_custom_call' in compiled.as_text()
   assert kernel.plan(b, n, e, h, 2, 2, vmem).resident == resident
   cost = compiled.cost_analysis()

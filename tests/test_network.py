@@ -11,6 +11,7 @@ import pytest
 
 from coda_jax import decoding
 from coda_jax import layers
+from coda_jax import relpos
 from coda_jax.config import T5Config, t5_1_1
 from coda_jax.network import Transformer
 
@@ -325,7 +326,7 @@ def test_relative_position_bias_per_distance_equals_per_pair_buckets(
   kv = jnp.arange(600)
   variables = rel.init(jax.random.PRNGKey(0), q, kv, bidirectional)
   got = rel.apply(variables, q, kv, bidirectional)
-  buckets = layers.relative_position_bucket(kv[None, None, :] - q[:, :, None],
+  buckets = relpos.relative_position_bucket(kv[None, None, :] - q[:, :, None],
                                             bidirectional, num_buckets, max_distance)
   table = variables['params']['rel_embedding']                  # [heads, buckets]
   want = jnp.transpose(table[:, buckets], (1, 0, 2, 3))        # [b, heads, q, kv]

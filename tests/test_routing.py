@@ -258,17 +258,14 @@ def test_one_hot_dispatch_moves_the_same_values_as_gathers(dtype):
                                 np.take_along_axis(np.asarray(mask), np.asarray(d.indices), 1))
 
 
-def test_dispatch_auto_is_one_hot_on_tpu_and_gathers_elsewhere():
-  from coda_jax import target
-  assert routing.resolve_dispatch('auto') == 'gather'  # these tests run on a CPU
-  with target.targeting('tpu'):
-    assert routing.resolve_dispatch('auto') == 'one_hot'
-    assert routing.resolve_dispatch('gather') == 'gather'
-    with target.targeting('cuda'):
-      assert target.platform() == 'gpu' and routing.resolve_dispatch('auto') == 'gather'
-  assert target.platform() == jax.default_backend()
-  with pytest.raises(ValueError, match="unknown dispatch 'scatter'"):
-    routing.resolve_dispatch('scatter')
+def test_dispatch_takes_a_formulation_not_a_setting():
+  """`route` / `unroute` take the plan's choice ('gather' / 'one_hot');
+  'auto' is resolved by `coda_jax.plan` (tests/test_plan.py)."""
+  x, mask = _inputs()
+  d = routing.select_top_k(jax.random.uniform(jax.random.PRNGKey(3), mask.shape), K, mask)
+  for dispatch in ('auto', 'scatter'):
+    with pytest.raises(ValueError, match=f"dispatch must be one of .*got '{dispatch}'"):
+      routing.route(x, d, dispatch)
 
 
 @pytest.mark.parametrize('normalizer', ['soft_topk', 'sigmoid'])

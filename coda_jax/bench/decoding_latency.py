@@ -96,6 +96,7 @@ from coda_jax import config as config_lib
 from coda_jax import decoding
 from coda_jax import flops
 from coda_jax import network
+from coda_jax import selftest as selftest_lib
 from coda_jax import soft_topk as soft_topk_lib
 from coda_jax.bench import acm_usage
 from coda_jax.bench import flags
@@ -605,6 +606,22 @@ def _meta(args: argparse.Namespace, *, dtype: str, model_name: str, config: T5Co
   }
 
 
+def _self_tested(config: T5Config, coda: CodaConfig, tasks, reduction_factors,
+                 attentions, dtype, mode: str) -> Tuple[T5Config, CodaConfig]:
+  """The configs with each kernel `selftest.check_run` finds off at the
+  tasks' shapes switched to XLA."""
+  model = network.Transformer(config, coda=coda)
+  for _, n, _ in tasks:
+    for attention in attentions:
+      ks = [dataclasses.replace(coda, reduction_factor=r).num_selected(n)
+            for r in reduction_factors]
+      model = selftest_lib.check_run(
+          model.clone(coda=dataclasses.replace(model.coda, attention=attention)), n, ks + [n],
+          dtype=jnp.dtype(dtype).name, mode=mode,
+          log=lambda line: print(line, file=sys.stderr, flush=True))
+  return model.config, dataclasses.replace(model.coda, attention=coda.attention)
+
+
 def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
   """Runs everything `args` asks for; returns the JSON-able result."""
   if args.compilation_cache_dir:
@@ -619,6 +636,8 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
     config, pretrained, model_name = _backbone(args, dtype)
     coda_template = CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
                                adapter_dim=args.adapter_dim)
+    config, coda_template = _self_tested(config, coda_template, tasks, rs, attentions,
+                                         dtype, args.selftest)
     acm, acm_meta = _acm_block(args, config, pretrained)
     params, params_info = models.coda_params(config, coda_template, pretrained, args.seed)
     del pretrained
@@ -723,6 +742,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g.add_argument('--repeats', type=flags.at_least_one, default=7,
                  help='timed calls per function')
   g.add_argument('--seed', type=int, default=0)
+  g.add_argument('--selftest', default='auto', choices=('auto', 'always', 'never'),
+                 help='before timing, the kernels the plan selects against XLA at these '
+                 'shapes (auto: on a TPU or GPU); a kernel that is off runs as XLA')
   g.add_argument('--compilation_cache_dir', default=None,
                  help='JAX persistent compilation cache directory (every program '
                  'cached, however small); a second run with the same settings reads '

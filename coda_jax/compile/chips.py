@@ -1,8 +1,11 @@
 """TPU chips and pods: the facts a report needs, and pods by the names users type.
 
 `CHIPS` holds, per TPU generation, what one chip has (HBM, peak bf16 FLOP/s,
-HBM and inter-chip interconnect bandwidth, chips per host) with the public page
-each number comes from. `parse_pod` reads a pod as Cloud TPU names it in
+HBM and inter-chip interconnect bandwidth, chips per host, a TensorCore's
+VMEM) with the public page each number comes from: the one table of chip
+facts that ``coda-jax compile``, the plan (`coda_jax.plan`) and the TPU
+kernels read. `by_device_kind` finds a chip by the `device_kind` JAX gives
+its devices. `parse_pod` reads a pod as Cloud TPU names it in
 ``--accelerator_type`` (`v4-32`, `v5litepod-16` / `v5e-16`, `v5p-64`, `v6e-8`:
 v4 and v5p count TensorCores, two per chip; v5e and v6e count chips) or as a
 topology (`v5e:4x4`, `v4:2x2x4`), and says which topology the TPU compiler
@@ -21,6 +24,7 @@ from typing import Dict, Optional, Tuple
 from coda_jax import validation
 
 GIB = 1024 ** 3
+MIB = 1024 ** 2
 
 
 class TopologyError(ValueError):
@@ -46,6 +50,11 @@ class Chip:
     cores_per_chip: TensorCores per chip (2: the accelerator type counts cores).
     dims: 2 (a 2-D torus: v5e, v6e) or 3 (v4, v5p).
     source: the public page of the numbers.
+    device_kind: `jax.Device.device_kind` of its devices ('TPU v5 lite').
+    vmem_bytes: VMEM of one TensorCore, as the TPU compiler reports it when
+      a kernel asks for more ("would exceed memory (size=16777216)" on v4;
+      libtpu 0.0.42.1): what a Pallas kernel's blocks and resident weights
+      must fit.
   """
   generation: str
   libtpu_name: str
@@ -59,6 +68,8 @@ class Chip:
   cores_per_chip: int
   dims: int
   source: str
+  device_kind: str = ''
+  vmem_bytes: int = 0
 
   @property
   def counts_cores(self) -> bool:
@@ -75,23 +86,36 @@ CHIPS: Dict[str, Chip] = {
     # (Jouppi et al., "TPU v4: An Optically Reconfigurable Supercomputer",
     # ISCA 2023): 6 x 2 x 50 GB/s.
     'v4': Chip('v4', 'v4', 32 * GIB, 275e12, 1200e9, 600e9, None, 4, 4, 2, 3,
-               'https://cloud.google.com/tpu/docs/v4; ICI: Jouppi et al., ISCA 2023'),
+               'https://cloud.google.com/tpu/docs/v4; ICI: Jouppi et al., ISCA 2023',
+               device_kind='TPU v4', vmem_bytes=16 * MIB),
     # 197 TFLOP/s bf16, 16 GB HBM2 at 819 GB/s, bidirectional ICI 400 GB/s per
     # chip (1600 Gb/s each way), 1-8 chips per VM, data-center network 6.4 Tb/s
     # per 256-chip pod (25 Gb/s per chip): cloud.google.com/tpu/docs/v5e.
     'v5e': Chip('v5e', 'v5e', 16 * GIB, 197e12, 819e9, 400e9, 3.125e9, 4, 8, 1, 2,
-                'https://cloud.google.com/tpu/docs/v5e'),
+                'https://cloud.google.com/tpu/docs/v5e',
+                device_kind='TPU v5 lite', vmem_bytes=128 * MIB),
     # 459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, bidirectional ICI 1200 GB/s per
     # chip, data-center network 50 Gb/s per chip, 4 chips per VM:
     # cloud.google.com/tpu/docs/v5p.
     'v5p': Chip('v5p', 'v5p', 95 * GIB, 459e12, 2765e9, 1200e9, 6.25e9, 4, 4, 2, 3,
-                'https://cloud.google.com/tpu/docs/v5p'),
+                'https://cloud.google.com/tpu/docs/v5p',
+                device_kind='TPU v5', vmem_bytes=64 * MIB),
     # 918 TFLOP/s bf16, 32 GB HBM at 1640 GB/s, bidirectional ICI 800 GB/s per
     # chip, 4 chips per VM of a multi-host slice, data-center network 25.6 Tb/s
     # per 256-chip pod (100 Gb/s per chip): cloud.google.com/tpu/docs/v6e.
     'v6e': Chip('v6e', 'v6e', 32 * GIB, 918e12, 1640e9, 800e9, 12.5e9, 4, 8, 1, 2,
-                'https://cloud.google.com/tpu/docs/v6e'),
+                'https://cloud.google.com/tpu/docs/v6e',
+                device_kind='TPU v6 lite', vmem_bytes=128 * MIB),
 }
+
+
+def by_device_kind(kind: Optional[str]) -> Optional[Chip]:
+  """The chip whose devices JAX calls `kind` ('TPU v4'), or None (a CPU, a
+  GPU, a TPU generation not in `CHIPS`)."""
+  for chip in CHIPS.values():
+    if chip.device_kind == kind:
+      return chip
+  return None
 
 # Prefixes of the accelerator types users type, by generation.
 _ALIASES = {'v4': 'v4', 'v5e': 'v5e', 'v5litepod': 'v5e', 'v5lite': 'v5e', 'v5p': 'v5p',

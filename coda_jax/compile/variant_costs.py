@@ -10,7 +10,8 @@ roofline time max(flops / peak, bytes / HBM bandwidth) at the chip's figures
 (`chips.CHIPS`), while loops in the TPU HLO, and the bytes of each stage of
 the layers (norm, adapter, router, soft top-k, route, attention and its
 position bias, MLP, un-route) from the `jax.named_scope`s and module names the
-compiled ops carry in their `op_name`.
+compiled ops carry in their `op_name`, and the encoder's plan (`coda_jax.plan`:
+which formulation and kernel each step of its layers runs).
 
 Per variant, against the baseline on the same chip: the roofline speed-up,
 the compiled-flops speed-up and `flops.py`'s analytic bound. The ratio of the
@@ -33,6 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import jax.numpy as jnp
 
 from coda_jax import infer as infer_lib
+from coda_jax import plan as plan_lib
 from coda_jax.bench import models
 from coda_jax.compile import analysis, chips, hlo_costs, programs, topology
 from coda_jax.config import CodaConfig
@@ -86,6 +88,8 @@ class Row:
   flops_speedup: Optional[float] = None
   bound_speedup: Optional[float] = None
   efficiency: Optional[float] = None
+  # The encoder's plan (`coda_jax.plan.Plan.as_dict`); None for a decoding step.
+  plan: Optional[Dict[str, Any]] = None
 
   def as_dict(self) -> Dict[str, Any]:
     return dataclasses.asdict(self)
@@ -99,7 +103,8 @@ def predictor(variant: models.Variant, pod: chips.Pod, decode_steps: int) -> inf
 
 
 def _compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Variant,
-                  length: int, model_flops: float) -> Row:
+                  length: int, model_flops: float, plan: Optional[plan_lib.Plan] = None
+                  ) -> Row:
   compiled, seconds = analysis.compile_program(name, lowered, pod.chip)
   report = analysis.analyze(name, compiled, seconds, pod.chip, mesh)
   return Row(
@@ -109,17 +114,20 @@ def _compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Vari
       roofline_seconds=report.roofline_seconds, bound=report.bound,
       model_flops=model_flops, loops=report.loops, hbm_needed=report.memory.needed,
       compile_seconds=seconds,
-      stages=hlo_costs.stage_bytes(compiled.as_text(), STAGES, OTHER))
+      stages=hlo_costs.stage_bytes(compiled.as_text(), STAGES, OTHER),
+      plan=None if plan is None else plan.as_dict())
 
 
 def encoder_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
                 dtype: Any) -> Row:
   """The encoder of `coda-jax infer` on `[batch_size, length]` tokens."""
   p = predictor(variant, pod, 1)
-  lowered = p.lower_encode(batch_size, length, param_dtype=dtype)
+  with plan_lib.recording() as plans:
+    lowered = p.lower_encode(batch_size, length, param_dtype=dtype)
   model_flops = 2.0 * batch_size * programs.encoder_macs(variant.model, length,
                                                          variant.k(length))
-  return _compiled_row(ENCODER, lowered, p.mesh, pod, variant, length, model_flops)
+  return _compiled_row(ENCODER, lowered, p.mesh, pod, variant, length, model_flops,
+                       plan=plans[-1])
 
 
 def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,

@@ -19,11 +19,11 @@ output projection reads all of them back: for a routed base layer at k = 77,
 keeps the hidden units in VMEM, a loop walking chunks of tokens (a loop, not
 an unrolled sequence, so the chunks' temporaries share VMEM): x is read and
 y written once. When the weights fit the chip's VMEM beside the blocks
-(`plan`, `tpu_blocks.VMEM_CAPACITY`) they stay there for the whole call and
+(`plan`, the chip's `vmem_bytes`) they stay there for the whole call and
 are read once; otherwise a second grid axis walks blocks of hidden units,
 adding each one's share of y to a float32 accumulator, and the weights are
 read once per block of rows. Where even that does not fit (one row's blocks
-too large, as xl's on a v4), `MlpBlock` keeps XLA (`fits`). `cost_estimate`
+too large, as xl's on a v4), the plan keeps XLA (`fits`). `cost_estimate`
 declares those bytes and the arithmetic, which is what the TPU compiler's
 `cost_analysis()` reports.
 
@@ -108,14 +108,15 @@ def plan(batch: int, length: int, emb: int, hidden: int, projections: int,
   return Plan(batch_block, hidden_block, chunk, resident, min(vmem, need), need <= vmem)
 
 
-def fits(shape: Sequence[int], hidden: int, projections: int, dtype) -> bool:
-  """Whether a call on x of `shape` `[batch, length, emb]` fits the VMEM of
-  the chip the program is for (`target.device_kind()`); `MlpBlock` keeps XLA
-  where it does not (e.g. xl's 2048 x 5120 weights on v4)."""
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
+def fits(shape: Sequence[int], hidden: int, projections: int, dtype,
+         vmem_bytes: int = tpu_blocks.SMALLEST_VMEM) -> bool:
+  """Whether a call on x of `shape` `[batch, length, emb]` fits a core with
+  `vmem_bytes` of VMEM (`compile.chips.Chip.vmem_bytes` of the chip the
+  program is for); the plan (`coda_jax.plan`) keeps XLA where it does not
+  (e.g. xl's 2048 x 5120 weights on v4)."""
   batch, length, emb = shape
   return plan(batch, length, emb, hidden, projections, jnp.dtype(dtype).itemsize,
-              tpu_blocks.vmem_capacity(target.device_kind())).fits
+              vmem_bytes).fits
 
 
 def _norm(x: Array, scale: Array, epsilon: float) -> Array:
@@ -248,6 +249,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 def mlp(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
         activations: Sequence[Callable], *, epsilon: float = 1e-6,
+        vmem_bytes: int = tpu_blocks.SMALLEST_VMEM,
         interpret: Optional[bool] = None) -> Array:
   """`(Π_a act_a(LN(x) @ wi_a)) @ wo`, `[batch, length, emb]` in x's dtype.
 
@@ -257,6 +259,8 @@ def mlp(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
     wi: one `[emb, hidden]` kernel per activation.
     wo: `[hidden, emb]`.
     activations: jnp functions, one per kernel of `wi`.
+    vmem_bytes: VMEM of a core of the chip the program is for
+      (`compile.chips.Chip.vmem_bytes`): whether the weights stay resident.
     interpret: Pallas interpret mode (default: when not on a TPU).
   """
   if x.ndim != 3:
@@ -270,10 +274,10 @@ def mlp(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
     raise ValueError(f'mlp: norm_scale {tuple(norm_scale.shape)}, wi '
                      f'{[tuple(w.shape) for w in wi]} and wo {tuple(wo.shape)} do not fit '
                      f'x {x.shape} (wi [emb, hidden], wo [hidden, emb])')
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
   if interpret is None:
+    from coda_jax import target  # pylint: disable=g-import-not-at-top
     interpret = target.platform() != 'tpu'
-  vmem = tpu_blocks.vmem_capacity(target.device_kind())
+  vmem = int(vmem_bytes)
   dtype = x.dtype
   operands = (x, jnp.asarray(norm_scale, dtype), tuple(jnp.asarray(w, dtype) for w in wi),
               jnp.asarray(wo, dtype))

@@ -13,7 +13,7 @@ scaling, as in T5):
     out[b,i,h]      = softmax_j(logits[b,h,i,:]) @ v[b,:,h]
 
 `bucket` is T5's log-spaced relative position bucket
-(`relative_position_bucket`). The positions are the tokens' original ones, so
+(`coda_jax.relpos.relative_position_bucket`, which the XLA path uses too). The positions are the tokens' original ones, so
 a CoDA layer's routed queries (and, k-to-k, its routed keys) get the bias of
 the places they came from.
 
@@ -49,7 +49,7 @@ its operands), so under a mesh (`jax.set_mesh`) the call runs in `shard_map`
 over the mesh axes that the logical axis rules give 'batch' and 'heads'.
 
 Public: `relpos_attention` (differentiable), `reference`, `supported`,
-`relative_position_bucket`, `cost_estimate`. Pallas is imported when a kernel
+`cost_estimate`. Pallas is imported when a kernel
 is built, so that importing this module (as `coda_jax.layers` does) does not
 load it.
 """
@@ -64,11 +64,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax.kernels import tpu_blocks
+from coda_jax.relpos import MASK_VALUE, relative_position_bucket
 
 Array = jax.Array
 
-# Additive logits bias of a masked (query, key) pair (t5x's value).
-MASK_VALUE = -1e10
 # Keys per row held in VMEM at once; longer rows use XLA.
 MAX_KV_LENGTH = 8192
 # VMEM one program may use (bytes): its double-buffered q, k, v and output
@@ -90,28 +89,6 @@ _BUCKET_OPS = 20
 # ... and per (head, query, key): the bias and mask adds and the softmax
 # (max, subtract, exp, sum, divide).
 _HEAD_OPS = 7
-
-
-def relative_position_bucket(relative_position: Array,
-                             bidirectional: bool = True,
-                             num_buckets: int = 32,
-                             max_distance: int = 128) -> Array:
-  """T5's log-spaced buckets of `relative_position = key_pos - query_pos`."""
-  ret = 0
-  n = -relative_position
-  if bidirectional:
-    num_buckets //= 2
-    ret += (n < 0).astype(jnp.int32) * num_buckets
-    n = jnp.abs(n)
-  else:
-    n = jnp.maximum(n, 0)
-  max_exact = num_buckets // 2
-  is_small = n < max_exact
-  val_if_large = max_exact + (
-      jnp.log(n.astype(jnp.float32) / max_exact + jnp.finfo(jnp.float32).eps) /
-      np.log(max_distance / max_exact) * (num_buckets - max_exact)).astype(jnp.int32)
-  val_if_large = jnp.minimum(val_if_large, num_buckets - 1)
-  return ret + jnp.where(is_small, n, val_if_large)
 
 
 def supported(kv_length: int) -> bool:

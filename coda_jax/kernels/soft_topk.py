@@ -60,8 +60,8 @@ Backend (checked in the installed jax 0.10.2 source, jaxlib 0.10.2):
   pattern Triton is made for, it runs on Ampere as well as Hopper (Mosaic GPU
   needs Hopper or later), and Mosaic GPU wants a `plgpu.kernel` rewrite with
   warpgroup semantics. Where the Triton module is gone, `compiler_params`
-  becomes None (the default backend); `impl='auto'` only uses a kernel that
-  `probe` has lowered, compiled, run and checked against XLA on this device.
+  becomes None (the default backend). `probe` lowers, compiles and runs the
+  kernel on the device and checks it against XLA (`coda-jax selftest`).
 
 On a backend other than GPU the kernels run in Pallas interpret mode (slow;
 for tests and reference).
@@ -72,8 +72,8 @@ sharded (over the batch, say), each device gathers the [rows, n] scores and
 runs the whole kernel; wrapping the call in `shard_map` over the rows would
 avoid that (not done here).
 
-Public: `soft_topk_iterative` (the kernel, differentiable), `use_in_auto`
-(the 'auto' decision), `probe` (against a reference solver the caller passes:
+Public: `soft_topk_iterative` (the kernel, differentiable), `probe` (against
+a reference solver the caller passes:
 this module imports no other of the package but `config`),
 `block_rows_for`, `num_warps_for`. Timings against the XLA path:
 `python tools/bench_soft_topk.py --pallas_vs_xla ROWSxN`.
@@ -81,7 +81,6 @@ this module imports no other of the package but `config`),
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from typing import Any, Callable, Optional
 
@@ -107,8 +106,10 @@ _PAD_SCORE = SOFT_TOPK_PAD_SCORE
 
 
 def _backend() -> str:
-  """The default backend's platform ('cpu', 'gpu', 'tpu'); patched in tests."""
-  return jax.default_backend()
+  """The platform ('cpu', 'gpu', 'tpu') of the program being traced
+  (`coda_jax.target`: a pod's while ``coda-jax compile`` traces for it)."""
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  return target.platform()
 
 
 def _next_power_of_2(x: int) -> int:
@@ -352,28 +353,3 @@ def probe(block_rows: int, n_padded: int, dtype, k: int,
     return (f'the kernel disagrees with the XLA path: max |Δλ| = {lam_err:.3g}, '
             f'max |Δ grad| / max |grad| = {grad_err:.3g}')
   return None
-
-
-@functools.cache
-def _probe_once(block_rows: int, n_padded: int, dtype_name: str, k: int,
-                eps_sched: tuple[float, ...], reference: Callable[..., Array]) -> bool:
-  """`probe` on the device, once per setting; a failure is logged once."""
-  error = probe(block_rows, n_padded, dtype_name, k, eps_sched, reference)
-  if error is not None:
-    logging.warning(
-        'soft top-k: the Pallas kernel does not work on this %s device for '
-        'block_rows=%d, n_padded=%d, dtype=%s, k=%d (%s); '
-        "SoftTopKConfig(impl='auto') uses the XLA path.",
-        _backend(), block_rows, n_padded, dtype_name, k, error)
-  return error is None
-
-
-def use_in_auto(shape: tuple[int, ...], dtype, k: int,
-                eps_sched: tuple[float, ...], reference: Callable[..., Array]) -> bool:
-  """impl='auto': the kernel on GPU when it passes `probe` there, else XLA."""
-  if _backend() != 'gpu':
-    return False
-  n_padded = _next_power_of_2(shape[-1])
-  block_rows = block_rows_for(math.prod(shape[:-1]), n_padded)
-  return _probe_once(block_rows, n_padded, np.dtype(dtype).name, k,
-                     tuple(eps_sched), reference)

@@ -1,11 +1,11 @@
-"""What the TPU kernels share: their VMEM budget, each chip's VMEM, row
-blocks, mesh axes.
+"""What the TPU kernels share: their VMEM budget, row blocks, mesh axes.
 
-`relpos_attention`, `unroute_combine` and `mlp` split their rows (queries,
-positions, batch rows) into blocks that fit `VMEM_BUDGET` (`mlp` keeps its
-weights beside them within `vmem_capacity`), and run in `shard_map` over the
-mesh axes that the logical axis rules give their dimensions (a Pallas call is
-opaque to XLA's partitioner). No Pallas import here.
+`relpos_attention`, `unroute_combine`, `route_adapter` and `mlp` split their
+rows (queries, positions, batch rows) into blocks that fit `VMEM_BUDGET`
+(`mlp` keeps its weights beside them within the chip's VMEM, which the plan
+passes it from `compile.chips.Chip.vmem_bytes`), and run in `shard_map` over
+the mesh axes that the logical axis rules give their dimensions (a Pallas
+call is opaque to XLA's partitioner). No Pallas import here.
 """
 from __future__ import annotations
 
@@ -17,16 +17,9 @@ import jax
 # temporaries, under the 16 MiB scoped default of v4 and v5e.
 VMEM_BUDGET = 12 * 1024 * 1024
 
-# VMEM of one TensorCore by `jax.Device.device_kind`, as the TPU compiler
-# reports it when a program asks for more ("Used ... of 16.00M vmem" on v4);
-# other chips are taken to have the smallest.
-VMEM_CAPACITY = {'TPU v4': 16 * 1024 * 1024, 'TPU v5 lite': 128 * 1024 * 1024}
-_SMALLEST_VMEM = 16 * 1024 * 1024
-
-
-def vmem_capacity(kind: Optional[str]) -> int:
-  """VMEM bytes of a core of the chip `kind` (`target.device_kind()`)."""
-  return VMEM_CAPACITY.get(kind, _SMALLEST_VMEM)
+# The smallest VMEM of a TensorCore of the chips in `compile.chips.CHIPS`
+# (v4's 16 MiB): what a kernel assumes when it is not told its chip's.
+SMALLEST_VMEM = 16 * 1024 * 1024
 
 
 def row_block(length: int, limit: int) -> int:
@@ -70,3 +63,9 @@ def mesh_shards(logical: str) -> bool:
   than one device (its rules map it to a mesh axis of size > 1)."""
   found = _mesh_and_axes(logical)
   return found is not None and any(found[0].shape[a] > 1 for a in found[1])
+
+
+def split_axes(*logical: str) -> frozenset:
+  """Those of the logical axes `logical` that the current mesh splits over
+  more than one device (`mesh_shards`): a plan's `sharded`."""
+  return frozenset(axis for axis in logical if mesh_shards(axis))

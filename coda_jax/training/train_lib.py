@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import acm as acm_lib
@@ -44,6 +45,7 @@ from coda_jax.checkpoints import coda as coda_checkpoints
 from coda_jax import config as config_lib
 from coda_jax import network
 from coda_jax import partitioning
+from coda_jax import selftest as selftest_lib
 from coda_jax.training import data as data_lib
 # The errors `train` raises, named here for its callers (train.py, infer.py, tests).
 from coda_jax.training.errors import (  # pylint: disable=unused-import
@@ -195,12 +197,19 @@ def build_trainer(model, lengths: Mapping[str, int], total_steps: int, mesh,
   return trainer, schedule, learning_rate_fn
 
 
+def _lead_print(line: str) -> None:
+  """Prints `line` on process 0 (the one log of a multi-process job)."""
+  if jax.process_index() == 0:
+    print(line, flush=True)
+
+
 def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
           mesh_shape: Sequence[int], logical_axis_rules, learning_rate_fn,
           optimizer_fn, trainable_params: str, k_anneal_fraction: float,
           k_anneal_max_rungs: int, z_loss: float, vocabulary, register_tasks: bool,
-          initial_checkpoint_path: Optional[str]) -> RunSetup:
-  """Validates the configuration and builds the model, task, mesh and trainer."""
+          initial_checkpoint_path: Optional[str], selftest: str = 'auto') -> RunSetup:
+  """Validates the configuration and builds the model, task, mesh and trainer
+  (whose model runs XLA for any kernel `selftest.check_run` finds off)."""
   train_cfg, lengths = check_run(model, train_dataset_cfg, total_steps, trainable_params)
   if initial_checkpoint_path is not None:
     try:
@@ -215,8 +224,13 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
     raise ConfigError(f'the train dataset has no shuffling seed (DATA_SEED = None): the '
                       f'{jax.process_count()} processes would read different orders; '
                       'set DATA_SEED')
+  n = lengths['inputs']
+  checked = selftest_lib.check_run(
+      model, n, [model.coda.num_selected(n), n] if model.routes_tokens else [n],
+      dtype=jnp.dtype(model.config.dtype).name, training=True, mode=selftest,
+      log=_lead_print)
   trainer, schedule, learning_rate_fn = build_trainer(
-      model, lengths, total_steps, mesh, logical_axis_rules, learning_rate_fn, optimizer_fn,
+      checked, lengths, total_steps, mesh, logical_axis_rules, learning_rate_fn, optimizer_fn,
       trainable_params, k_anneal_fraction, k_anneal_max_rungs, z_loss)
   return RunSetup(model=model, train_cfg=train_cfg, eval_cfg=eval_cfg, lengths=lengths,
                   mesh=mesh, trainer=trainer, k_schedule=schedule,
@@ -576,6 +590,7 @@ def train(*,
           callbacks: Sequence[Callable[[int, Dict[str, float]], None]] = (),
           dry_run: bool = False,
           acm_usage_batches: int = 8,
+          selftest: str = 'auto',
           ) -> TrainResult:
   """Trains `model` on `train_dataset_cfg` for `total_steps` steps (see module doc).
 
@@ -607,6 +622,9 @@ def train(*,
     acm_usage_batches: after an ACM 'finetune' run, measure the learners' usage
       u_n = P(k >= n) on that many batches into run_config.json, where 'gather'
       inference takes its capacities from (0: not measured).
+    selftest: before the first step, the kernels the plan selects against XLA
+      at the run's shapes (`coda_jax.selftest.check_run`): 'auto' (on a TPU or
+      GPU), 'always', 'never'; a kernel that is off runs as XLA, with a line.
   """
   global _TRAIN_CALLS
   _TRAIN_CALLS += 1
@@ -614,7 +632,7 @@ def train(*,
   run = setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps, mesh_shape,
               logical_axis_rules, learning_rate_fn, optimizer_fn, trainable_params,
               k_anneal_fraction, k_anneal_max_rungs, z_loss, vocabulary, register_tasks,
-              initial_checkpoint_path)
+              initial_checkpoint_path, selftest)
   if dry_run:
     return dry_run_result(run, model_dir)
   return run_training(

@@ -1,0 +1,424 @@
+"""How each layer of a program runs: one `Plan`, resolved once per program.
+
+A CoDA encoder has several formulations with the same results (which
+`tests/test_plan.py` and `coda-jax selftest` hold them to): how routed tokens
+move (row gathers or one-hot matmuls), and TPU Pallas kernels for the
+encoder's attention, its pre-MLP norm and MLP, a routed layer's route (with
+its adapter's down projection) and its output (with the adapter), the soft
+top-k's solver kernel, and the routed MLP's factored norm. Which one runs is
+decided here, and only here, from
+
+* the configs' settings (`T5Config.attention_kernel`, `mlp_kernel`,
+  `CodaConfig.dispatch`, `route_kernel`, `unroute_kernel`,
+  `SoftTopKConfig.impl`: 'xla' / 'gather' and 'pallas' / 'one_hot' are
+  obeyed where the formulation serves the layer, 'auto' asks the rules);
+* the chip the program is compiled for (`Target`: the platform and JAX's
+  `device_kind`, read once per program by `network.Encoder`);
+* the program's shapes: the input length n and the routed tokens k.
+
+`RULES` are the measurements behind 'auto', one data row each: on which
+chip, for which attention variant and which routed fractions k / n a
+formulation was measured to move fewer bytes (the TPU compiler's cost
+model), and the committed benchmark file that measured it. A chip with no
+row for a choice gets `DEFAULTS` (XLA, gathers): what was measured on one
+chip is not assumed on another.
+
+`resolve` gives a frozen `Plan`; layers receive its plain choices
+(`LayerPlan`). `coda-jax compile`, `coda-jax benchmark` and
+`tools/routed_cost.py` print each program's plan (`Plan.describe`) and keep
+it in their JSON (`Plan.as_dict`); `recording` collects the plans a traced
+program resolved. No flax here.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
+
+import jax.numpy as jnp
+
+from coda_jax.config import PARALLEL, AcmConfig, CodaConfig, T5Config
+from coda_jax.kernels import mlp as mlp_kernel
+from coda_jax.kernels import relpos_attention
+from coda_jax.kernels import route_adapter
+from coda_jax.kernels import tpu_blocks
+from coda_jax.target import Target
+
+XLA, PALLAS = 'xla', 'pallas'
+GATHER, ONE_HOT = 'gather', 'one_hot'
+# The choices a plan makes: `what` of a `Rule`.
+DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK = (
+    'dispatch', 'attention', 'mlp', 'route', 'output', 'soft_topk')
+CHOICES = (DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK)
+# The Pallas kernels among them (`coda-jax selftest` checks each one a plan
+# selects): the formulation that is not XLA's.
+KERNELS = (ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK)
+# Where the kernels run natively; elsewhere 'pallas' runs in interpret mode.
+NATIVE_PLATFORM = {ATTENTION: 'tpu', MLP: 'tpu', ROUTE: 'tpu', OUTPUT: 'tpu',
+                   SOFT_TOPK: 'gpu'}
+# A chip with no row gets these: XLA's fusions, tokens moved by gathers.
+DEFAULTS = {DISPATCH: GATHER, ATTENTION: XLA, MLP: XLA, ROUTE: XLA, OUTPUT: XLA,
+            SOFT_TOPK: XLA}
+_ALTERNATIVE = {DISPATCH: ONE_HOT, ATTENTION: PALLAS, MLP: PALLAS, ROUTE: PALLAS,
+                OUTPUT: PALLAS, SOFT_TOPK: PALLAS}
+# The config field that asks for each choice, for messages.
+SETTING = {DISPATCH: 'CodaConfig.dispatch', ATTENTION: 'T5Config.attention_kernel',
+           MLP: 'T5Config.mlp_kernel', ROUTE: 'CodaConfig.route_kernel',
+           OUTPUT: 'CodaConfig.unroute_kernel', SOFT_TOPK: 'SoftTopKConfig.impl'}
+
+_BASE = 'benchmarks/plan/base_b128_n384_{}.json'
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One measured row: on `chip`, 'auto' picks `choice` for `what`.
+
+  Attributes:
+    what: one of `CHOICES`.
+    chip: a `compile.chips.CHIPS` generation ('v4', 'v5e', ...).
+    choice: `_ALTERNATIVE[what]` (the kernel, one-hot dispatch) or
+      `DEFAULTS[what]`, where measured to move fewer bytes.
+    attention: the CoDA attention variant it was measured for ('k_to_all',
+      'k_to_k'), or None: any (dense layers included).
+    fractions: the routed fractions k / n it holds for, `lo < k / n <= hi`
+      (dense layers: k / n = 1).
+    evidence: the committed benchmark file (JSON) that measured it:
+      `tests/test_plan.py` checks the row against it.
+  """
+  what: str
+  chip: str
+  choice: str
+  attention: Optional[str] = None
+  fractions: Tuple[float, float] = (0.0, 1.0)
+  evidence: str = ''
+
+  def matches(self, what: str, chip: Optional[str], attention: Optional[str],
+              fraction: float) -> bool:
+    lo, hi = self.fractions
+    return (self.what == what and self.chip == chip and lo < fraction <= hi
+            and (self.attention is None or self.attention == attention))
+
+
+# The rows, first match wins. Measured with `tools/plan_evidence.py` (base,
+# batch 128, n 384, bf16, the encoder's bytes accessed as the TPU compiler
+# counts them, each choice flipped against the plan these rows give; jax
+# 0.10.2, libtpu 0.0.42.1).
+RULES: Tuple[Rule, ...] = (
+    # v4: the attention and MLP kernels everywhere; one-hot dispatch; the
+    # route kernel up to k / n = 0.3 (above it memory-space assignment copies
+    # the layer input to CMEM around the kernel); never the output kernel.
+    Rule(DISPATCH, 'v4', ONE_HOT, evidence=_BASE.format('v4')),
+    Rule(ATTENTION, 'v4', PALLAS, evidence=_BASE.format('v4')),
+    Rule(MLP, 'v4', PALLAS, evidence=_BASE.format('v4')),
+    Rule(ROUTE, 'v4', PALLAS, fractions=(0.0, 0.3), evidence=_BASE.format('v4')),
+    # v5e: the same, the route kernel at every k measured, and for k-to-k up
+    # to k / n = 0.3 the output kernel instead (it computes the adapter).
+    Rule(DISPATCH, 'v5e', ONE_HOT, evidence=_BASE.format('v5e')),
+    Rule(ATTENTION, 'v5e', PALLAS, evidence=_BASE.format('v5e')),
+    Rule(MLP, 'v5e', PALLAS, evidence=_BASE.format('v5e')),
+    Rule(OUTPUT, 'v5e', PALLAS, attention='k_to_k', fractions=(0.0, 0.3),
+         evidence=_BASE.format('v5e')),
+    Rule(ROUTE, 'v5e', PALLAS, evidence=_BASE.format('v5e')),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+  """How one kind of encoder layer runs (dense, or routed at k of n).
+
+  Attributes:
+    attention: XLA or PALLAS (`kernels.relpos_attention`).
+    mlp: XLA or PALLAS (`kernels.mlp`, the pre-MLP norm with it).
+    route: XLA or PALLAS (`kernels.route_adapter`); routed layers only.
+    output: XLA or PALLAS (`kernels.unroute_combine`); routed layers only.
+    factored_norm: the routed MLP applies its norm's per-token factor after
+      its input projections (`layers.RMSNorm(factored=True)`).
+    dispatch: GATHER or ONE_HOT (`routing.route` / `unroute`).
+    soft_topk: XLA or PALLAS (`kernels.soft_topk`).
+    interpret: run the TPU kernels in Pallas interpret mode (not on a TPU).
+    vmem_bytes: the chip's VMEM, which the MLP kernel's weights must fit.
+    k: routed tokens (the layer's length when dense).
+  """
+  attention: str = XLA
+  mlp: str = XLA
+  route: str = XLA
+  output: str = XLA
+  factored_norm: bool = False
+  dispatch: str = GATHER
+  soft_topk: str = XLA
+  interpret: bool = True
+  vmem_bytes: int = tpu_blocks.SMALLEST_VMEM
+  k: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Every choice of one program's encoder, with why it was made.
+
+  Attributes:
+    target: the chip.
+    length: n, the encoder's input length.
+    k: routed tokens of its routed layers (n when nothing routes).
+    attention_variant: CoDA's 'k_to_all' / 'k_to_k', None without routing.
+    dense: how its dense layers run (None: every layer routes).
+    routed: how its routed layers run (None: none routes).
+    reasons: `{choice: why}`, one line each.
+  """
+  target: Target
+  length: int
+  k: int
+  attention_variant: Optional[str]
+  dense: Optional[LayerPlan]
+  routed: Optional[LayerPlan]
+  reasons: Tuple[Tuple[str, str], ...]
+
+  def kernels(self) -> Tuple[str, ...]:
+    """The Pallas kernels this program runs (`KERNELS` order)."""
+    out = []
+    for name in KERNELS:
+      layers = [p for p in (self.dense, self.routed) if p is not None]
+      if any(getattr(p, name) == PALLAS for p in layers):
+        out.append(name)
+    return tuple(out)
+
+  def as_dict(self) -> Dict[str, Any]:
+    layer = lambda p: None if p is None else dataclasses.asdict(p)
+    return {'target': self.target.describe(), 'device_kind': self.target.device_kind,
+            'length': self.length, 'k': self.k, 'attention': self.attention_variant,
+            'dense': layer(self.dense), 'routed': layer(self.routed),
+            'kernels': list(self.kernels()), 'reasons': dict(self.reasons)}
+
+  def summary(self) -> str:
+    """The choices in one line: 'tpu v5e: attention pallas, mlp pallas,
+    dispatch one_hot, route xla, output pallas'."""
+    parts = []
+    for label, layer in (('dense', self.dense), ('routed', self.routed)):
+      if layer is None:
+        continue
+      prefix = f'{label} ' if self.dense is not None and self.routed is not None else ''
+      parts += [f'{prefix}attention {layer.attention}', f'{prefix}mlp {layer.mlp}']
+    if self.routed is not None:
+      r = self.routed
+      parts += [f'dispatch {r.dispatch}', f'route {r.route}', f'output {r.output}',
+                f'soft_topk {r.soft_topk}'] + (['factored norm'] if r.factored_norm else [])
+    return f'{self.target.describe()}: ' + ', '.join(parts)
+
+  def describe(self) -> str:
+    """One line per choice: what runs and why."""
+    head = f'plan for {self.target.describe()}, n = {self.length}'
+    if self.routed is not None:
+      head += f', k = {self.k} ({self.attention_variant})'
+    lines = [head + ':']
+    width = max(len(name) for name, _ in self.reasons)
+    lines += [f'  {name:<{width}}  {why}' for name, why in self.reasons]
+    return '\n'.join(lines)
+
+
+class _Resolver:
+  """The rules applied to one program (`resolve`)."""
+
+  def __init__(self, target: Target, attention: Optional[str], fraction: float):
+    self.target, self.attention, self.fraction = target, attention, fraction
+
+  def auto(self, what: str, fraction: Optional[float] = None) -> Tuple[str, str]:
+    """The rules' choice for `what` and the reason."""
+    fraction = self.fraction if fraction is None else fraction
+    chip = self.target.name
+    for rule in RULES:
+      if rule.matches(what, chip, self.attention, fraction):
+        where = '' if rule.attention is None else f' {rule.attention}'
+        lo, hi = rule.fractions
+        span = '' if (lo, hi) == (0.0, 1.0) else f', {lo:g} < k/n <= {hi:g}'
+        return rule.choice, f'auto: measured on {chip}{where}{span} ({rule.evidence})'
+    default = DEFAULTS[what]
+    if chip is None:
+      return default, f'auto: {self.target.describe()} has no measured rule (default)'
+    if any(rule.what == what and rule.chip == chip for rule in RULES):
+      return default, f'auto: no rule for {chip} at k/n = {fraction:.2f} (default)'
+    return default, f'auto: no rule for {chip} (default)'
+
+  def choose(self, what: str, setting: str, blockers: List[str],
+             fraction: Optional[float] = None) -> Tuple[str, str]:
+    """`setting` ('auto', or either formulation) where nothing in
+    `blockers` rules the alternative out."""
+    alternative = _ALTERNATIVE[what]
+    if setting == 'auto':
+      choice, why = self.auto(what, fraction)
+    elif setting in ('xla', 'gather'):
+      return DEFAULTS[what], f'{SETTING[what]} = {setting!r}'
+    else:
+      choice, why = alternative, f'{SETTING[what]} = {setting!r}'
+    if choice == alternative and blockers:
+      return DEFAULTS[what], f'{why}, but {"; ".join(blockers)}'
+    return choice, why
+
+
+def _attention_blockers(config: T5Config, kv_length: int, training: bool,
+                        packed: bool) -> List[str]:
+  out = []
+  if training and config.dropout_rate > 0:
+    out.append('attention dropout')
+  if packed:
+    out.append('packed inputs (segment masks)')
+  if not relpos_attention.supported(kv_length):
+    out.append(f'{kv_length} keys > {relpos_attention.MAX_KV_LENGTH}')
+  return out
+
+
+def _mlp_blockers(config: T5Config, coda: Optional[CodaConfig], acm: Optional[AcmConfig],
+                  rows: int, training: bool, sharded: FrozenSet[str],
+                  vmem_bytes: int) -> List[str]:
+  out = []
+  if coda is not None and coda.lora:
+    out.append('LoRA')
+  if acm is not None and acm.replaces('mlp', 'encoder'):
+    out.append('an ACM MLP')
+  if training and config.dropout_rate > 0:
+    out.append('intermediate dropout')
+  split = sorted(sharded & {'mlp', 'embed'})
+  if split:
+    out.append(f'{" and ".join(split)} split over devices')
+  if not mlp_kernel.fits((1, rows, config.emb_dim), config.mlp_dim,
+                         len(config.mlp_activations), config.dtype, vmem_bytes):
+    out.append(f'its weights do not fit {vmem_bytes / 2 ** 20:g} MiB of VMEM')
+  return out
+
+
+def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
+            acm: Optional[AcmConfig] = None, *, target: Target, length: int,
+            training: bool = False, packed: bool = False,
+            sharded: FrozenSet[str] = frozenset()) -> Plan:
+  """The plan of an encoder over `length` tokens compiled for `target`.
+
+  Args:
+    config, coda, acm: the model's configs (`coda` None: no routing or
+      adapters; `acm` None: no ACM).
+    target: the chip the program is for.
+    length: n, the encoder input length.
+    training: the program runs with dropout (a train step).
+    packed: the inputs are packed (segment masks: no kernel attention).
+    sharded: logical axes the mesh splits over more than one device
+      ('mlp', 'embed', ...).
+  """
+  n = int(length)
+  routes = coda is not None and any(coda.is_routed(i, config.num_encoder_layers)
+                                     for i in range(config.num_encoder_layers))
+  k = coda.num_selected(n) if routes else n
+  variant = coda.attention if routes else None
+  fraction = k / n if n else 1.0
+  rules = _Resolver(target, variant, fraction)
+  reasons: List[Tuple[str, str]] = []
+  chip = target.chip
+  common = dict(interpret=target.platform != 'tpu',
+                vmem_bytes=chip.vmem_bytes if chip is not None else tpu_blocks.SMALLEST_VMEM)
+
+  def attention_and_mlp(rows: int, kv: int, fraction: float, label: str):
+    att, why_att = rules.choose(ATTENTION, config.attention_kernel, _attention_blockers(
+        config, kv, training, packed), fraction)
+    mlp, why_mlp = rules.choose(MLP, config.mlp_kernel, _mlp_blockers(
+        config, coda, acm, rows, training, sharded, common['vmem_bytes']), fraction)
+    reasons.extend([(f'{label}attention', f'{att}: {why_att}'),
+                    (f'{label}mlp', f'{mlp}: {why_mlp}')])
+    return att, mlp
+
+  dense = None
+  if not routes or any(not coda.is_routed(i, config.num_encoder_layers)
+                       for i in range(config.num_encoder_layers)):
+    att, mlp = attention_and_mlp(n, n, 1.0, 'dense ' if routes else '')
+    dense = LayerPlan(attention=att, mlp=mlp, k=n, **common)
+  if not routes:
+    return Plan(target, n, n, None, dense, None, tuple(reasons))
+
+  dispatch, why = rules.choose(DISPATCH, coda.dispatch, [])
+  reasons.append((DISPATCH, f'{dispatch}: {why}'))
+  soft_topk, why = _soft_topk(rules, coda)
+  reasons.append((SOFT_TOPK, f'{soft_topk}: {why}'))
+  kv = n if variant == 'k_to_all' else k
+  att, mlp = attention_and_mlp(k, kv, fraction, 'routed ')
+  output, route, factored = XLA, XLA, False
+  if k < n:
+    adapter = coda.adapter == PARALLEL
+    output, why_out = rules.choose(OUTPUT, coda.unroute_kernel, [] if adapter else [
+        'no parallel adapter'])
+    if coda.unroute_kernel == 'auto' and output == PALLAS and dispatch != ONE_HOT:
+      output, why_out = XLA, f'{why_out}, but the dispatch is {dispatch}'
+    blockers = [] if adapter else ['no parallel adapter']
+    if output == PALLAS:
+      blockers.append('the output kernel computes the adapter')
+    if 'embed' in sharded:
+      blockers.append('embed split over devices')
+    if not route_adapter.fits(n, k, config.emb_dim, jnp.dtype(config.dtype).itemsize):
+      blockers.append(f'its [k, emb] accumulator does not fit {tpu_blocks.VMEM_BUDGET} B')
+    route, why_route = rules.choose(ROUTE, coda.route_kernel, blockers)
+    if coda.route_kernel == 'auto' and route == PALLAS and dispatch != ONE_HOT:
+      route, why_route = XLA, f'{why_route}, but the dispatch is {dispatch}'
+    # The norm's factor after the MLP's input projections, where the output
+    # kernel finishes the layer and the MLP is XLA's (measured with it only).
+    factored = output == PALLAS and mlp == XLA and not (
+        acm is not None and acm.replaces('mlp', 'encoder'))
+    reasons += [(ROUTE, f'{route}: {why_route}'), (OUTPUT, f'{output}: {why_out}'),
+                ('factored_norm', f'{factored}: ' + (
+                    'the output kernel finishes the layer, the MLP is XLA' if factored
+                    else 'only where the output kernel finishes a layer with XLA\'s MLP'))]
+  else:
+    reasons.append((ROUTE, 'xla: k = n, no tokens move'))
+  routed = LayerPlan(attention=att, mlp=mlp, route=route, output=output,
+                     factored_norm=factored, dispatch=dispatch, soft_topk=soft_topk, k=k,
+                     **common)
+  return Plan(target, n, k, variant, dense, routed, tuple(reasons))
+
+
+def _soft_topk(rules: _Resolver, coda: CodaConfig) -> Tuple[str, str]:
+  """The soft top-k solver's formulation: the kernel serves the iterative
+  solver from colt5's start (`kernels.soft_topk`)."""
+  config = coda.soft_topk
+  blockers = []
+  if coda.normalizer != 'soft_topk':
+    return XLA, f'the router\'s normalizer is {coda.normalizer!r}'
+  if config.method != 'iterative':
+    blockers.append(f'method {config.method!r}')
+  if config.b_init != 'colt5':
+    blockers.append(f'b_init {config.b_init!r}')
+  if config.impl == 'pallas' and blockers:
+    raise ValueError(f"SoftTopKConfig(impl='pallas') has a kernel for method='iterative' "
+                     f"with b_init='colt5' only, got {', '.join(blockers)}: use impl='xla' "
+                     "or impl='auto'")
+  return rules.choose(SOFT_TOPK, config.impl, blockers)
+
+
+def soft_topk_impl(config, target: Target) -> str:
+  """XLA or PALLAS for a soft top-k called on its own (`soft_topk.soft_topk`
+  outside a model) with `SoftTopKConfig` `config`."""
+  if config.impl == 'auto':
+    if config.method != 'iterative' or config.b_init != 'colt5':
+      return XLA
+    return _Resolver(target, None, 1.0).auto(SOFT_TOPK)[0]
+  return PALLAS if config.impl == 'pallas' else XLA
+
+
+# ----------------------------------------------------------------------------
+# The plans a traced program resolved.
+# ----------------------------------------------------------------------------
+
+_RECORDED = threading.local()
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[List[Plan]]:
+  """Collects the plans `note`d while tracing inside (a program's encoder
+  notes one per trace): `with recording() as plans: lowered = ...`."""
+  stack = _RECORDED.__dict__.setdefault('stack', [])
+  plans: List[Plan] = []
+  stack.append(plans)
+  try:
+    yield plans
+  finally:
+    stack.pop()
+
+
+def note(plan: Plan) -> None:
+  """Records `plan` in every enclosing `recording`."""
+  for plans in getattr(_RECORDED, 'stack', []):
+    if plan not in plans:
+      plans.append(plan)

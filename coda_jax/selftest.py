@@ -1,0 +1,686 @@
+"""``coda-jax selftest``: each kernel a run's plan selects, against XLA, on the devices here.
+
+No Pallas kernel of this project has run on a TPU: they are tested in Pallas
+interpret mode on a CPU and compiled by Mosaic without a chip, and a chip can
+disagree with interpret mode where the tests cannot look (tile padding of
+77- or 171-wide rows, the kernel's `log` against XLA's at T5's bucket
+boundaries, a split of the grid over v4's two cores). So before a run uses a
+kernel, this compares it with its XLA formulation on the devices present,
+forward and gradients, in float32 and bfloat16, at the run's shapes and at
+the edges: routed rows of 77 and 171 (not multiples of the 8 x 128 tile),
+every distance of 0-255 (T5's buckets change at 16, 32, 64; 128 saturates),
+padding tokens, the MLP kernel's non-resident weights, multi-query heads.
+
+  coda-jax selftest [--gin_file=RUN.gin ...] [--model base --length 384
+      --reduction_factors 3,5 --attentions k_to_all,k_to_k] [--kernels planned]
+      [--dtypes float32,bfloat16] [--batch_size 2] [--no_edges] [--out FILE]
+
+prints one row per case (the largest error of the outputs and of the
+gradients, relative to the largest XLA value, against the case's stated
+tolerance; on an accelerator each kernel's time next to XLA's) and exits 1 if
+a kernel is off. `--kernels planned` (the default): the kernels the plan
+selects on these devices; where it selects none (a CPU), every kernel, in
+interpret mode (what CI runs). `train`, `infer`, `eval` and `benchmark` run
+the numerical part at the run's shapes once on an accelerator before their
+first step (`check_run`; the verdict cached per chip, jax and libtpu
+version), and run a kernel that is off with XLA instead, saying so in one line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from coda_jax import quiet
+
+# Largest error relative to the largest XLA value, per dtype: float32
+# reorders sums (~1e-6); bfloat16 rounds each product's inputs and the
+# kernels keep float32 accumulators where XLA's fusions may round between
+# steps (up to a few ulps of 2^-8). A kernel that is wrong (a bucket off at a
+# boundary, a padded tile read) is off by far more.
+TOLERANCE = {'float32': {'forward': 1e-4, 'gradient': 1e-4},
+             'bfloat16': {'forward': 3e-2, 'gradient': 5e-2}}
+# The config field that turns each kernel off (`fall_back`).
+_SWITCH = {'attention': ('config', 'attention_kernel'), 'mlp': ('config', 'mlp_kernel'),
+           'route': ('coda', 'route_kernel'), 'output': ('coda', 'unroute_kernel'),
+           'soft_topk': ('soft_topk', 'impl')}
+# Edge shapes: routed rows not a multiple of the tile; all distances of 0-255.
+EDGE_KS = (77, 171)
+DISTANCE_LENGTH = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One comparison: `kernel` at `label`'s shapes in `dtype`."""
+  kernel: str
+  label: str
+  dtype: str
+  dims: Tuple[Tuple[str, Any], ...]
+
+  @property
+  def shape(self) -> Dict[str, Any]:
+    return dict(self.dims)
+
+  def key(self) -> str:
+    return f'{self.kernel}|{self.label}|{self.dtype}|{self.dims}'
+
+
+@dataclasses.dataclass
+class Result:
+  case: Case
+  forward: Optional[float] = None
+  gradient: Optional[float] = None
+  error: Optional[str] = None
+  kernel_ms: Optional[float] = None
+  xla_ms: Optional[float] = None
+
+  @property
+  def tolerance(self) -> Dict[str, float]:
+    return TOLERANCE[self.case.dtype]
+
+  @property
+  def ok(self) -> bool:
+    return (self.error is None and self.forward <= self.tolerance['forward']
+            and self.gradient <= self.tolerance['gradient'])
+
+  def as_dict(self) -> Dict[str, Any]:
+    return {'kernel': self.case.kernel, 'case': self.case.label, 'dtype': self.case.dtype,
+            'shape': self.case.shape, 'forward_error': self.forward,
+            'gradient_error': self.gradient, 'tolerance': self.tolerance, 'ok': self.ok,
+            'error': self.error, 'kernel_ms': self.kernel_ms, 'xla_ms': self.xla_ms}
+
+
+# ----------------------------------------------------------------------------
+# Cases: the run's shapes and the edges.
+# ----------------------------------------------------------------------------
+
+def _model_dims(config, coda) -> Dict[str, Any]:
+  return dict(emb=config.emb_dim, heads=config.num_heads, kv_heads=config.kv_heads,
+              head_dim=config.head_dim, mlp_dim=config.mlp_dim,
+              activations=tuple(config.mlp_activations),
+              buckets=config.relative_attention_num_buckets,
+              max_distance=config.relative_attention_max_distance,
+              adapter=coda.adapter_dim if coda is not None else 64,
+              adapter_activation=coda.adapter_activation if coda is not None else 'relu')
+
+
+def cases(kernels: Sequence[str], config, coda, length: int, ks: Sequence[int],
+          dtypes: Sequence[str], batch: int = 2, edges: bool = True) -> List[Case]:
+  """The comparisons for `kernels` of a run of `config` / `coda` on `length`
+  input tokens routing `ks` (the run's k values; the length itself for dense
+  layers), plus the edges (`edges`)."""
+  dims = _model_dims(config, coda)
+  attention = coda.attention if coda is not None else 'k_to_all'
+  routed = sorted({k for k in ks if k < length})
+  out: List[Case] = []
+
+  def add(kernel, label, **shape):
+    for dtype in (('float32',) if kernel == 'soft_topk' else dtypes):
+      out.append(Case(kernel, label, dtype, tuple(sorted(
+          dict(dims, batch=batch, **shape).items()))))
+
+  edge_length = max(length, max(EDGE_KS) + 1)
+  for kernel in kernels:
+    if kernel == 'attention':
+      add(kernel, f'n = {length}', queries=length, keys=length, routed=False)
+      for k in routed:
+        add(kernel, f'{attention} k = {k} of {length}', queries=k,
+            keys=length if attention == 'k_to_all' else k, routed=True, length=length)
+      if edges:
+        add(kernel, f'distances 0-{DISTANCE_LENGTH - 1}, bias-dominated',
+            queries=DISTANCE_LENGTH, keys=DISTANCE_LENGTH, routed=False, bias_only=True)
+        for k in EDGE_KS:
+          add(kernel, f'k_to_k k = {k}', queries=k, keys=k, routed=True, length=edge_length)
+        add(kernel, 'multi-query heads', queries=length, keys=length, routed=False,
+            kv_heads=1)
+    elif kernel == 'mlp':
+      for rows in [length] + routed + (list(EDGE_KS) if edges else []):
+        add(kernel, f'{rows} rows', rows=rows)
+      if edges:
+        add(kernel, f'{min(length, 128)} rows, non-resident weights', rows=min(length, 128),
+            resident=False)
+    elif kernel in ('route', 'output'):
+      for k in routed:
+        add(kernel, f'k = {k} of {length}', length=length, k=k)
+      if edges:
+        for k in EDGE_KS:
+          add(kernel, f'k = {k} of {edge_length}', length=edge_length, k=k)
+    elif kernel == 'soft_topk':
+      for k in routed or [max(1, length // 3)]:
+        add(kernel, f'k = {k} of {length}', length=length, k=k)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Each kernel and its XLA formulation, on random operands.
+# ----------------------------------------------------------------------------
+
+def _positions(rng, batch: int, count: int, length: int):
+  """Sorted distinct positions `[batch, count]` of `length` (all when equal)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  if count == length:
+    return np.broadcast_to(np.arange(length), (batch, length)).astype(np.int32)
+  return np.stack([np.sort(rng.choice(length, count, replace=False))
+                   for _ in range(batch)]).astype(np.int32)
+
+
+def _real(batch: int, length: int):
+  """Every row real but the last, whose last third is padding."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  real = np.ones((batch, length), bool)
+  real[-1, length - length // 3:] = False
+  return real
+
+
+def _attention(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax import layers  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import relpos_attention  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(0)
+  b, q, kv, h, kvh, d = (s['batch'], s['queries'], s['keys'], s['heads'], s['kv_heads'],
+                         s['head_dim'])
+  scale = 0.05 if s.get('bias_only') else 1.0
+  operands = [jnp.asarray(scale * rng.randn(b, n, heads, d), dtype)
+              for n, heads in ((q, h), (kv, kvh), (kv, kvh))]
+  # Far-apart bucket values: a pair put in the neighbouring bucket shows.
+  # In the activation dtype, as the model's `RelativePositionBiases.table()`.
+  table = jnp.asarray(rng.randn(h, s['buckets']) * (4.0 if s.get('bias_only') else 1.0),
+                      dtype)
+  if s['routed']:
+    length = s['length']
+    real = _real(b, length)
+    q_pos = _positions(rng, b, q, length)
+    k_pos = q_pos if kv == q else _positions(rng, b, kv, length)
+    q_real = np.take_along_axis(real, q_pos, 1)
+    k_real = np.take_along_axis(real, k_pos, 1)
+  else:
+    q_pos = k_pos = np.broadcast_to(np.arange(q), (b, q)).astype(np.int32)
+    q_real = k_real = _real(b, q)
+  kw = dict(query_positions=jnp.asarray(q_pos), key_positions=jnp.asarray(k_pos),
+            query_real=jnp.asarray(q_real), key_real=jnp.asarray(k_real))
+
+  def kernel(query, key, value, table):
+    return relpos_attention.relpos_attention(query, key, value, table, bidirectional=True,
+                                             max_distance=s['max_distance'],
+                                             interpret=interpret, **kw)
+
+  def xla(query, key, value, table):
+    bias = layers.RelativePositionBiases(num_buckets=s['buckets'],
+                                         max_distance=s['max_distance'], num_heads=h).apply(
+        {'params': {'rel_embedding': table}}, kw['query_positions'], kw['key_positions'])
+    mask = layers.make_attention_mask(kw['query_real'], kw['key_real'])
+    bias = jnp.where(mask > 0, 0., layers.MASK_VALUE) + bias
+    return layers.dot_product_attention(query, key, value, bias=bias, deterministic=True,
+                                        dtype=query.dtype, float32_logits=True)
+
+  return kernel, xla, (*operands, table)
+
+
+def _mlp(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax import layers  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import mlp as mlp_kernel  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(1)
+  e, hidden, acts = s['emb'], s['mlp_dim'], s['activations']
+  x = jnp.asarray(rng.randn(s['batch'], s['rows'], e), dtype)
+  norm_scale = jnp.asarray(1 + 0.1 * rng.randn(e), dtype)
+  wi = [jnp.asarray(rng.randn(e, hidden) / np.sqrt(e), dtype) for _ in acts]
+  wo = jnp.asarray(rng.randn(hidden, e) / np.sqrt(hidden), dtype)
+  functions = [layers.get_activation(a) for a in acts]
+  vmem = _vmem_bytes()
+  if not s.get('resident', True):
+    # The least VMEM in which the weights go in blocks of hidden units,
+    # re-read per block of rows (the path large models take on a v4).
+    fits = lambda v: mlp_kernel.plan(s['batch'], s['rows'], e, hidden, len(acts),
+                                     dtype.itemsize, v)
+    vmem = next((v for v in range(2 ** 20, vmem + 1, 2 ** 18)
+                 if fits(v).fits and not fits(v).resident), None)
+    if vmem is None:
+      raise _Skip(f'{hidden} hidden units have no split into blocks that fits VMEM '
+                  'where the whole weights do not')
+
+  def kernel(x, norm_scale, wi, wo):
+    return mlp_kernel.mlp(x, norm_scale, wi, wo, functions, vmem_bytes=vmem,
+                          interpret=interpret)
+
+  def xla(x, norm_scale, wi, wo):
+    return mlp_kernel.reference(x, norm_scale, wi, wo, functions, 1e-6)
+
+  return kernel, xla, (x, norm_scale, wi, wo)
+
+
+def _routed_operands(case: Case, seed: int):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(seed)
+  b, n, k, e, a = s['batch'], s['length'], s['k'], s['emb'], s['adapter']
+  # Every float operand in the activation dtype, as the layers pass them.
+  x = jnp.asarray(rng.randn(b, n, e), dtype)
+  norm_scale = jnp.asarray(1 + 0.1 * rng.randn(e), dtype)
+  w_down = jnp.asarray(rng.randn(e, a) / np.sqrt(e), dtype)
+  w_up = jnp.asarray(rng.randn(a, e) / np.sqrt(a), dtype)
+  indices = jnp.asarray(_positions(rng, b, k, n))
+  delta = jnp.asarray(rng.randn(b, k, e), dtype)
+  return x, norm_scale, w_down, w_up, delta, indices
+
+
+def _route(case: Case, interpret: bool):
+  from coda_jax.kernels import route_adapter  # pylint: disable=g-import-not-at-top
+  x, norm_scale, w_down, _, _, indices = _routed_operands(case, 2)
+
+  def kernel(x, norm_scale, w_down):
+    return route_adapter.route_adapter(x, norm_scale, w_down, indices, interpret=interpret)
+
+  def xla(x, norm_scale, w_down):
+    return route_adapter.reference(x, norm_scale, w_down, indices, 1e-6)
+
+  return kernel, xla, (x, norm_scale, w_down)
+
+
+def _output(case: Case, interpret: bool):
+  from coda_jax import adapters  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import unroute_combine  # pylint: disable=g-import-not-at-top
+  x, norm_scale, w_down, w_up, delta, indices = _routed_operands(case, 3)
+  activation = adapters.get_adapter_activation(case.shape['adapter_activation'])
+
+  def kernel(x, norm_scale, w_down, w_up, delta):
+    return unroute_combine.unroute_combine(x, norm_scale, w_down, w_up, delta, indices,
+                                           activation=activation, interpret=interpret)
+
+  def xla(x, norm_scale, w_down, w_up, delta):
+    return unroute_combine.reference(x, norm_scale, w_down, w_up, delta, indices,
+                                     activation, 1e-6)
+
+  return kernel, xla, (x, norm_scale, w_down, w_up, delta)
+
+
+def _soft_topk(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax import soft_topk  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import soft_topk as kernel_lib  # pylint: disable=g-import-not-at-top
+  s = case.shape
+  rng = np.random.RandomState(4)
+  scores = jnp.asarray(2.0 * rng.randn(s['batch'], s['length']), jnp.float32)
+  real = jnp.asarray(_real(s['batch'], s['length']))
+  sched = soft_topk.epsilon_schedule(soft_topk.DEFAULTS.num_iters)
+
+  def kernel(scores):
+    return kernel_lib.soft_topk_iterative(scores, real, s['k'], sched,
+                                          interpret=interpret)
+
+  def xla(scores):
+    return soft_topk._iterative(scores, real, s['k'], sched)  # pylint: disable=protected-access
+
+  return kernel, xla, (scores,)
+
+
+class _Skip(Exception):
+  """A case that does not apply to this chip (said in its row)."""
+
+
+_BUILDERS = {'attention': _attention, 'mlp': _mlp, 'route': _route, 'output': _output,
+             'soft_topk': _soft_topk}
+
+
+def _vmem_bytes() -> int:
+  """VMEM of a core of the chip here (the smallest TPU's elsewhere)."""
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import tpu_blocks  # pylint: disable=g-import-not-at-top
+  chip = target.current().chip
+  return chip.vmem_bytes if chip is not None else tpu_blocks.SMALLEST_VMEM
+
+
+def _relative_error(got, want) -> float:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  worst = 0.0
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not np.all(np.isfinite(a)):
+      return float('inf')
+    scale = max(float(np.max(np.abs(b))), 1e-30) if b.size else 1.0
+    worst = max(worst, float(np.max(np.abs(a - b))) / scale if b.size else 0.0)
+  return worst
+
+
+def _timed(fn, args, repeats: int = 5) -> float:
+  """Median milliseconds of a jitted call (on an accelerator)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * float(np.median(times))
+
+
+def run_case(case: Case, interpret: bool, timing: bool = False) -> Result:
+  """`case`'s kernel against its XLA formulation: forward, and the gradient
+  of a random projection of the outputs with respect to every float input."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  result = Result(case)
+  try:
+    kernel, xla, args = _BUILDERS[case.kernel](case, interpret)
+  except _Skip as e:
+    result.error = f'skipped: {e}'
+    result.forward = result.gradient = 0.0
+    return result
+
+  def value_and_grad(fn):
+    def run(*args):
+      out, vjp = jax.vjp(fn, *args)
+      keys = jax.random.split(jax.random.PRNGKey(5), len(jax.tree.leaves(out)))
+      cotangent = jax.tree.unflatten(jax.tree.structure(out), [
+          jax.random.normal(key, o.shape, jnp.float32).astype(o.dtype)
+          for key, o in zip(keys, jax.tree.leaves(out))])
+      return out, vjp(cotangent)
+    return jax.jit(run)
+
+  try:
+    got, got_grads = value_and_grad(kernel)(*args)
+    want, want_grads = value_and_grad(xla)(*args)
+    result.forward = _relative_error(got, want)
+    result.gradient = _relative_error(got_grads, want_grads)
+    if timing:
+      result.kernel_ms = _timed(jax.jit(kernel), args)
+      result.xla_ms = _timed(jax.jit(xla), args)
+  except Exception as e:  # pylint: disable=broad-except
+    # A kernel that does not lower or compile here is off too: say what it said.
+    first = (str(e).strip().splitlines() or [''])[0][:300]
+    result.error = f'{type(e).__name__}: {first}'
+  return result
+
+
+# ----------------------------------------------------------------------------
+# Which kernels a run uses, and falling back from one.
+# ----------------------------------------------------------------------------
+
+def planned_kernels(config, coda, acm, length: int, ks: Sequence[int],
+                    training: bool = False) -> Tuple[str, ...]:
+  """The kernels the plans of a run (its encoder at each k of `ks`) select
+  for the devices present (`target.current()`)."""
+  from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  selected = set()
+  for k in sorted(set(ks)) or [length]:
+    run_coda = coda if coda is None else dataclasses.replace(coda, num_routed_tokens=k)
+    selected |= set(plan_lib.resolve(config, run_coda, acm, target=target.current(),
+                                     length=length, training=training).kernels())
+  return tuple(k for k in plan_lib.KERNELS if k in selected)
+
+
+def fall_back(model, kernels: Sequence[str]):
+  """`model` (a `network.Transformer`) with `kernels` switched to XLA."""
+  config, coda = model.config, model.coda
+  for kernel in kernels:
+    where, field = _SWITCH[kernel]
+    if where == 'config':
+      config = dataclasses.replace(config, **{field: 'xla'})
+    elif coda is not None and where == 'coda':
+      coda = dataclasses.replace(coda, **{field: 'xla'})
+    elif coda is not None:                                       # the soft top-k's
+      coda = dataclasses.replace(coda, soft_topk=dataclasses.replace(coda.soft_topk,
+                                                                     **{field: 'xla'}))
+  return model.clone(config=config, coda=coda)
+
+
+def interpret_mode(kernel: str) -> bool:
+  """Whether `kernel` runs in interpret mode on the devices present."""
+  from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  return target.current().platform != plan_lib.NATIVE_PLATFORM[kernel]
+
+
+def _cache_path() -> str:
+  root = os.environ.get('CODA_JAX_CACHE_DIR') or os.path.join(
+      os.path.expanduser('~'), '.cache', 'coda_jax')
+  return os.path.join(root, 'selftest.json')
+
+
+def _versions_key() -> str:
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  versions = []
+  for name in ('jax', 'jaxlib', 'libtpu', 'jax-cuda12-plugin', 'jax-cuda13-plugin'):
+    try:
+      versions.append(f'{name}={importlib.metadata.version(name)}')
+    except importlib.metadata.PackageNotFoundError:
+      pass
+  current = target.current()
+  return f'{current.platform}|{current.device_kind}|{",".join(versions)}'
+
+
+def _load_cache() -> Dict[str, Any]:
+  try:
+    with open(_cache_path()) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
+
+
+def _store_cache(cache: Dict[str, Any]) -> None:
+  path = _cache_path()
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + '.tmp', 'w') as f:
+      json.dump(cache, f, indent=1)
+    os.replace(path + '.tmp', path)
+  except OSError:
+    pass                                   # a read-only home: check again next time
+
+
+def check_run(model, length: int, ks: Sequence[int], *, dtype: str, training: bool = False,
+              mode: str = 'auto', log: Callable[[str], None] = print):
+  """Before a run's first step: its planned kernels against XLA at its shapes
+  (batch 1, its dtype, no edges); returns `model` with each kernel that is
+  off switched to XLA, one `log` line each.
+
+  `mode`: 'auto' (on an accelerator: a TPU or GPU), 'always', 'never'. The
+  verdicts are cached per chip, jax, jaxlib and libtpu version and case
+  (`$CODA_JAX_CACHE_DIR/selftest.json`, default ~/.cache/coda_jax).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if mode not in ('auto', 'always', 'never'):
+    raise ValueError(f"selftest must be 'auto', 'always' or 'never', got {mode!r}")
+  if mode == 'never' or (mode == 'auto' and jax.default_backend() not in ('tpu', 'gpu')):
+    return model
+  kernels = planned_kernels(model.config, model.coda, getattr(model, 'acm', None), length,
+                            ks, training)
+  if not kernels:
+    return model
+  cache, key = _load_cache(), _versions_key()
+  verdicts = cache.setdefault(key, {})
+  failed: Dict[str, Result] = {}
+  for case in cases(kernels, model.config, model.coda, length, ks, [dtype], batch=1,
+                    edges=False):
+    if case.kernel in failed:
+      continue
+    known = verdicts.get(case.key())
+    if known is not None and known['ok']:
+      continue
+    result = run_case(case, interpret_mode(case.kernel))
+    verdicts[case.key()] = result.as_dict()
+    if not result.ok:
+      failed[case.kernel] = result
+  _store_cache(cache)
+  for kernel, result in failed.items():
+    log(f'selftest: the {kernel} kernel differs from XLA on this '
+        f'{jax.devices()[0].device_kind} ({_how_far(result)}, case {result.case.label}, '
+        f'{result.case.dtype}): this run uses XLA for it')
+  return fall_back(model, list(failed)) if failed else model
+
+
+def _how_far(result: Result) -> str:
+  if result.error is not None:
+    return result.error
+  return (f'forward {result.forward:.2g}, gradient {result.gradient:.2g} against '
+          f'tolerances {result.tolerance["forward"]:.0e} / {result.tolerance["gradient"]:.0e}')
+
+
+# ----------------------------------------------------------------------------
+# The command.
+# ----------------------------------------------------------------------------
+
+def table(results: Sequence[Result], timing: bool) -> str:
+  head = (f'{"kernel":10} {"case":46} {"dtype":8} {"forward":>9} {"gradient":>9} '
+          f'{"tolerance":>15} {"verdict":8}')
+  if timing:
+    head += f' {"kernel ms":>9} {"xla ms":>9}'
+  lines = [head]
+  fmt = lambda v: '-' if v is None else f'{v:9.2e}'
+  for r in results:
+    tol = f'{r.tolerance["forward"]:.0e} / {r.tolerance["gradient"]:.0e}'
+    verdict = ('ok' if r.ok else 'OFF') if not (r.error or '').startswith('skipped') else 'skipped'
+    line = (f'{r.case.kernel:10} {r.case.label[:46]:46} {r.case.dtype:8} {fmt(r.forward)} '
+            f'{fmt(r.gradient)} {tol:>15} {verdict:8}')
+    if timing:
+      ms = lambda v: '-' if v is None else f'{v:9.3f}'
+      line += f' {ms(r.kernel_ms)} {ms(r.xla_ms)}'
+    if r.error and verdict != 'skipped':
+      line += f'  {r.error}'
+    elif verdict == 'skipped':
+      line += f'  {r.error[len("skipped: "):]}'
+    lines.append(line)
+  return '\n'.join(lines)
+
+
+def _parse(argv):
+  from coda_jax import train  # pylint: disable=g-import-not-at-top
+  from coda_jax.bench import flags, models  # pylint: disable=g-import-not-at-top
+  from coda_jax.config import ATTENTION_VARIANTS  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import KERNELS  # pylint: disable=g-import-not-at-top
+  p = argparse.ArgumentParser(prog='coda-jax selftest', description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  train.add_gin_arguments(p)
+  p.add_argument('--model', default=None, choices=models.MODEL_PRESETS,
+                 help='a preset instead of a run\'s gin files (default: base)')
+  p.add_argument('--length', type=flags.at_least_one, default=None,
+                 help='input tokens n (default: the run\'s, else 384)')
+  p.add_argument('--reduction_factors', type=flags.number_list(
+      lambda r: r >= 1, 'a reduction factor >= 1'), default=None,
+                 help='with --model: CoDA\'s r (default 3, 5)')
+  p.add_argument('--attentions', type=flags.distinct(
+      flags.one_of_each(ATTENTION_VARIANTS, False), 'attention'), default=None,
+                 help='with --model: k_to_all, k_to_k (default both)')
+  p.add_argument('--kernels', default='planned',
+                 help=f"'planned' (the plan's on these devices; every kernel where it "
+                      f"selects none), 'all', or some of {','.join(KERNELS)}")
+  p.add_argument('--dtypes', type=flags.distinct(flags.one_of_each(
+      ('float32', 'bfloat16'), False), 'dtype'), default=['float32', 'bfloat16'])
+  p.add_argument('--batch_size', type=flags.at_least_one, default=2)
+  p.add_argument('--no_edges', action='store_true',
+                 help='only the run\'s shapes, not the edges (77, 171, distances, ...)')
+  p.add_argument('--out', default=None, help='write the JSON here')
+  args, extra = p.parse_known_args(argv)
+  if extra:
+    p.error(f'unrecognized arguments: {" ".join(extra)}')
+  if args.model and args.gin_file:
+    p.error('--model and --gin_file: give one (a preset, or a run\'s gin files)')
+  if args.gin_file and (args.reduction_factors or args.attentions):
+    p.error('--reduction_factors / --attentions go with --model (a run\'s gin files set them)')
+  if args.kernels not in ('planned', 'all'):
+    unknown = sorted(set(args.kernels.split(',')) - set(KERNELS))
+    if unknown:
+      p.error(f'--kernels: unknown {unknown}; expected planned, all, or some of {KERNELS}')
+  return args
+
+
+def _runs(args) -> List[Tuple[Any, Any, Any, int, List[int]]]:
+  """(config, coda, acm, n, ks) of each run to test."""
+  from coda_jax.bench import models  # pylint: disable=g-import-not-at-top
+  from coda_jax.config import CodaConfig  # pylint: disable=g-import-not-at-top
+  if args.gin_file:
+    from coda_jax.training import gin_utils, train_lib  # pylint: disable=g-import-not-at-top
+    search = [p for p in args.gin_search_paths.split(',') if p]
+    gin_utils.parse_gin(args.gin_file, args.gin_overrides, args.gin_bindings, search)
+    train_args = gin_utils.call_arguments(train_lib.train)
+    model = train_args['model']
+    lengths = train_args['train_dataset_cfg'].task_feature_lengths
+    n = args.length or int(lengths['inputs'])
+    ks = [model.coda.num_selected(n)] if model.routes_tokens else [n]
+    return [(model.config, model.coda, getattr(model, 'acm', None), n, ks)]
+  config = models.make_config(args.model or 'base', 'float32')
+  n = args.length or 384
+  out = []
+  for attention in args.attentions or ['k_to_all', 'k_to_k']:
+    coda = CodaConfig(attention=attention)
+    ks = [dataclasses.replace(coda, reduction_factor=r).num_selected(n)
+          for r in (args.reduction_factors or [3, 5])]
+    out.append((config, coda, None, n, ks))
+  return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  quiet.quiet_start(tensorflow=False)
+  args = _parse(list(sys.argv[1:] if argv is None else argv))
+  import jax  # pylint: disable=g-import-not-at-top
+  from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  log = lambda line: print(f'coda-jax selftest: {line}', file=sys.stderr, flush=True)
+  try:
+    runs = _runs(args)
+  except Exception as e:  # pylint: disable=broad-except
+    from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
+    print(f'coda-jax selftest: error: {gin_utils.own_message(e)}', file=sys.stderr)
+    return 2
+  here = target.current()
+  all_cases: List[Case] = []
+  for config, coda, acm, n, ks in runs:
+    if args.kernels == 'planned':
+      kernels = planned_kernels(config, coda, acm, n, ks)
+      if not kernels:
+        log(f'the plan selects no kernel on {here.describe()}: every kernel, in interpret mode')
+        kernels = plan_lib.KERNELS
+    elif args.kernels == 'all':
+      kernels = plan_lib.KERNELS
+    else:
+      kernels = tuple(args.kernels.split(','))
+    all_cases += [c for c in cases(kernels, config, coda, n, ks, args.dtypes,
+                                   args.batch_size, not args.no_edges)
+                  if c not in all_cases]
+  timing = here.platform in ('tpu', 'gpu')
+  results = []
+  for case in all_cases:
+    start = time.perf_counter()
+    results.append(run_case(case, interpret_mode(case.kernel), timing))
+    log(f'{case.kernel} {case.label} {case.dtype}: '
+        f'{"ok" if results[-1].ok else "OFF"} ({time.perf_counter() - start:.1f} s)')
+  print(f'selftest on {jax.devices()[0].device_kind} ({here.describe()}), jax '
+        f'{jax.__version__}; errors are max |kernel - xla| / max |xla|')
+  print(table(results, timing))
+  off = sorted({r.case.kernel for r in results if not r.ok})
+  if args.out:
+    with open(args.out, 'w') as f:
+      json.dump({'command': 'coda-jax selftest ' + ' '.join(sys.argv[1:] if argv is None
+                                                              else argv),
+                 'device': jax.devices()[0].device_kind, 'platform': here.platform,
+                 'versions': _versions_key(), 'results': [r.as_dict() for r in results],
+                 'off': off}, f, indent=1)
+  if off:
+    print(f'coda-jax selftest: OFF: {", ".join(off)} (use XLA for '
+          f'{"it" if len(off) == 1 else "them"}: '
+          + ', '.join(f'{_SETTING_NAME[k]}=\'xla\'' for k in off) + ')', file=sys.stderr)
+    return 1
+  return 0
+
+
+_SETTING_NAME = {'attention': 'T5Config.attention_kernel', 'mlp': 'T5Config.mlp_kernel',
+                 'route': 'CodaConfig.route_kernel', 'output': 'CodaConfig.unroute_kernel',
+                 'soft_topk': 'SoftTopKConfig.impl'}
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,263 @@
+"""coda_jax.plan: every choice of a program resolved once, from rows with evidence."""
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from coda_jax import plan as plan_lib
+from coda_jax import target
+from coda_jax.compile import chips
+from coda_jax.config import (CodaConfig, SoftTopKConfig, parallel_adapter_baseline,
+                             t5_1_1)
+from coda_jax.network import Transformer
+from coda_jax.target import Target
+
+from tiny_models import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = t5_1_1('base', dtype=jnp.bfloat16)
+KIND = {name: chip.device_kind for name, chip in chips.CHIPS.items()}
+N = 384
+
+
+def _tpu(chip: str) -> Target:
+  return Target('tpu', KIND[chip])
+
+
+def _choices(plan):
+  """(attention, mlp, dispatch, route, output) of the routed layers, or
+  (attention, mlp) of the dense ones."""
+  if plan.routed is None:
+    return (plan.dense.attention, plan.dense.mlp)
+  r = plan.routed
+  return (r.attention, r.mlp, r.dispatch, r.route, r.output)
+
+
+# chip x variant x k / n -> what 'auto' runs (base, n = 384, batch-free).
+# r = 5: k = 77 (0.20); r = 3: k = 128 (0.33); r = 1.5: k = 256 (0.67).
+TABLE = [
+    # (target, attention variant (None: Parallel Adapter), r, expected)
+    ('v4', None, None, ('pallas', 'pallas')),
+    ('v4', 'k_to_all', 5, ('pallas', 'pallas', 'one_hot', 'pallas', 'xla')),
+    ('v4', 'k_to_k', 5, ('pallas', 'pallas', 'one_hot', 'pallas', 'xla')),
+    ('v4', 'k_to_all', 3, ('pallas', 'pallas', 'one_hot', 'xla', 'xla')),
+    ('v4', 'k_to_k', 3, ('pallas', 'pallas', 'one_hot', 'xla', 'xla')),
+    ('v5e', None, None, ('pallas', 'pallas')),
+    ('v5e', 'k_to_all', 5, ('pallas', 'pallas', 'one_hot', 'pallas', 'xla')),
+    ('v5e', 'k_to_k', 5, ('pallas', 'pallas', 'one_hot', 'xla', 'pallas')),
+    ('v5e', 'k_to_all', 3, ('pallas', 'pallas', 'one_hot', 'pallas', 'xla')),
+    ('v5e', 'k_to_k', 3, ('pallas', 'pallas', 'one_hot', 'pallas', 'xla')),
+    ('v5e', 'k_to_k', 1.5, ('pallas', 'pallas', 'one_hot', 'pallas', 'xla')),
+    # Chips with no row: XLA's fusions, gathers.
+    ('unknown tpu', 'k_to_all', 3, ('xla', 'xla', 'gather', 'xla', 'xla')),
+    ('cpu', 'k_to_k', 5, ('xla', 'xla', 'gather', 'xla', 'xla')),
+    ('gpu', None, None, ('xla', 'xla')),
+]
+
+
+def _target(name: str) -> Target:
+  if name in KIND:
+    return _tpu(name)
+  return {'unknown tpu': Target('tpu', 'TPU v7x'), 'cpu': Target('cpu', 'cpu'),
+          'gpu': Target('gpu', 'NVIDIA H100 80GB HBM3')}[name]
+
+
+@pytest.mark.parametrize('chip,attention,r,expected', TABLE)
+def test_chip_variant_and_k_give_the_plan(chip, attention, r, expected):
+  coda = (parallel_adapter_baseline(CodaConfig()) if attention is None
+          else CodaConfig(reduction_factor=r, attention=attention))
+  plan = plan_lib.resolve(BASE, coda, target=_target(chip), length=N)
+  assert _choices(plan) == expected, plan.describe()
+  layer = plan.routed or plan.dense
+  assert layer.interpret == (not chip in KIND and chip != 'unknown tpu')
+  assert layer.soft_topk == 'xla'                  # no chip has a soft top-k row
+  if attention is not None:
+    assert plan.k == -(-N // r) and plan.attention_variant == attention
+    assert plan.dense is None                       # every layer routes
+  if chip in ('unknown tpu', 'cpu'):
+    assert 'has no measured rule (default)' in plan.describe()
+  if chip == 'gpu':
+    assert 'no rule for gpu (default)' in plan.describe()
+
+
+def test_the_factored_norm_goes_with_the_output_kernel_and_an_xla_mlp():
+  coda = CodaConfig(reduction_factor=5, attention='k_to_k')
+  plan = plan_lib.resolve(BASE, coda, target=_tpu('v5e'), length=N)
+  assert plan.routed.output == 'pallas' and not plan.routed.factored_norm
+  xla_mlp = dataclasses.replace(BASE, mlp_kernel='xla')
+  plan = plan_lib.resolve(xla_mlp, coda, target=_tpu('v5e'), length=N)
+  assert plan.routed.output == 'pallas' and plan.routed.factored_norm
+
+
+def test_a_plain_t5_and_the_parallel_adapter_model_have_dense_layers_only():
+  for coda in (None, parallel_adapter_baseline(CodaConfig())):
+    plan = plan_lib.resolve(BASE, coda, target=_tpu('v4'), length=N)
+    assert plan.routed is None and plan.k == N and plan.kernels() == ('attention', 'mlp')
+  # Some layers routed: both kinds, each with its own choices.
+  plan = plan_lib.resolve(BASE, CodaConfig(reduction_factor=5, routed_layers=(1, 3)),
+                          target=_tpu('v4'), length=N)
+  assert plan.dense.k == N and plan.routed.k == 77 and plan.routed.route == 'pallas'
+
+
+def test_settings_are_obeyed_where_the_formulation_serves():
+  """'xla' / 'gather' and 'pallas' / 'one_hot' win over the rules; 'pallas'
+  runs in interpret mode off TPU."""
+  forced = dataclasses.replace(BASE, attention_kernel='pallas', mlp_kernel='xla')
+  coda = CodaConfig(reduction_factor=3, dispatch='one_hot', route_kernel='pallas',
+                    unroute_kernel='xla')
+  plan = plan_lib.resolve(forced, coda, target=Target('cpu', 'cpu'), length=N)
+  assert _choices(plan) == ('pallas', 'xla', 'one_hot', 'pallas', 'xla')
+  assert plan.routed.interpret
+  assert "T5Config.attention_kernel = 'pallas'" in dict(plan.reasons)['routed attention']
+  plan = plan_lib.resolve(dataclasses.replace(BASE, attention_kernel='xla'),
+                          CodaConfig(reduction_factor=5, dispatch='gather'),
+                          target=_tpu('v4'), length=N)
+  # Gathers: the rules' route kernel is for one-hot dispatch ('pallas' forces it).
+  assert _choices(plan) == ('xla', 'pallas', 'gather', 'xla', 'xla')
+
+
+@pytest.mark.parametrize('case,blocked,why', [
+    ('lora', ('mlp',), 'LoRA'),
+    ('training_with_dropout', ('attention', 'mlp'), 'dropout'),
+    ('packed', ('attention',), 'packed inputs'),
+    ('model_parallel', ('mlp', 'route'), 'split over devices'),
+    ('xl_on_v4', ('mlp',), 'do not fit 16 MiB of VMEM'),
+    ('no_parallel_adapter', ('route',), 'no parallel adapter'),
+    ('acm', ('mlp',), 'an ACM MLP'),
+])
+def test_a_kernel_that_cannot_serve_the_layer_is_not_planned(case, blocked, why):
+  config, coda, kwargs, chip = BASE, CodaConfig(reduction_factor=5), {}, 'v4'
+  acm = None
+  if case == 'lora':
+    coda = dataclasses.replace(coda, adapter='lora')
+  elif case == 'training_with_dropout':
+    config, kwargs = dataclasses.replace(config, dropout_rate=0.1), {'training': True}
+  elif case == 'packed':
+    kwargs = {'packed': True}
+  elif case == 'model_parallel':
+    kwargs = {'sharded': frozenset({'mlp', 'embed'})}
+  elif case == 'xl_on_v4':
+    config = t5_1_1('xl', dtype=jnp.bfloat16)
+  elif case == 'no_parallel_adapter':
+    coda = dataclasses.replace(coda, adapter='sequential_houlsby')
+  elif case == 'acm':
+    from coda_jax.config import AcmConfig  # pylint: disable=g-import-not-at-top
+    acm = AcmConfig()
+  plan = plan_lib.resolve(config, coda, acm, target=_tpu(chip), length=N, **kwargs)
+  for name in blocked:
+    assert getattr(plan.routed, name) == 'xla', plan.describe()
+    key = name if name in ('route', 'output') else f'routed {name}'
+    assert why in dict(plan.reasons)[key], plan.describe()
+  # Without the blocker the rules give the kernel.
+  plain = plan_lib.resolve(BASE, CodaConfig(reduction_factor=5), target=_tpu(chip), length=N)
+  assert all(getattr(plain.routed, name) == 'pallas' for name in blocked)
+
+
+def test_k_equal_to_n_moves_no_tokens_and_the_route_accumulator_must_fit():
+  plan = plan_lib.resolve(BASE, CodaConfig(reduction_factor=1), target=_tpu('v5e'), length=N)
+  assert plan.k == N and plan.routed.route == plan.routed.output == 'xla'
+  assert 'k = n' in dict(plan.reasons)['route']
+  xxl = t5_1_1('xxl', dtype=jnp.bfloat16)
+  plan = plan_lib.resolve(xxl, CodaConfig(reduction_factor=3), target=_tpu('v5e'),
+                          length=2048)
+  assert plan.routed.route == 'xla' and 'accumulator' in dict(plan.reasons)['route']
+
+
+def test_soft_topk_kernel_needs_the_iterative_solver_from_colt5s_start():
+  with pytest.raises(ValueError, match="impl='pallas'.*method 'exact'"):
+    plan_lib.resolve(BASE, CodaConfig(soft_topk=SoftTopKConfig(method='exact', impl='pallas')),
+                     target=Target('cpu', 'cpu'), length=N)
+  plan = plan_lib.resolve(BASE, CodaConfig(soft_topk=SoftTopKConfig(impl='pallas')),
+                          target=Target('cpu', 'cpu'), length=N)
+  assert plan.routed.soft_topk == 'pallas'
+  plan = plan_lib.resolve(BASE, CodaConfig(normalizer='sigmoid',
+                                           soft_topk=SoftTopKConfig(impl='pallas')),
+                          target=Target('gpu'), length=N)
+  assert plan.routed.soft_topk == 'xla'
+
+
+def test_the_plan_is_printable_and_json():
+  plan = plan_lib.resolve(BASE, CodaConfig(reduction_factor=5, attention='k_to_k'),
+                          target=_tpu('v5e'), length=N)
+  text = plan.describe()
+  assert text.startswith('plan for tpu v5e, n = 384, k = 77 (k_to_k):')
+  assert 'benchmarks/plan/base_b128_n384_v5e.json' in text
+  assert plan.summary() == ('tpu v5e: attention pallas, mlp pallas, dispatch one_hot, '
+                            'route xla, output pallas, soft_topk xla')
+  data = json.loads(json.dumps(plan.as_dict()))
+  assert data['kernels'] == ['attention', 'mlp', 'output'] and data['k'] == 77
+
+
+def test_the_encoder_resolves_one_plan_per_program_from_its_target():
+  """`network.Encoder` reads the target once while it is traced and notes its
+  plan; the layers run the plan's choices (here: the TPU kernels, in
+  interpret mode, in a program traced for a v5e)."""
+  cfg = tiny_config()
+  model = Transformer(cfg, coda=CodaConfig(reduction_factor=4, attention='k_to_k'))
+  tokens = jnp.ones((2, 16), jnp.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, tokens, tokens))
+  # A new function per trace: JAX caches a function's trace, and the target
+  # is not part of its key (a program is traced for one target).
+  encode = lambda: lambda p: model.apply(p, tokens, method=Transformer.encode,
+                                         enable_dropout=False)
+  with plan_lib.recording() as plans:
+    jaxpr = str(jax.make_jaxpr(encode())(params))
+  assert [p.target.platform for p in plans] == [jax.default_backend()]
+  assert 'pallas_call' not in jaxpr
+  with plan_lib.recording() as plans, target.targeting('tpu', KIND['v5e']):
+    jaxpr = str(jax.make_jaxpr(encode())(params))
+  [plan] = plans
+  assert plan.k == 4 and plan.kernels() == ('attention', 'mlp', 'output')
+  # Per routed layer: attention, MLP and output kernels.
+  assert jaxpr.count('pallas_call') >= 3 * cfg.num_encoder_layers
+
+
+def test_rules_name_known_chips_and_choices():
+  for rule in plan_lib.RULES:
+    assert rule.what in plan_lib.CHOICES and rule.chip in list(chips.CHIPS) + ['gpu']
+    assert rule.choice in (plan_lib.DEFAULTS[rule.what], plan_lib._ALTERNATIVE[rule.what])
+    lo, hi = rule.fractions
+    assert 0 <= lo < hi <= 1
+    assert os.path.exists(os.path.join(ROOT, rule.evidence)), rule
+
+
+def _evidence_files():
+  return sorted({rule.evidence for rule in plan_lib.RULES})
+
+
+@pytest.mark.parametrize('path', _evidence_files())
+def test_rules_agree_with_their_evidence(path):
+  """In each committed measurement (`tools/plan_evidence.py`), the plan the
+  rules give today is the one measured, and none of its single flips (one
+  choice to the other formulation) moved fewer bytes on the TPU compiler's
+  cost model."""
+  with open(os.path.join(ROOT, path)) as f:
+    evidence = json.load(f)
+  assert not evidence['search']
+  chip = evidence['chip']
+  config = dataclasses.replace(t5_1_1(evidence['model'], dtype=jnp.bfloat16),
+                               num_encoder_layers=evidence['layers'],
+                               num_decoder_layers=evidence['layers'])
+  checked = 0
+  for variant in evidence['variants']:
+    coda = (parallel_adapter_baseline(CodaConfig()) if variant['attention'] is None
+            else CodaConfig(reduction_factor=variant['reduction_factor'],
+                            attention=variant['attention']))
+    plan = plan_lib.resolve(config, coda, target=_tpu(chip), length=evidence['length'])
+    planned, flipped = variant['programs'][0], variant['programs'][1:]
+    assert planned['flipped'] is None and planned['settings'] == {}
+    assert planned['plan']['routed'] == (None if plan.routed is None
+                                         else dataclasses.asdict(plan.routed)), variant['variant']
+    assert planned['plan']['dense'] == (None if plan.dense is None
+                                        else dataclasses.asdict(plan.dense)), variant['variant']
+    for program in flipped:
+      assert program['bytes_accessed'] >= planned['bytes_accessed'], (
+          f'{chip} {variant["variant"]}: flipping {program["flipped"]} to '
+          f'{program["choices"][program["flipped"]]} moved '
+          f'{program["bytes_accessed"] / 1e9:.3f} GB, the plan '
+          f'{planned["bytes_accessed"] / 1e9:.3f} GB')
+      checked += 1
+  assert checked >= 2 * len(evidence['variants'])
