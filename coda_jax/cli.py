@@ -22,6 +22,10 @@
       the run's train steps and decoding program compiled for a TPU pod on this
       machine: HBM per chip, flops, bytes, roofline, collectives
       (`coda_jax.compile`).
+  coda-jax selftest [--gin_file=RUN ...] [--model base --length 384]
+      every kernel the run's plan selects against its XLA formulation on the
+      devices here, forward and gradients; exit 1 if one is off
+      (`coda_jax.selftest`).
 
 Each subcommand is one entry of `SUBCOMMANDS`: (help, add_arguments, run),
 where ``run(args) -> exit code``; add a subcommand by adding an entry.
@@ -171,7 +175,8 @@ SUBCOMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None],
 # handed the rest of the command line as is: (module, its main function).
 PASSTHROUGH = {'train': ('coda_jax.train', 'main'), 'infer': ('coda_jax.infer', 'main'),
                'eval': ('coda_jax.infer', 'main_eval'),
-               'compile': ('coda_jax.compile.command', 'main')}
+               'compile': ('coda_jax.compile.command', 'main'),
+               'selftest': ('coda_jax.selftest', 'main')}
 
 
 def build_parser() -> argparse.ArgumentParser:

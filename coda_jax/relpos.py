@@ -4,7 +4,7 @@
 `num_buckets` buckets: exact for small distances, log-spaced up to
 `max_distance`, where they saturate (t5x's `_relative_position_bucket`).
 `MASK_VALUE` is the additive logits bias of a masked (query, key) pair.
-`layers.RelativePositionBiases` and `kernels.relpos_attention` both use these,
+`position_bias.RelativePositionBiases` and `kernels.relpos_attention` both use these,
 so the XLA path and the TPU kernel bucket a pair the same way. No flax here.
 """
 from __future__ import annotations

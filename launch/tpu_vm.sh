@@ -6,8 +6,8 @@
 #
 #   launch/tpu_vm.sh --tpu=NAME --zone=ZONE [--project=PROJECT]
 #       [--accelerator_type=TYPE [--version=RUNTIME] [--spot]]
-#       [--logs=DIR] [--skip_setup] [--skip_compile_check] [--dry-run] [--]
-#       [flags of python -m coda_jax.train]
+#       [--logs=DIR] [--skip_setup] [--skip_compile_check] [--skip_selftest]
+#       [--dry-run] [--] [flags of python -m coda_jax.train]
 #
 #   launch/tpu_vm.sh --tpu=coda-v4-32 --zone=us-central2-b --accelerator_type=v4-32 \
 #     --gin_file=gin_configs/runs/finetune_boolq.gin \
@@ -32,6 +32,13 @@
 #      pip (`-e ~/coda_jax[data,tpu]`: the `tpu` extra pins jax[tpu] to the
 #      version this project is tested with, the one step 0 compiled with, and
 #      so its Pallas and Mosaic); --skip_setup skips this;
+#   2b. on every worker, `coda-jax selftest` with the run's gin flags: each
+#      Pallas kernel the run's plan selects against its XLA formulation on
+#      the worker's chips (forward, gradients, float32 and bfloat16, the
+#      run's shapes and the edges), its table in ~/coda_jax_logs/selftest.log.
+#      A kernel that is off does not stop the run: the trainer checks again
+#      before its first step and runs XLA for it, saying which; a selftest
+#      that cannot start (exit 2) stops here. --skip_selftest skips this;
 #   3. run `python3 -m coda_jax.train --multiprocess=on FLAGS` in ~/coda_jax on
 #      all workers at once (gcloud ... ssh --worker=all), each worker keeping
 #      its output in ~/coda_jax_logs/train.log;
@@ -48,8 +55,8 @@ usage() {
   cat >&2 <<USAGE
 usage: $0 --tpu=NAME --zone=ZONE [--project=PROJECT]
          [--accelerator_type=TYPE [--version=RUNTIME] [--spot]]
-         [--logs=DIR] [--skip_setup] [--skip_compile_check] [--dry-run] [--]
-         [flags of python -m coda_jax.train]
+         [--logs=DIR] [--skip_setup] [--skip_compile_check] [--skip_selftest]
+         [--dry-run] [--] [flags of python -m coda_jax.train]
 USAGE
 }
 
@@ -59,7 +66,7 @@ die() {
 }
 
 tpu="" zone="" project="" accelerator_type="" version="tpu-ubuntu2204-base"
-spot=0 logs="" skip_setup=0 skip_compile_check=0 dry_run=0
+spot=0 logs="" skip_setup=0 skip_compile_check=0 skip_selftest=0 dry_run=0
 train_flags=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -72,6 +79,7 @@ while [ $# -gt 0 ]; do
     --logs=*) logs="${1#*=}" ;;
     --skip_setup) skip_setup=1 ;;
     --skip_compile_check) skip_compile_check=1 ;;
+    --skip_selftest) skip_selftest=1 ;;
     --dry-run|--dry_run) dry_run=1 ;;
     -h|--help) usage; exit 0 ;;
     --tpu|--zone|--project|--accelerator_type|--version|--logs)
@@ -102,20 +110,22 @@ where=(--zone="$zone")
 [ -n "$project" ] && where+=(--project="$project")
 tpu_vm=(gcloud compute tpus tpu-vm)
 
-# 0. Does the run fit the slice? The compile command takes the run's gin
-# flags (the trainer's other flags are for the workers).
+# The run's gin flags (the trainer's other flags are for the workers): what
+# the compile check (0) and the selftest (2b) read.
+gin_flags=()
+expect_value=0
+for flag in "${train_flags[@]+"${train_flags[@]}"}"; do
+  if [ "$expect_value" -eq 1 ]; then
+    gin_flags+=("$flag"); expect_value=0; continue
+  fi
+  case "$flag" in
+    --gin_file=*|--gin_bindings=*|--gin_search_paths=*|--gin.*) gin_flags+=("$flag") ;;
+    --gin_file|--gin_bindings|--gin_search_paths) gin_flags+=("$flag"); expect_value=1 ;;
+  esac
+done
+
+# 0. Does the run fit the slice?
 if [ "$skip_compile_check" -eq 0 ]; then
-  gin_flags=()
-  expect_value=0
-  for flag in "${train_flags[@]+"${train_flags[@]}"}"; do
-    if [ "$expect_value" -eq 1 ]; then
-      gin_flags+=("$flag"); expect_value=0; continue
-    fi
-    case "$flag" in
-      --gin_file=*|--gin_bindings=*|--gin_search_paths=*|--gin.*) gin_flags+=("$flag") ;;
-      --gin_file|--gin_bindings|--gin_search_paths) gin_flags+=("$flag"); expect_value=1 ;;
-    esac
-  done
   if [ -n "$accelerator_type" ]; then
     topology="$(quote "$accelerator_type")"
   else
@@ -158,8 +168,22 @@ if [ "$skip_setup" -eq 0 ]; then
   run "$(words "${tpu_vm[@]}" ssh "$tpu" --worker=all "${where[@]}" --command="$install")" || exit $?
 fi
 
-# Checks of the installed package on the workers belong here: after the
-# install (2), before training (3).
+# 2b. The kernels the run's plan selects, against XLA on the workers' chips.
+if [ "$skip_selftest" -eq 0 ]; then
+  selftest="mkdir -p ~/coda_jax_logs && cd ~/coda_jax && python3 -m coda_jax.cli selftest"
+  if [ "${#gin_flags[@]}" -gt 0 ]; then
+    selftest="$selftest $(words "${gin_flags[@]}")"
+  fi
+  selftest="set -o pipefail; $selftest 2>&1 | tee ~/coda_jax_logs/selftest.log"
+  run "$(words "${tpu_vm[@]}" ssh "$tpu" --worker=all "${where[@]}" --command="$selftest")"
+  status=$?
+  if [ "$status" -eq 1 ]; then
+    echo "$0: a kernel differs from XLA on the slice (above): the trainer runs XLA for it" >&2
+  elif [ "$status" -ne 0 ]; then
+    echo "$0: the selftest could not run on the slice (above); training not started (--skip_selftest to go on anyway)" >&2
+    exit "$status"
+  fi
+fi
 
 # 3. Training on all workers.
 train="mkdir -p ~/coda_jax_logs && cd ~/coda_jax && python3 -m coda_jax.train --multiprocess=on"

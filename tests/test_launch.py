@@ -30,6 +30,7 @@ gcloud compute tpus tpu-vm describe coda-v4-32 --zone=us-central2-b --project=my
 git -C {REPO} ls-files -z --cached --others --exclude-standard | tar -czf {TMP}/coda_jax_coda-v4-32.tar.gz -C {REPO} --null -T -
 gcloud compute tpus tpu-vm scp {TMP}/coda_jax_coda-v4-32.tar.gz coda-v4-32:coda_jax.tar.gz --worker=all --zone=us-central2-b --project=my-project
 gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --project=my-project --command="rm -rf ~/coda_jax && mkdir -p ~/coda_jax && tar -xzf ~/coda_jax.tar.gz -C ~/coda_jax && cd ~/coda_jax && python3 -m pip install -q -e '.[data,tpu]'"
+gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --project=my-project --command="set -o pipefail; mkdir -p ~/coda_jax_logs && cd ~/coda_jax && python3 -m coda_jax.cli selftest --gin_file=gin_configs/runs/finetune_boolq.gin --gin.MODEL_DIR=/mnt/runs/boolq --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 384, 'targets': 8}\" --gin.REDUCTION_FACTOR=3 --gin.ATTENTION=\"'k_to_all'\" --gin_bindings='train_lib.train.eval_period = 100' --gin.INITIAL_CHECKPOINT_PATH=gs://t5-data/pretrained_models/t5x/t5_1_1_base/checkpoint_1000000 2>&1 | tee ~/coda_jax_logs/selftest.log"
 gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --project=my-project --command="set -o pipefail; mkdir -p ~/coda_jax_logs && cd ~/coda_jax && python3 -m coda_jax.train --multiprocess=on --gin_file=gin_configs/runs/finetune_boolq.gin --gin.MODEL_DIR=/mnt/runs/boolq --gin.TASK_FEATURE_LENGTHS=\"{'inputs': 384, 'targets': 8}\" --gin.REDUCTION_FACTOR=3 --gin.ATTENTION=\"'k_to_all'\" --gin_bindings='train_lib.train.eval_period = 100' --gin.INITIAL_CHECKPOINT_PATH=gs://t5-data/pretrained_models/t5x/t5_1_1_base/checkpoint_1000000 2>&1 | tee ~/coda_jax_logs/train.log"
 mkdir -p tpu_logs/coda-v4-32
 gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --project=my-project --command='cat ~/coda_jax_logs/train.log' --output-directory=tpu_logs/coda-v4-32
@@ -38,6 +39,7 @@ gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --pr
 TPU_REUSE_GOLDEN = r'''
 cd {REPO} && python3 -m coda_jax.cli compile --topology="$(gcloud compute tpus tpu-vm describe coda-v4-32 --zone=us-central2-b --format='value(acceleratorType)')" --gin_file=gin_configs/runs/quickstart.gin
 gcloud compute tpus tpu-vm describe coda-v4-32 --zone=us-central2-b >/dev/null
+gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --command='set -o pipefail; mkdir -p ~/coda_jax_logs && cd ~/coda_jax && python3 -m coda_jax.cli selftest --gin_file=gin_configs/runs/quickstart.gin 2>&1 | tee ~/coda_jax_logs/selftest.log'
 gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --command='set -o pipefail; mkdir -p ~/coda_jax_logs && cd ~/coda_jax && python3 -m coda_jax.train --multiprocess=on --gin_file=gin_configs/runs/quickstart.gin --tpu=not-mine 2>&1 | tee ~/coda_jax_logs/train.log'
 mkdir -p /logs/run
 gcloud compute tpus tpu-vm ssh coda-v4-32 --worker=all --zone=us-central2-b --command='cat ~/coda_jax_logs/train.log' --output-directory=/logs/run
@@ -92,11 +94,16 @@ def test_tpu_vm_dry_run_golden(fake_tools, tmp_path):
   assert proc.stderr == ''
   assert not record.exists(), record.read_text()  # nothing ran
   # The workers run exactly the trainer's flags, after `--multiprocess=on`.
-  train_line = proc.stdout.splitlines()[5]
+  lines = proc.stdout.splitlines()
+  train_line = lines[6]
   argv = _remote_argv(train_line)
   start = argv.index('coda_jax.train') + 1
   assert argv[start:start + 1 + len(FLAGS)] == ['--multiprocess=on', *FLAGS]
   assert argv[start + 1 + len(FLAGS):] == ['2>&1', '|', 'tee', '~/coda_jax_logs/train.log']
+  # Before it, on the installed package: the selftest of the run's gin flags.
+  argv = _remote_argv(lines[5])
+  start = argv.index('selftest') + 1
+  assert argv[start:start + len(FLAGS)] == [f for f in FLAGS if f.startswith('--gin')]
   # Every line is one valid shell command line.
   for line in proc.stdout.splitlines():
     assert subprocess.run(['bash', '-n', '-c', line]).returncode == 0, line
@@ -177,6 +184,32 @@ def test_tpu_vm_goes_on_when_the_run_fits_or_the_check_is_skipped(fake_tools, tm
   proc = _run(args[:1] + ['--skip_compile_check'] + args[1:], env)
   assert proc.returncode == 0, proc.stderr
   assert not any(line.startswith('python') for line in record.read_text().splitlines())
+
+
+@pytest.mark.parametrize('status,goes_on', [(0, True), (1, True), (2, False)])
+def test_tpu_vm_selftest_on_the_slice_before_training(fake_tools, tmp_path, status, goes_on):
+  """After the install, `coda-jax selftest` on every worker: a kernel that
+  is off (1) is the trainer's to route around (it says so and trains on);
+  a selftest that cannot run (2) stops before training."""
+  env, record = fake_tools
+  gcloud = tmp_path / 'bin' / 'gcloud'
+  gcloud.write_text(f'#!/bin/sh\necho gcloud "$@" >> {record}\n'
+                    f'case "$*" in *"cli selftest"*) exit {status} ;; esac\n')
+  args = [TPU_VM, '--tpu=coda-v4-32', '--zone=us-central2-b', '--skip_compile_check',
+          '--gin_file=gin_configs/runs/quickstart.gin']
+  proc = _run(args, env)
+  assert proc.returncode == (0 if goes_on else status), proc.stderr
+  ran = record.read_text()
+  assert 'coda_jax.cli selftest --gin_file=gin_configs/runs/quickstart.gin' in ran
+  assert ran.index('pip install') < ran.index('cli selftest')
+  assert ('coda_jax.train' in ran) is goes_on
+  if status == 1:
+    assert 'a kernel differs from XLA on the slice (above): the trainer runs XLA' in proc.stderr
+  if status == 2:
+    assert 'training not started (--skip_selftest' in proc.stderr
+  record.unlink()
+  assert _run(args[:1] + ['--skip_selftest'] + args[1:], env).returncode == 0
+  assert 'cli selftest' not in record.read_text()
 
 
 @pytest.mark.parametrize('args,message,usage', [

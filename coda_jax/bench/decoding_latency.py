@@ -73,6 +73,21 @@ Parallel Adapter), it costs a fair share of a CPU run, and where XLA hoists
 t5x's per-step projections out of the decoding loop itself (it does on CPU)
 both forms do the same work, so its FLOP bound does not apply.
 
+Each variant's encoder runs as its plan says (`coda_jax.plan`: token
+dispatch, attention, MLP, route, output and soft top-k, resolved from the
+configs for this machine's chip): the plan it resolved while it was compiled
+is printed, a line per variant, under each task's table, and kept in its row
+(``plan``: `Plan.as_dict` with the reason of each choice, and ``summary``,
+the line).
+
+The job is split by module: this one parses and checks the flags and runs
+the tasks (`run_benchmark`); `decoding_programs` holds the shapes and the
+jitted decoder and soft top-k, `latency_task` compiles and times one task
+shape (`benchmark_task`), `acm_block` makes the ACM rows, `cross_kv` the
+cross-attention K/V row, `targets` checks the accelerator targets
+(`checks`), and `report` formats the table and the plot. Their public names
+are importable from here too.
+
 Entry points: `main(argv)` (``python -m coda_jax.bench.decoding_latency``), and
 `add_arguments(parser)` + `run(args)` for ``coda-jax benchmark`` (and
 `tools/benchmark_decoding.py`). Every flag value is checked before any work:
@@ -85,51 +100,41 @@ import dataclasses
 import datetime
 import os
 import sys
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from coda_jax import checkpoints
 from coda_jax import config as config_lib
-from coda_jax import decoding
-from coda_jax import flops
 from coda_jax import network
 from coda_jax import selftest as selftest_lib
 from coda_jax import soft_topk as soft_topk_lib
 from coda_jax.bench import acm_usage
 from coda_jax.bench import flags
-from coda_jax.bench import hlo
 from coda_jax.bench import models
 from coda_jax.bench import report
 from coda_jax.bench import timing
+# The other modules' public names, importable from here as before the split.
+from coda_jax.bench.acm_block import (  # pylint: disable=unused-import
+    DENSE, AcmBlock, acm_profile, acm_row)
+from coda_jax.bench.acm_block import from_args as acm_block_from_args
+from coda_jax.bench.cross_kv import benchmark_cross_kv
+from coda_jax.bench.decoding_programs import (  # pylint: disable=unused-import
+    DECODER, NEVER_EOS, TASK_SHAPES, TIMED, make_decode_fn, make_soft_topk_fn)
+from coda_jax.bench.latency_task import benchmark_task, coda_row  # pylint: disable=unused-import
+from coda_jax.bench.targets import (  # pylint: disable=unused-import
+    BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP, ENCODER_FRACTION_OF_BOUND, R1_MIN_SPEEDUP,
+    SOFT_TOPK_MAX_SHARE, checks)
 from coda_jax.config import (ATTENTION_VARIANTS, AcmConfig, CodaConfig, SoftTopKConfig,
-                             T5Config, coda_k, parallel_adapter_baseline)
+                             T5Config, coda_k)
 
-# Task shapes (input tokens, decoded tokens). Input lengths are the paper's
-# (Table 8). Output lengths are ours: BoolQ decodes a one-word class label
-# ("True"/"False" plus EOS: 4 steps covers it); SQuAD answers are short spans
-# (32 steps); XSum summaries are one sentence (64 steps).
-TASK_SHAPES: Dict[str, Tuple[int, int]] = {
-    'boolq': (384, 4),
-    'squad': (512, 32),
-    'xsum': (1664, 64),
-}
-
-TIMED = ('encoder', 'decoder', 'end_to_end')
-# The key of the shared decoder's times.
-DECODER = 'decoder'
 # The paper's batch: 128 sequences per TPUv4 chip (Table 12). On a CPU the
 # default is small enough that the default run takes a few minutes.
 ACCELERATOR_BATCH = 128
 CPU_BATCH = 4
 CROSS_KV_TASK = 'xsum'
 CPU_CROSS_KV_BATCH = 1
-# EOS id that no decoder can emit: decoding always runs output_length steps.
-NEVER_EOS = -1
-# The ACM rows' baseline.
-DENSE = 'dense'
 
 MEASURED = {
     'encoder': "the variant's compiled Transformer.encode on [batch, input_length] "
@@ -149,328 +154,6 @@ MEASURED = {
 }
 
 
-def make_decode_fn(model: network.Transformer, output_length: int, method: str,
-                   num_beams: int, alpha: float):
-  def decode(params, tokens, encoded):
-    return decoding.predict_batch(model, params, tokens, max_decode_length=output_length,
-                                  method=method, num_beams=num_beams, alpha=alpha,
-                                  eos_id=NEVER_EOS, encoded=encoded)
-  return jax.jit(decode)
-
-
-def make_soft_topk_fn(coda: CodaConfig, k: int):
-  return jax.jit(lambda scores: soft_topk_lib.soft_topk(scores, k, coda.soft_topk))
-
-
-def _normal(shape: Sequence[int], dtype: Any, seed: int) -> jax.Array:
-  """Standard normal values made on the host and put on the device (no compilation)."""
-  return jax.device_put(np.random.RandomState(seed).standard_normal(shape).astype(dtype))
-
-
-@dataclasses.dataclass(frozen=True)
-class AcmBlock:
-  """The ACM rows of a task: `budgets` β, the ACMs they time (`template`: learners,
-  gate, 'gather' inference, capacity factor), the `params` every budget shares
-  (`models.acm_params`; the dense model takes its pretrained leaves) and the
-  `profile` whose recorded learner usage sizes each budget's capacities."""
-  budgets: Sequence[float]
-  template: AcmConfig
-  params: Mapping[str, Any]
-  profile: acm_usage.UsageProfile
-
-  def entries(self, config: T5Config) -> List[Tuple[str, network.Transformer, Any,
-                                                    Optional[float]]]:
-    """(name, model, parameters, β) of the dense model, then of each budget."""
-    dense = network.Transformer(config)
-    out = [(DENSE, dense, models.restrict_params(self.params, dense), None)]
-    return out + [(models.acm_name(b), network.Transformer(
-        config, acm=self.profile.config(self.template, b)), self.params, float(b))
-                  for b in self.budgets]
-
-
-@dataclasses.dataclass
-class _Compiled:
-  """One task's compiled programs: the CoDA variants' encoders, the shared
-  decoder, a soft top-k per k, and each ACM-block model's (encoder, decoder)."""
-  variants: List[models.Variant]
-  var_params: Dict[str, Any]
-  tokens: jax.Array
-  encoders: Dict[str, timing.Timed]
-  decoder: timing.Timed
-  soft_topk: Dict[str, timing.Timed]
-  acm_entries: List[Tuple[str, network.Transformer, Any, Optional[float]]]
-  acm: Dict[str, Tuple[timing.Timed, timing.Timed]]
-
-  @property
-  def base(self) -> models.Variant:
-    return self.variants[0]
-
-
-def _compile_task(config: T5Config, params: Mapping[str, Any], *, input_length: int,
-                  output_length: int, batch_size: int, reduction_factors: Sequence[float],
-                  attentions: Sequence[str], coda_template: CodaConfig, method: str,
-                  num_beams: int, alpha: float, seed: int, progress,
-                  acm: Optional[AcmBlock]) -> _Compiled:
-  """Compiles every program of one task shape (`benchmark_task`), ahead of time."""
-  variants = models.make_variants(config, coda_template, reduction_factors, attentions)
-  base = variants[0]
-  var_params = models.variant_params(variants, params)
-  tokens = models.random_tokens(batch_size, input_length, config.vocab_size, seed)
-  scores = _normal((batch_size, input_length), jnp.float32, seed)
-
-  def step(label):
-    if progress is not None:
-      progress.update(1, at=f'compile {label}')
-
-  encoders = models.compile_encoders(variants, var_params, tokens, progress)
-  encoded = jax.block_until_ready(encoders[base.name].call())
-  decoder = timing.compile_call(
-      make_decode_fn(base.model, output_length, method, num_beams, alpha),
-      var_params[base.name], tokens, encoded)
-  step('decoder (shared)')
-  soft_topk = {}
-  for k in sorted({v.k(input_length) for v in variants if v.attention}):
-    soft_topk[f'soft_topk/k{k}'] = timing.compile_call(make_soft_topk_fn(coda_template, k),
-                                                       scores)
-    step(f'soft top-k k={k}')
-  # ACM block: the dense model and each budget, own encoder and own decoder.
-  acm_entries = acm.entries(config) if acm is not None else []
-  acm_compiled = {}
-  for name, model, p, _ in acm_entries:
-    enc = timing.compile_call(models.make_encode_fn(model), p, tokens)
-    step(f'{name} encoder')
-    own_encoded = jax.block_until_ready(enc.call())
-    acm_compiled[name] = (enc, timing.compile_call(
-        make_decode_fn(model, output_length, method, num_beams, alpha), p, tokens,
-        own_encoded))
-    step(f'{name} decoder')
-  return _Compiled(variants, var_params, tokens, encoders, decoder, soft_topk, acm_entries,
-                   acm_compiled)
-
-
-def _timed_functions(c: _Compiled) -> Dict[str, Callable[[], Any]]:
-  """Every function the round robin times, by the key its times are stored under."""
-  def end_to_end(enc: timing.Timed, dec: timing.Timed, p) -> Callable[[], Any]:
-    return lambda: dec.compiled(p, c.tokens, enc.call())
-
-  fns = {DECODER: c.decoder.call}
-  for v in c.variants:
-    fns[f'{v.name}/encoder'] = c.encoders[v.name].call
-    fns[f'{v.name}/end_to_end'] = end_to_end(c.encoders[v.name], c.decoder,
-                                             c.var_params[c.base.name])
-  fns.update({name: t.call for name, t in c.soft_topk.items()})
-  for name, _, p, _ in c.acm_entries:
-    enc, dec = c.acm[name]
-    fns[f'{name}/encoder'] = enc.call
-    fns[f'{name}/decoder'] = dec.call
-    fns[f'{name}/end_to_end'] = end_to_end(enc, dec, p)
-  return fns
-
-
-def _coda_row(config: T5Config, c: _Compiled, v: models.Variant, times, *, input_length: int,
-              output_length: int, beams: int) -> Dict[str, Any]:
-  """One CoDA variant's (or the baseline's) row: times, speed-ups, FLOP bounds,
-  the soft top-k's share."""
-  def key(variant: models.Variant, t: str) -> str:
-    return t if t == DECODER else f'{variant.name}/{t}'
-
-  enc_s = c.encoders[v.name].compile_s
-  row: Dict[str, Any] = {
-      'name': v.name, 'reduction_factor': v.reduction_factor,
-      'attention': v.attention, 'k': v.k(input_length),
-      'routed_layers': v.routed_layers,
-      'compile_s': {'encoder': enc_s, 'decoder': c.decoder.compile_s,
-                    'end_to_end': enc_s + c.decoder.compile_s},
-  }
-  stats = {t: timing.summary(times[key(v, t)], times[key(c.base, t)]) for t in TIMED}
-  row.update({name: {t: stats[t][name] for t in TIMED} for name in timing.SUMMARY_KEYS})
-  if v.attention is None:
-    row['flop_bound'] = {'encoder': 1.0, 'end_to_end': 1.0}
-    row['soft_topk'] = None
-  else:
-    row['flop_bound'] = {
-        'encoder': flops.encoder_speedup_bound(config, input_length, v.reduction_factor,
-                                               v.attention, v.coda.adapter_dim),
-        'end_to_end': flops.end_to_end_speedup_bound(
-            config, input_length, output_length, v.reduction_factor, v.attention,
-            v.coda.adapter_dim, num_beams=beams),
-    }
-    name = f'soft_topk/k{row["k"]}'
-    one = timing.median_ms(times[name])
-    row['soft_topk'] = {
-        'key': name, 'method': v.coda.soft_topk.method,
-        'num_iters': v.coda.soft_topk.num_iters,
-        'one_layer_median_ms': one,
-        'all_layers_ms': one * v.routed_layers,
-        'share_of_end_to_end': one * v.routed_layers / row['median_ms']['end_to_end'],
-    }
-  row['fraction_of_bound'] = {t: row['speedup'][t] / row['flop_bound'][t]
-                              for t in ('encoder', 'end_to_end')}
-  return row
-
-
-def _acm_row(config: T5Config, c: _Compiled, entry, times, acm: AcmBlock, *,
-             input_length: int, output_length: int, batch_size: int,
-             beams: int) -> Dict[str, Any]:
-  """One ACM-block row (the dense model's or a budget's): times and speed-ups
-  over dense, the capacities, where the learner usage came from, and the FLOP
-  bounds at the FFN work those same capacities give."""
-  name, model, _, budget = entry
-  enc, dec = c.acm[name]
-  row = {'name': name, 'budget': budget,
-         'compile_s': {'encoder': enc.compile_s, 'decoder': dec.compile_s,
-                       'end_to_end': enc.compile_s + dec.compile_s}}
-  stats = {t: timing.summary(times[f'{name}/{t}'], times[f'{DENSE}/{t}']) for t in TIMED}
-  row.update({key: {t: stats[t][key] for t in TIMED} for key in timing.SUMMARY_KEYS})
-  if model.acm is None:
-    row['acm'] = None
-    row['flop_bound'] = {t: 1.0 for t in TIMED}
-  else:
-    bounds = flops.acm_decoding_speedup_bounds(config, model.acm, input_length,
-                                               output_length, batch_size, beams)
-    row['acm'] = {
-        'num_learners': model.acm.num_learners, 'inference': model.acm.inference,
-        'capacity_factor': model.acm.capacity_factor,
-        'learner_usage': list(model.acm.learner_usage),
-        'capacities_from': acm.profile.source(budget),
-        'encoder_capacities': list(model.acm.capacities(batch_size * input_length)),
-        'decoder_step_capacities': list(model.acm.capacities(batch_size * beams)),
-        'encoder_ffn_fraction': bounds['encoder_ffn_fraction'],
-        'decoder_ffn_fraction': bounds['decoder_ffn_fraction']}
-    row['flop_bound'] = {t: bounds[t] for t in TIMED}
-  row['fraction_of_bound'] = {t: row['speedup'][t] / row['flop_bound'][t] for t in TIMED}
-  return row
-
-
-def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
-                   input_length: int, output_length: int, batch_size: int,
-                   reduction_factors: Sequence[float], attentions: Sequence[str],
-                   coda_template: CodaConfig, method: str, num_beams: int, alpha: float,
-                   repeats: int, seed: int = 0, progress=None,
-                   acm: Optional[AcmBlock] = None) -> Dict[str, Any]:
-  """Times the baseline and every CoDA variant on one task shape (interleaved);
-  with `acm`, the dense model and the ACM model at each of its budgets too, in
-  the same round robin."""
-  beams = num_beams if method == 'beam' else 1
-  with timing.CompileCounter() as compiling:
-    c = _compile_task(config, params, input_length=input_length, output_length=output_length,
-                      batch_size=batch_size, reduction_factors=reduction_factors,
-                      attentions=attentions, coda_template=coda_template, method=method,
-                      num_beams=num_beams, alpha=alpha, seed=seed, progress=progress, acm=acm)
-  with timing.CompileCounter() as timed_loop:
-    # A soft top-k call is sub-millisecond: timed as back-to-back calls
-    # (`timing.time_round_robin`'s calls), not alone between two encoders.
-    calls = {name: timing.calls_to_fill(t.call, timing.SMALL_CALL_SECONDS)
-             for name, t in c.soft_topk.items()}
-    times = timing.time_round_robin(_timed_functions(c), repeats, progress, calls=calls)
-  shape = dict(input_length=input_length, output_length=output_length, beams=beams)
-  rows = [_coda_row(config, c, v, times, **shape) for v in c.variants]
-  acm_rows = [_acm_row(config, c, entry, times, acm, batch_size=batch_size, **shape)
-              for entry in c.acm_entries]
-  return {
-      'task': task, 'input_length': input_length, 'output_length': output_length,
-      'batch_size': batch_size, 'baseline': c.base.name, 'variants': rows,
-      'decoder': {'model': c.base.name, 'compile_s': c.decoder.compile_s,
-                  'times_s': times[DECODER]},
-      'soft_topk_times_s': {name: times[name] for name in c.soft_topk},
-      'soft_topk_calls_per_repeat': calls,
-      'soft_topk_compile_s': {name: t.compile_s for name, t in c.soft_topk.items()},
-      'compiled_programs': ([f'{v.name}/encoder' for v in c.variants] + [DECODER]
-                            + list(c.soft_topk)
-                            + [f'{n}/{t}' for n in c.acm for t in ('encoder', 'decoder')]),
-      'acm': ({'baseline': DENSE, 'variants': acm_rows} if acm_rows else None),
-      'xla_compilations': {'compile': compiling.compilations,
-                           'timed_loop': timed_loop.compilations},
-  }
-
-
-def benchmark_cross_kv(config: T5Config, params: Mapping[str, Any], *, task: str,
-                       input_length: int, output_length: int, batch_size: int,
-                       coda_template: CodaConfig, method: str, num_beams: int,
-                       alpha: float, repeats: int, seed: int = 0,
-                       progress=None) -> Dict[str, Any]:
-  """Decoder time of the baseline with cross K/V once per sequence vs per step."""
-  coda = parallel_adapter_baseline(coda_template)
-  tokens = models.random_tokens(batch_size, input_length, config.vocab_size, seed)
-  variants = {'once_per_sequence': network.Transformer(config, coda=coda,
-                                                       cache_cross_kv=True),
-              'every_step': network.Transformer(config, coda=coda, cache_cross_kv=False)}
-  p = models.restrict_params(params, variants['once_per_sequence'])
-  # The decoder's time does not depend on the encoder output's values (a
-  # fixed number of steps): random values of its shape and dtype save
-  # compiling an encoder at this shape.
-  encoded = _normal((batch_size, input_length, config.emb_dim), config.dtype, seed)
-  timed = {}
-  for name, model in variants.items():
-    timed[name] = timing.compile_call(make_decode_fn(model, output_length, method,
-                                                     num_beams, alpha), p, tokens, encoded)
-    if progress is not None:
-      progress.update(1, at=f'compile cross K/V {name}')
-  in_loop = {name: hlo.loop_dots(t.hlo_text()) for name, t in timed.items()}
-  times = timing.time_round_robin({name: t.call for name, t in timed.items()}, repeats,
-                                  progress)
-  return {
-      'task': task, 'model': models.BASELINE, 'input_length': input_length,
-      'output_length': output_length, 'batch_size': batch_size, 'timed': 'decoder',
-      'rows': [{'cross_kv': name, 'cache_cross_kv': name == 'once_per_sequence',
-                'compile_s': timed[name].compile_s, 'times_s': times[name],
-                'median_ms': timing.median_ms(times[name]),
-                'cross_kv_matmuls_in_decoding_loop': in_loop[name]} for name in variants],
-      'note': ('The decoder is given a random encoder output of the right shape and '
-               'dtype (its time does not depend on the values). '
-               'cross_kv_matmuls_in_decoding_loop counts the cross-attention key/value '
-               'projections left inside the compiled decoding loop. once_per_sequence '
-               'computes them before the loop (decoding.init_decode_cache), so 0 by '
-               'construction. 0 for every_step means XLA hoisted the loop-invariant '
-               'projections out of the loop itself (while-loop invariant code motion), '
-               'so t5x\'s per-step form is not really recomputing them and the FLOP '
-               'bound, which assumes it does, does not apply.'),
-      'speedup_once_over_every_step': timing.speedup(times['every_step'],
-                                                     times['once_per_sequence']),
-      'flop_bound': flops.cross_kv_speedup_bound(config, input_length, output_length,
-                                                 coda.adapter_dim),
-  }
-
-
-# This project's accelerator targets (benchmarks/README.md): the fraction of
-# the encoder's FLOP bound CoDA must reach at r > 1, the soft top-k's largest
-# share of the latency (the one from the paper: Table 12), CoDA r = 1 against
-# the Parallel Adapter model, and k-to-all r = 3 on boolq end to end.
-ENCODER_FRACTION_OF_BOUND = 0.85
-SOFT_TOPK_MAX_SHARE = 0.02
-R1_MIN_SPEEDUP = 0.95
-BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP = 1.7
-
-
-def checks(result: Mapping[str, Any]) -> List[Dict[str, Any]]:
-  """The accelerator targets, evaluated on the measured numbers."""
-  out = []
-
-  def check(text, value, ok):
-    out.append({'check': text, 'value': value, 'ok': bool(ok)})
-
-  for task in result['tasks']:
-    for row in task['variants']:
-      if row['attention'] is None:
-        continue
-      where = f'{task["task"]} {row["name"]}'
-      encoder, end_to_end = row['fraction_of_bound']['encoder'], row['speedup']['end_to_end']
-      if row['reduction_factor'] > 1:
-        check(f'{where}: encoder speed-up >= {ENCODER_FRACTION_OF_BOUND:.0%} of the FLOP bound',
-              encoder, encoder >= ENCODER_FRACTION_OF_BOUND)
-      else:
-        check(f'{where}: end-to-end >= {R1_MIN_SPEEDUP}x the baseline (routing overhead)',
-              end_to_end, end_to_end >= R1_MIN_SPEEDUP)
-      share = row['soft_topk']['share_of_end_to_end']
-      check(f'{where}: soft top-k share <= {SOFT_TOPK_MAX_SHARE:.0%} of end-to-end latency',
-            share, share <= SOFT_TOPK_MAX_SHARE)
-      if (task['task'] == 'boolq' and row['attention'] == 'k_to_all'
-          and row['reduction_factor'] == 3):
-        check(f'{where}: end-to-end speed-up >= {BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP}',
-              end_to_end, end_to_end >= BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP)
-  return out
-
-
 # ------------------------------------------------------------------------------
 # Flag values: parsed and checked by argparse, so a bad one stops the command
 # before any work, in a message that names the flag.
@@ -482,33 +165,6 @@ def png_path(args: argparse.Namespace) -> str:
   if args.png is not None:
     return args.png
   return (os.path.splitext(args.out)[0] + '.png') if args.out else ''
-
-
-def acm_profile(args: argparse.Namespace
-                ) -> Tuple[Optional[acm_usage.UsageProfile], List[float]]:
-  """The learner usage the ACM rows size their capacities from, and their
-  budgets: --acm_usage, else --checkpoint when it is a fine-tuned ACM
-  MODEL_DIR, else `acm_usage.DEFAULT_PROFILE`; the budgets are --acm_budgets
-  or, by default, every budget the profile records. (None, []) without ACM rows
-  (--acm_budgets '')."""
-  if args.acm_budgets == []:  # pylint: disable=g-explicit-bool-comparison
-    return None, []
-  path = args.acm_usage
-  if path is None:
-    path = (args.checkpoint if acm_usage.is_acm_run(args.checkpoint)
-            else acm_usage.default_path())
-  try:
-    profile = acm_usage.read(path)
-    budgets = list(profile.budgets if args.acm_budgets is None else args.acm_budgets)
-    for b in budgets:
-      profile.usage_at(b)
-    template = profile.template(args.acm_capacity_factor)
-  except ValueError as e:
-    raise ValueError(f'--acm_usage: {e}') from e
-  if template.modules != ('mlp',):
-    raise ValueError(f"--acm_usage: {path} converts {template.modules}; the ACM rows time "
-                     "FFN ACMs (modules ('mlp',)) only")
-  return profile, budgets
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -556,27 +212,6 @@ def _backbone(args: argparse.Namespace, dtype: str
     return (dataclasses.replace(config, dtype=jnp.dtype(dtype)), pretrained,
             f'checkpoint:{args.checkpoint}')
   return models.make_config(args.model, jnp.dtype(dtype)), None, args.model
-
-
-def _acm_block(args: argparse.Namespace, config: T5Config,
-               pretrained: Optional[Mapping[str, Any]]
-               ) -> Tuple[Optional[AcmBlock], Optional[Dict[str, Any]]]:
-  """The ACM rows (`acm_profile`), their parameters (random, or `acmize.acmize`
-  of the checkpoint's) and what the JSON's meta records of them."""
-  profile, budgets = acm_profile(args)
-  if profile is None:
-    return None, None
-  template = profile.template(args.acm_capacity_factor)
-  if config.mlp_dim % template.num_learners:
-    raise ValueError(f'the {template.num_learners} learners of --acm_usage {profile.path} '
-                     f'do not divide the FFN width {config.mlp_dim}')
-  # Shapes do not depend on the inference: initialise with 'masked', which
-  # needs no capacities.
-  params, info = models.acm_params(config, dataclasses.replace(template, inference='masked'),
-                                   pretrained, args.seed)
-  meta = {**config_lib.to_dict(template), 'params': info,
-          'usage_profile': profile.as_dict(), 'budgets': budgets}
-  return AcmBlock(budgets, template, params, profile), meta
 
 
 def _meta(args: argparse.Namespace, *, dtype: str, model_name: str, config: T5Config,
@@ -638,7 +273,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
                                adapter_dim=args.adapter_dim)
     config, coda_template = _self_tested(config, coda_template, tasks, rs, attentions,
                                          dtype, args.selftest)
-    acm, acm_meta = _acm_block(args, config, pretrained)
+    acm, acm_meta = acm_block_from_args(args, config, pretrained)
     params, params_info = models.coda_params(config, coda_template, pretrained, args.seed)
     del pretrained
     if args.checkpoint:

@@ -1,0 +1,159 @@
+"""coda-jax selftest: each kernel against its XLA formulation (interpret mode
+on this CPU), a broken kernel named with exit 1, and a run that falls back
+to XLA for it and trains on."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from coda_jax import selftest
+from coda_jax.config import CodaConfig, T5Config
+from coda_jax.kernels import mlp as mlp_kernel
+from coda_jax.network import Transformer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(REPO, 'gin_configs', 'runs', 'quickstart.gin')
+
+
+def _broken_mlp(monkeypatch):
+  """The MLP kernel returning its output times 1.01 (a one-percent bug)."""
+  call = mlp_kernel._kernel_call  # pylint: disable=protected-access
+  monkeypatch.setattr(mlp_kernel, '_kernel_call',
+                      lambda *args: (call(*args) * 1.01).astype(args[0].dtype))
+
+
+@pytest.mark.parametrize('dtype,edges', [('float32', True), ('bfloat16', False)])
+def test_every_kernel_matches_xla_at_the_run_shapes_and_the_edges(tmp_path, dtype, edges):
+  """On a CPU the plan selects no kernel: the command checks every one, in
+  interpret mode, forward and gradients, at the run's shapes and (float32)
+  the edges: k of 77 and 171, all distances to 255, multi-query heads,
+  padding."""
+  out = tmp_path / 'selftest.json'
+  code = selftest.main(['--model', 'tiny', '--length', '64', '--reduction_factors', '3',
+                        '--attentions', 'k_to_k', '--batch_size', '1', '--dtypes', dtype,
+                        '--out', str(out)] + ([] if edges else ['--no_edges']))
+  assert code == 0
+  report = json.loads(out.read_text())
+  assert report['off'] == [] and report['platform'] == 'cpu'
+  results = report['results']
+  assert {r['kernel'] for r in results} == {'attention', 'mlp', 'route', 'output',
+                                            'soft_topk'}
+  labels = {(r['kernel'], r['case']) for r in results}
+  assert ('attention', 'k_to_k k = 22 of 64') in labels and ('mlp', '22 rows') in labels
+  if edges:
+    assert {('attention', 'k_to_k k = 77'), ('attention', 'k_to_k k = 171'),
+            ('attention', 'multi-query heads'), ('attention', 'distances 0-255, bias-dominated'),
+            ('route', 'k = 171 of 172'), ('output', 'k = 77 of 172'),
+            ('mlp', '77 rows')} <= labels
+  skipped = {(r['kernel'], r['case']) for r in results if r['skipped'] is not None}
+  # XLA on a CPU cannot differentiate the route kernel's bfloat16 reference
+  # (a bfloat16 dot into float32); the tiny MLP has no non-resident split.
+  assert skipped <= {('mlp', '64 rows, non-resident weights')} | (
+      {l for l in labels if l[0] == 'route'} if dtype == 'bfloat16' else set()), skipped
+  for r in results:
+    assert r['error'] is None, r
+    if r['skipped'] is None:
+      assert r['forward_error'] <= r['tolerance']['forward'], r
+      assert r['gradient_error'] <= r['tolerance']['gradient'], r
+      assert r['kernel_ms'] is None            # no timing off an accelerator
+
+
+def test_the_mlp_kernel_with_its_weights_in_blocks_matches_xla():
+  """The non-resident MLP (weights re-read per block of rows, what large
+  models run on a v4) at a shape that has one."""
+  config = T5Config(emb_dim=256, num_heads=2, head_dim=32, mlp_dim=2048, vocab_size=64)
+  [case] = [c for c in selftest.cases(['mlp'], config, CodaConfig(), 128, [128], ['float32'],
+                                      batch=2) if 'non-resident' in c.label]
+  result = selftest.run_case(case, interpret=True)
+  assert result.error is None and result.skipped is None and result.ok, result.as_dict()
+
+
+def test_a_bucket_shift_at_a_boundary_is_caught(monkeypatch):
+  """The distances case sees one bucket off: T5's bucket of distance 32
+  moved to its neighbour (what one ulp of `log` does) in the kernel only."""
+  from coda_jax.kernels import relpos_attention  # pylint: disable=g-import-not-at-top
+  real = relpos_attention.relative_position_bucket
+
+  def shifted(relative, bidirectional=True, num_buckets=32, max_distance=128):
+    buckets = real(relative, bidirectional, num_buckets, max_distance)
+    return jnp.where(jnp.abs(relative) == 32, buckets - 1, buckets)
+
+  monkeypatch.setattr(relpos_attention, 'relative_position_bucket', shifted)
+  config = T5Config(emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64, vocab_size=64)
+  [case] = [c for c in selftest.cases(['attention'], config, None, 64, [64], ['float32'])
+            if c.label.startswith('distances')]
+  result = selftest.run_case(case, interpret=True)
+  assert not result.ok and result.forward > 1e-3, result.as_dict()
+
+
+def test_a_broken_kernel_is_named_and_exits_1(monkeypatch, capsys):
+  _broken_mlp(monkeypatch)
+  code = selftest.main(['--model', 'tiny', '--length', '32', '--kernels', 'mlp,route',
+                        '--dtypes', 'float32', '--no_edges', '--batch_size', '1'])
+  assert code == 1
+  captured = capsys.readouterr()
+  assert "OFF: mlp (use XLA for it: T5Config.mlp_kernel='xla')" in captured.err
+  rows = [line for line in captured.out.splitlines() if line.startswith('mlp ')]
+  assert rows and all('OFF' in line for line in rows)
+  assert any(line.startswith('route ') and ' ok ' in line for line in captured.out.splitlines())
+
+
+def test_check_run_switches_an_off_kernel_to_xla_and_caches_verdicts(monkeypatch, tmp_path):
+  monkeypatch.setenv('CODA_JAX_CACHE_DIR', str(tmp_path))
+  model = Transformer(T5Config(emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64,
+                               vocab_size=64, mlp_kernel='pallas', attention_kernel='pallas'),
+                      coda=CodaConfig(reduction_factor=4))
+  lines = []
+  assert selftest.check_run(model, 32, [8], dtype='float32', mode='auto',
+                            log=lines.append) is model          # a CPU: not checked
+  assert selftest.check_run(model, 32, [8], dtype='float32', mode='always',
+                            log=lines.append) == model and not lines
+  cache = json.loads((tmp_path / 'selftest.json').read_text())
+  [verdicts] = cache.values()
+  assert {v['kernel'] for v in verdicts.values()} == {'attention', 'mlp'}
+  _broken_mlp(monkeypatch)
+  checked = selftest.check_run(model, 32, [8], dtype='float32', mode='always',
+                               log=lines.append)
+  # The attention's verdicts were cached ok; the MLP's were too, so it is not
+  # checked again until the versions change: a fresh cache sees the bug.
+  assert checked == model
+  (tmp_path / 'selftest.json').unlink()
+  checked = selftest.check_run(model, 32, [8], dtype='float32', mode='always',
+                               log=lines.append)
+  assert checked.config.mlp_kernel == 'xla' and checked.config.attention_kernel == 'pallas'
+  [line] = lines
+  assert line.startswith('selftest: the mlp kernel differs from XLA on this cpu (forward')
+  assert line.endswith('this run uses XLA for it')
+  with pytest.raises(ValueError, match="selftest must be 'auto', 'always' or 'never'"):
+    selftest.check_run(model, 32, [8], dtype='float32', mode='sometimes')
+
+
+def test_the_trainer_falls_back_to_xla_with_one_line_and_trains_on(monkeypatch, tmp_path,
+                                                                   capsys):
+  """The quickstart run with the MLP kernel asked for and broken: one line
+  names it, the run trains with XLA's MLP (its loss is the XLA run's)."""
+  from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv('CODA_JAX_CACHE_DIR', str(tmp_path / 'cache'))
+  _broken_mlp(monkeypatch)
+
+  def train(name, kernel):
+    flags = ['--gin_file', QUICKSTART, f'--gin.MODEL_DIR={tmp_path / name!s}',
+             '--gin.TRAIN_STEPS=3', '--gin.BATCH_SIZE=4', '--gin.EVAL_PERIOD=None',
+             '--gin.CHECKPOINT_PERIOD=3', '--gin.LOG_PERIOD=1',
+             '--gin_bindings', f"config.T5Config.mlp_kernel = '{kernel}'",
+             '--gin_bindings', "train_lib.train.selftest = 'always'",
+             '--gin_bindings', 'train_lib.train.tensorboard = False']
+    assert train_cli.main(flags) == 0
+    with open(tmp_path / name / 'metrics.jsonl') as f:
+      return [json.loads(line) for line in f if '"train"' in line]
+
+  broken = train('pallas', 'pallas')
+  lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith('selftest:')]
+  assert len(lines) == 1 and 'the mlp kernel differs from XLA' in lines[0], lines
+  xla = train('xla', 'xla')
+  assert len(broken) == len(xla) == 3
+  np.testing.assert_allclose([r['loss'] for r in broken], [r['loss'] for r in xla],
+                             rtol=1e-6)
