@@ -17,7 +17,8 @@ own RMS norm, `att`/`mlp` the pretrained sub-layers):
   fed the normalised layer input, added in parallel by the caller:
       xn = pre_attention_layer_norm(x)
       h  = x + att(xn);  y = h + mlp(pre_mlp_layer_norm(h)) + adapter(xn)
-    (in a CoDA layer: y = x + adapter(xn) + m * scatter(att + ffn)).
+    (in a CoDA layer: y = x + adapter(xn) + unroute(m * (att + ffn)), a gather
+    or a one-hot matmul, never a scatter: `coda_jax.routing`).
   sequential_houlsby (Houlsby et al. 2019), `adapter_attention` and
   `adapter_mlp`, each on a sub-layer's output before its residual add,
   with its own internal residual f(z) = z + adapter(z) (`SequentialAdapter`):

@@ -32,7 +32,7 @@ error, 3 a NaN/inf loss, 143 preempted (a multi-process run got SIGTERM and
 saved a checkpoint first; the same command resumes it).
 
 `launch/local.sh N ...` runs N processes on one machine, `launch/tpu_vm.sh`
-and `launch/slurm_gpu.sbatch` on TPU slices and GPU clusters (README, "On a pod").
+and `launch/slurm_gpu.sbatch` on TPU slices and GPU clusters (docs/pods.md).
 
 This module is the command line only: gin parsing and its messages are
 `coda_jax.training.gin_utils`, the run is `coda_jax.training.train_lib`.
