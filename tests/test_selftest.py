@@ -4,7 +4,6 @@ to XLA for it and trains on."""
 import json
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
