@@ -78,6 +78,33 @@ def test_each_variant_compiles_once_and_nothing_compiles_while_timed(bf16_task):
   assert counter.compilations == 5
 
 
+def test_each_variant_keeps_the_plan_its_encoder_resolved(bf16_task):
+  """The plan (`coda_jax.plan`) each encoder resolved while it compiled, for
+  this machine's platform: the baseline's dense layers alone, a CoDA
+  variant's routed layers at its k; the table's line under the rows."""
+  _, _, task, _ = bf16_task
+  for row in task['variants']:
+    plan = row['plan']
+    assert plan['target'].split()[0] == jax.default_backend(), plan['target']
+    assert plan['length'] == N_IN and plan['k'] == row['k']
+    assert plan['attention'] == row['attention']
+    assert (plan['dense'] is None) == (row['attention'] is not None)
+    assert (plan['routed'] is None) == (row['attention'] is None)
+    assert plan['summary'].startswith(plan['target'] + ': ') and plan['reasons']
+    if jax.default_backend() == 'cpu':  # no rule for a CPU: XLA, gathers
+      assert plan['kernels'] == []
+      layer = plan['routed'] or plan['dense']
+      assert (layer['attention'], layer['mlp'], layer['dispatch']) == ('xla', 'xla', 'gather')
+  table = report.format_table({'meta': {
+      'model': 'tiny', 'platform': 'cpu', 'device_kind': 'cpu', 'dtype': 'bfloat16',
+      'decoding': 'greedy', 'num_beams': 1, 'repeats': 2, 'jax_version': jax.__version__},
+      'tasks': [task], 'checks': []}).splitlines()
+  at = table.index('plans (coda_jax.plan: how each encoder runs):')
+  assert table[at - 1].startswith('coda_k_to_k_r2 ')  # right under the rows
+  for row, line in zip(task['variants'], table[at + 1:]):
+    assert line.split()[0] == row['name'] and line.endswith('  ' + row['plan']['summary'])
+
+
 def test_shared_decoder_rows(bf16_task):
   _, _, task, _ = bf16_task
   dec = task['decoder']
@@ -261,6 +288,11 @@ def test_acm_rows_next_to_the_dense_model(acm_task):
       'tasks': [task], 'checks': []})
   assert 'ACM (custom): speed-ups over dense' in table and 'acm_b0.25' in table
   assert f'acm_b0.5: {b50["acm"]["capacities_from"]}' in table
+  # Each model's encoder plan, under the block (an ACM MLP is XLA's).
+  for row in acm['variants']:
+    assert row['plan']['k'] == N_IN and row['plan']['routed'] is None
+    assert row['plan']['dense']['mlp'] == 'xla'
+    assert f'  {row["name"]:9}  {row["plan"]["summary"]}' in table.splitlines()
 
 
 def test_the_committed_profile_gives_the_conversions_capacities():

@@ -57,6 +57,13 @@ def test_json_fields(tiny_run):
       assert row['compile_s'][t] > 0
     expected_k = 32 if row['attention'] is None else flops.coda_k(32, row['reduction_factor'])
     assert row['k'] == expected_k
+    # The plan its encoder resolved while compiled (`coda_jax.plan`).
+    plan = row['plan']
+    assert plan['target'].split()[0] == meta['platform'] and plan['k'] == expected_k
+    if meta['platform'] == 'cpu':  # no rule for a CPU: XLA's fusions, gathers
+      assert plan['kernels'] == []
+      routed = plan['routed']
+      assert routed is None if row['attention'] is None else routed['dispatch'] == 'gather'
   # The PNG next to the JSON.
   png = os.path.splitext(str(out))[0] + '.png'
   assert meta['png'] == png
@@ -323,6 +330,13 @@ def test_table_on_stdout_then_the_paths_written(tmp_path, capsys):
   lines = captured.out.rstrip().splitlines()
   assert lines[0].startswith('model tiny')
   assert any(line.startswith('coda_k_to_all_r2 ') for line in lines)
+  # Under the rows, each variant's encoder plan: on a CPU, XLA and gathers.
+  at = lines.index('plans (coda_jax.plan: how each encoder runs):')
+  plans = {line.split()[0]: line.split(None, 1)[1] for line in lines[at + 1:at + 3]}
+  assert plans == {row['name']: row['plan']['summary'] for row in result['tasks'][0]['variants']}
+  if jax.default_backend() == 'cpu':
+    assert plans['coda_k_to_all_r2'] == ('cpu: attention xla, mlp xla, dispatch gather, '
+                                         'route xla, output xla, soft_topk xla')
   assert lines[-1] == f'wrote {out} and {tmp_path / "r.png"}'
   assert 'coda_k_to_all_r2' not in captured.err
   # --strict: 1 exactly when a target line is a MISS.

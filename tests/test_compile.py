@@ -6,7 +6,9 @@ worker runs them (`--dist loadfile`), and the topology code sets
 ALLOW_MULTIPLE_LIBTPU_LOAD for a second process that loads libtpu meanwhile.
 The tiny quickstart model compiles for a v5e 2x2 slice in seconds.
 """
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -134,14 +136,27 @@ def test_collectives_of_a_compiled_text():
 # -- compiled for a v5e 2x2 slice ----------------------------------------------------------
 
 
+@pytest.fixture(scope='module')
+def data_parallel_run(tmp_path_factory):
+  """The quickstart run compiled for a data-parallel v5e-4: (exit status,
+  stdout, stderr, the JSON report)."""
+  from coda_jax.compile import command
+  out_file = tmp_path_factory.mktemp('compile') / 'report.json'
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    # Big enough batches that the tiny model's temporaries leave the chip's VMEM.
+    code = command.main(['--gin_file', QUICKSTART, '--topology', 'v5e-4',
+                         '--gin.K_ANNEAL_MAX_RUNGS=2', '--gin.MESH_SHAPE=(4, 1)',
+                         '--gin.BATCH_SIZE=512', '--gin.EVAL_BATCH_SIZE=512',
+                         f'--out={out_file}'])
+  report = json.loads(out_file.read_text()) if out_file.exists() else None
+  return code, out.getvalue(), err.getvalue(), report
+
+
 @needs_libtpu
-def test_data_parallel_train_and_infer_programs(capsys, tmp_path):
-  out_file = tmp_path / 'report.json'
-  # Big enough batches that the tiny model's temporaries leave the chip's VMEM.
-  code, out, err = _compile(capsys, '--gin.MESH_SHAPE=(4, 1)', '--gin.BATCH_SIZE=512',
-                            '--gin.EVAL_BATCH_SIZE=512', f'--out={out_file}')
+def test_data_parallel_train_and_infer_programs(data_parallel_run):
+  code, out, err, report = data_parallel_run
   assert code == 0, err
-  report = json.loads(out_file.read_text())
   names = [p['name'] for p in report['programs']]
   # quickstart.gin's ladder: n = 48 to 24 over 20% of 2000 steps, in 2 rungs.
   ladder = k_annealing.k_schedule(48, 2.0, 2000, 0.2, 2).ks
@@ -170,6 +185,46 @@ def test_data_parallel_train_and_infer_programs(capsys, tmp_path):
   assert 'compile' in report['command'] and '--topology' in report['command']
   # The table on stdout names every program.
   assert all(name in out for name in names) and 'v5litepod-4' in out
+
+
+# Quickstart's routed encoder (k-to-all, no dropout, a parallel adapter) on
+# v5e as `coda_jax.plan.RULES` give it: the attention and MLP kernels (the MLP's
+# weights whole on each chip of a data-parallel mesh), one-hot dispatch and
+# the route kernel at every k; not the output kernel (measured for k-to-k).
+V5E_QUICKSTART = ('tpu v5e: attention pallas, mlp pallas, dispatch one_hot, route pallas, '
+                  'output xla, soft_topk xla')
+
+
+@needs_libtpu
+def test_each_program_s_plan_is_printed_and_recorded(data_parallel_run):
+  """Under the table, a line per program with an encoder gives its plan as
+  the encoder resolved it while lowered; the JSON row holds it in full."""
+  code, out, err, report = data_parallel_run
+  assert code == 0, err
+  rows = {p['name']: p for p in report['programs']}
+  train = report['programs'][0]
+  assert train['kind'] == 'train'
+  [plan] = train['plan']
+  assert plan['target'] == 'tpu v5e' and plan['device_kind'] == 'TPU v5 lite'
+  assert plan['kernels'] == ['attention', 'mlp', 'route']
+  assert plan['attention'] == 'k_to_all' and plan['length'] == 48
+  assert plan['k'] == train['details']['k'] and plan['dense'] is None
+  routed = plan['routed']
+  assert (routed['attention'], routed['mlp'], routed['route'], routed['output'],
+          routed['dispatch'], routed['interpret']) == ('pallas', 'pallas', 'pallas', 'xla',
+                                                       'one_hot', False)
+  assert 'measured on v5e' in plan['reasons']['routed attention']
+  assert 'plan: resolved' not in ' '.join(train['notes'])
+  # The decoding program and its encoder: the same encoder, not training.
+  for name in ('infer', 'encode'):
+    [p] = rows[name]['plan']
+    assert p['kernels'] == ['attention', 'mlp', 'route'] and p['k'] == 24
+  assert rows['decode step']['plan'] == []  # no encoder
+  lines = out[out.index('plans (coda_jax.plan'):].splitlines()[1:]
+  by_name = {line.split('  ')[1].strip(): line for line in lines if line.strip()}
+  assert set(by_name) == set(rows) - {'decode step'}
+  for name in by_name:
+    assert by_name[name].endswith('  ' + V5E_QUICKSTART), by_name[name]
 
 
 @needs_libtpu
@@ -271,10 +326,20 @@ def test_program_arguments_are_what_each_program_is_lowered_for():
   run = programs.run_programs(topology.devices(pod), pod, rungs=['last'])
   assert [p.kind for p in run.programs] == ['train', 'infer', 'encode', 'decode_step']
   for program in run.programs:
-    lowered = jax.tree.leaves(program.lower().args_info)
+    lowered, plans = programs.lower_with_plans(program)
+    lowered = jax.tree.leaves(lowered.args_info)
     given = jax.tree.leaves(program.arguments())
     assert [(a.shape, a.dtype) for a in lowered] == [(g.shape, g.dtype) for g in given], (
         program.name)
+    # The plan `coda-jax compile` gives a program it does not lower, resolved
+    # from the configs, is the one its encoder resolves while lowered (here
+    # with the MLP split over the model axis: XLA's MLP); none for one
+    # decoding step (an `eval_shape` of the encoder for this CPU is left out).
+    resolved = program.plan()
+    assert plans == ([] if resolved is None else [resolved]), program.name
+    if resolved is not None:
+      assert resolved.routed.mlp == 'xla' and 'mlp split over devices' in dict(
+          resolved.reasons)['routed mlp']
 
 
 def test_arguments_alone_over_the_hbm_do_not_fit_before_compiling():
@@ -327,6 +392,15 @@ def test_xxl_on_a_v5e_4_exits_1_before_compiling_anything(tmp_path):
   report = json.loads(out_file.read_text())
   train = report['programs'][0]
   assert not train['fits'] and train['not_compiled'] and train['compiler_error'] is None
+  # Not lowered: the plan resolved from the configs, for the v5e, printed too.
+  [plan] = train['plan']
+  assert plan['target'] == 'tpu v5e' and plan['k'] == 352 and plan['routed'] is not None
+  assert 'plan: resolved from the configs (the program was not lowered)' in train['notes']
+  assert [p['name'] for p in report['programs'] if not p['plan']] == ['decode step']
+  assert 'plans (coda_jax.plan' in proc.stdout
+  assert any(line.startswith('  train k=352  tpu v5e: ')
+             and line.endswith('  (from the configs: not lowered)')
+             for line in proc.stdout.splitlines())
   # 11.2 billion float32 parameters, whole on each of the 4 chips.
   assert 41 * 2 ** 30 < train['argument_shards']['params'] < 42 * 2 ** 30
   assert train['memory']['needed'] == train['argument_shards']['total']

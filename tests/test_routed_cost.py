@@ -113,3 +113,36 @@ def test_the_kernel_moves_fewer_bytes_than_xla(rows, xla_rows):
   for name in kernel:
     assert kernel[name].bytes_accessed < xla[name].bytes_accessed, name
   assert kernel['parallel_adapter'].stages.get('position_bias', 0) == 0
+
+
+def test_the_tool_prints_each_encoder_s_plan_and_keeps_it_in_the_json(tmp_path, capsys):
+  """tools/routed_cost.py: under the table a line per chip and variant, the
+  plan its encoder resolved while compiled for a v5e (`coda_jax.plan.RULES`:
+  the attention and MLP kernels, one-hot dispatch; at k / n = 0.2 for
+  k-to-k the output kernel instead of the route's); the JSON rows hold it."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(__file__).resolve().parent.parent / 'tools' / 'routed_cost.py'
+  spec = importlib.util.spec_from_file_location('routed_cost', path)
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  out = tmp_path / 'costs.json'
+  assert tool.main(['--model', 'small', '--layers', '1', '--batch_size', '8', '--lengths',
+                    '128', '--generations', 'v5e', '--reduction_factors', '5',
+                    '--attentions', 'k_to_k', '--decode_steps', '1', '--out', str(out)]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  at = lines.index('plans (coda_jax.plan: how each encoder runs on the chip):')
+  assert lines[at + 1:] == [
+      '  v5e  parallel_adapter  tpu v5e: attention pallas, mlp pallas',
+      '  v5e  coda_k_to_k_r5    tpu v5e: attention pallas, mlp pallas, dispatch one_hot, '
+      'route xla, output pallas, soft_topk xla']
+  rows = json.loads(out.read_text())['rows']
+  assert [(r['variant'], r['program']) for r in rows] == [
+      ('parallel_adapter', variant_costs.ENCODER), ('coda_k_to_k_r5', variant_costs.ENCODER),
+      ('parallel_adapter', variant_costs.DECODE_STEP)]
+  base, coda, step = rows
+  assert base['plan']['kernels'] == ['attention', 'mlp'] and base['plan']['routed'] is None
+  assert coda['plan']['kernels'] == ['attention', 'mlp', 'output']
+  assert coda['plan']['k'] == math.ceil(128 / 5) and coda['plan']['target'] == 'tpu v5e'
+  assert 'measured on v5e k_to_k' in coda['plan']['reasons']['output']
+  assert step['plan'] is None

@@ -11,8 +11,13 @@ Adapter (roofline, compiled flops, `flops.py`'s bound), their ratio
 (efficiency: the share of the skipped work that the roofline turns into
 time), while loops in the HLO, and the bytes of each stage of the encoder
 (norm, adapter, router, soft top-k, route, position bias, attention, MLP,
-un-route, other). A model of the chip, not a timing
-(`coda_jax/compile/variant_costs.py` says what it counts and what it does not).
+un-route, other). Under the table, each encoder's plan (`coda_jax.plan`: how
+its token dispatch, attention, MLP, route, output and soft top-k run on that
+chip, as the encoder resolved it while compiled; `Plan.summary`), one line
+per chip and variant; the JSON's rows hold it in full (``plan``:
+`Plan.as_dict`, the reason of each choice; None for the decoding step). A
+model of the chip, not a timing (`coda_jax/compile/variant_costs.py` says
+what it counts and what it does not).
 
   python tools/routed_cost.py [--model base] [--batch_size 128] [--lengths 384]
       [--layers L]
@@ -32,6 +37,7 @@ import sys
 
 import jax.numpy as jnp
 
+from coda_jax import plan as plan_lib
 from coda_jax.bench import flags, models
 from coda_jax.compile import topology, variant_costs
 from coda_jax.config import ATTENTION_KERNELS, ATTENTION_VARIANTS, CodaConfig
@@ -41,7 +47,11 @@ DTYPES = {'bfloat16': jnp.bfloat16, 'float32': jnp.float32}
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p = argparse.ArgumentParser(
+      description=__doc__.split('\n\n')[0],
+      epilog='Prints the table, then each encoder\'s plan (coda_jax.plan: how its token '
+      'dispatch, attention, MLP, route, output and soft top-k run on the chip), one line '
+      'per chip and variant; the JSON\'s rows (--out) hold it in full ("plan").')
   p.add_argument('--model', default='base', choices=MODELS)
   p.add_argument('--batch_size', type=flags.at_least_one, default=128)
   p.add_argument('--lengths', type=flags.required(flags.distinct(
@@ -65,13 +75,15 @@ def parse_args(argv):
   p.add_argument('--dtype', default='bfloat16', choices=sorted(DTYPES))
   p.add_argument('--kernels', default='auto', choices=ATTENTION_KERNELS,
                  help="T5Config.attention_kernel and mlp_kernel and CodaConfig."
-                      "unroute_kernel and route_kernel: 'auto' (the Pallas kernels where "
-                      "they cost less: attention, the encoder's MLP and the routed layer's "
-                      "route on every TPU, the route on v4 for k / n up to 0.3, the "
-                      "layer's output instead on v5e for k-to-k with k / n up to 0.3), 'xla' "
-                      "(none), 'pallas' (attention, MLP and output "
-                      "kernels; the output kernel computes the adapter, so the route kernel "
-                      "is not used)")
+                      "unroute_kernel and route_kernel: 'auto' (the plan's rules, "
+                      "coda_jax.plan.RULES: the Pallas kernels where measured to cost less "
+                      "on that chip: on v4 and v5e attention, the encoder's MLP and the "
+                      "routed layer's route (on v4 only for k / n up to 0.3), on v5e for "
+                      "k-to-k with k / n up to 0.3 the layer's output instead of the route; "
+                      "none on a chip with no rule, v5p and v6e), 'xla' (none), 'pallas' "
+                      "(attention, MLP and "
+                      "output kernels; the output kernel computes the adapter, so the route "
+                      "kernel is not used)")
   p.add_argument('--out', default=None, help='write the JSON here')
   args = p.parse_args(argv)
   if args.decode_steps < 0:
@@ -98,6 +110,30 @@ def table(rows) -> str:
   return '\n'.join(lines)
 
 
+def plan_lines(rows, plans) -> str:
+  """Each encoder row's plan in one line (`Plan.summary`), one per chip and
+  variant (with the input length where its lengths' plans differ). `plans`:
+  the `Plan`s recorded while the rows were compiled (`plan.recording`); a
+  row's is the one whose `as_dict` it holds."""
+  found = {}
+  for r in rows:
+    if r.plan is None:
+      continue
+    plan = next((p for p in plans if p.as_dict() == r.plan), None)
+    summary = plan.summary() if plan is not None else (
+        f'{r.plan["target"]}: kernels {", ".join(r.plan["kernels"]) or "none"}')
+    found.setdefault((r.generation, r.variant), {}).setdefault(summary, []).append(r.length)
+  if not found:
+    return ''
+  width = max(len(variant) for _, variant in found)
+  lines = ['plans (coda_jax.plan: how each encoder runs on the chip):']
+  for (generation, variant), summaries in found.items():
+    for summary, lengths in summaries.items():
+      where = '' if len(summaries) == 1 else f' (n = {", ".join(map(str, lengths))})'
+      lines.append(f'  {generation:4} {variant:<{width}}  {summary}{where}')
+  return '\n'.join(lines)
+
+
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   try:
@@ -111,12 +147,16 @@ def main(argv=None) -> int:
   if args.layers is not None:
     config = dataclasses.replace(config, num_encoder_layers=args.layers,
                                  num_decoder_layers=args.layers)
-  rows = variant_costs.measure(
-      args.model, args.batch_size, [int(n) for n in args.lengths], args.generations,
-      args.reduction_factors, args.attentions, args.decode_steps, DTYPES[args.dtype],
-      config=config, coda=CodaConfig(unroute_kernel=args.kernels, route_kernel=args.kernels),
-      log=log)
+  with plan_lib.recording() as plans:
+    rows = variant_costs.measure(
+        args.model, args.batch_size, [int(n) for n in args.lengths], args.generations,
+        args.reduction_factors, args.attentions, args.decode_steps, DTYPES[args.dtype],
+        config=config,
+        coda=CodaConfig(unroute_kernel=args.kernels, route_kernel=args.kernels), log=log)
   print(table(rows))
+  lines = plan_lines(rows, plans)
+  if lines:
+    print('\n' + lines)
   result = {
       'command': 'python tools/routed_cost.py ' + ' '.join(
           sys.argv[1:] if argv is None else argv),

@@ -7,9 +7,16 @@
                     scatters with operand shapes, matmuls left in loops)
   models            presets, the baseline and CoDA variants, their parameters
                     (random in the target dtype, or a checkpoint), encoders
+                    (compiled with the plan they resolved: `coda_jax.plan`)
   decoding_latency  CoDA vs Parallel Adapter decoding latency (paper Fig. 7a,
-                    Table 12): ``coda-jax benchmark``
-  report            its table and plot
+                    Table 12): ``coda-jax benchmark``, its flags and run
+  decoding_programs its task shapes, decoder and soft top-k
+  latency_task      one task shape compiled, timed, a row per variant
+  acm_block         its ACM rows (the dense T5, an ACM model per budget)
+  cross_kv          its cross-attention K/V row (``--cross_kv``)
+  targets           its accelerator targets, checked on the numbers
+  report            its table (with each variant's plan) and plot
+  acm_usage, flags  the ACM rows' learner usage; flag types
 
 The names below are the experiment's interface (``from coda_jax import
 bench``): its entry points, shapes and constants, and the helpers a caller

@@ -8,8 +8,9 @@
   jitted init directly in the activation dtype on the device, or a T5
   checkpoint's leaves with fresh routers and adapters; the baseline uses the
   same leaves minus the routers (`restrict_params`, `variant_params`);
-* `make_encode_fn`, `compile_encoders`: `Transformer.encode` of each variant,
-  compiled ahead of time;
+* `make_encode_fn`, `compile_encoder`, `compile_encoders`: `Transformer.encode`
+  of each variant, compiled ahead of time, with the plan its encoder resolved
+  while traced (`coda_jax.plan`: how its layers run on this machine's chip);
 * ACM (`coda_jax.acm`): `acm_model` for a budget β (the template's
   inference and learner usage) and `acm_params`, which the dense model shares
   (`restrict_params`: the pretrained leaves).
@@ -26,6 +27,7 @@ import numpy as np
 from coda_jax import checkpoints
 from coda_jax import network
 from coda_jax import params as params_lib
+from coda_jax import plan as plan_lib
 from coda_jax.bench import timing
 from coda_jax.config import (AcmConfig, CodaConfig, T5Config, parallel_adapter_baseline,
                              t5_1_1)
@@ -199,15 +201,37 @@ def make_encode_fn(model: network.Transformer):
       {'params': params}, tokens, enable_dropout=False, method=model.encode))
 
 
+def compile_encoder(model: network.Transformer, params: Mapping[str, Any],
+                    tokens: jax.Array) -> timing.Timed:
+  """`model`'s `Transformer.encode` on `tokens`, compiled ahead of time for
+  the default device; `Timed.plans`: the plans (`coda_jax.plan`) its encoder
+  resolved while traced, for that device's platform."""
+  with plan_lib.recording() as plans:
+    timed = timing.compile_call(make_encode_fn(model), params, tokens)
+  platform = jax.default_backend()
+  timed.plans = [p for p in plans if p.target.platform == platform]
+  return timed
+
+
+def plan_of(timed: timing.Timed) -> Optional[Dict[str, Any]]:
+  """What a result row keeps of a compiled encoder's plan: `Plan.as_dict`
+  and, under 'summary', `Plan.summary` (the table's line); None without one."""
+  if not timed.plans:
+    return None
+  plan = timed.plans[-1]
+  return {**plan.as_dict(), 'summary': plan.summary()}
+
+
 def compile_encoders(variants: Sequence[Variant], params: Mapping[str, Mapping[str, Any]],
                      tokens: jax.Array, progress=None) -> Dict[str, timing.Timed]:
-  """Every variant's `Transformer.encode` on `tokens`, compiled ahead of time.
+  """Every variant's `Transformer.encode` on `tokens`, compiled ahead of time
+  (`compile_encoder`: with the plan its encoder resolved).
 
   `params`: each variant's parameters by name (`variant_params`).
   """
   out = {}
   for v in variants:
-    out[v.name] = timing.compile_call(make_encode_fn(v.model), params[v.name], tokens)
+    out[v.name] = compile_encoder(v.model, params[v.name], tokens)
     if progress is not None:
       progress.update(1, at=f'compile {v.name} encoder')
   return out

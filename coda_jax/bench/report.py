@@ -1,9 +1,13 @@
-"""The decoding-latency result as people read it: a table and a Figure 7a-style plot."""
+"""The decoding-latency result as people read it: a table and a Figure 7a-style plot.
+
+Under each task's rows (and under its ACM block's), a line per variant gives
+its encoder's plan (`coda_jax.plan`: how its token dispatch, attention, MLP,
+route, output and soft top-k run, `Plan.summary`), from its row's ``plan``.
+"""
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Optional
-
+from typing import Any, List, Mapping, Optional, Sequence
 
 
 def write_json(result: Mapping[str, Any], path: Optional[str], indent: int = 1) -> str:
@@ -33,6 +37,17 @@ def cross_kv_explanation(cross: Mapping[str, Any]) -> str:
           f"once per sequence, ours, vs at every step, t5x's; {reading})")
 
 
+def plan_lines(rows: Sequence[Mapping[str, Any]]) -> List[str]:
+  """A line per row with a plan: the variant's name and its encoder's plan
+  (the row's ``plan['summary']``); none for rows without one."""
+  plans = [(row['name'], row['plan']['summary']) for row in rows if row.get('plan')]
+  if not plans:
+    return []
+  width = max(len(name) for name, _ in plans)
+  return ['plans (coda_jax.plan: how each encoder runs):'] + [
+      f'  {name:<{width}}  {summary}' for name, summary in plans]
+
+
 def _acm_lines(task: Mapping[str, Any]) -> list:
   """The ACM block of a task: the dense model and each budget, speed-ups over dense."""
   acm = task['acm']
@@ -56,7 +71,7 @@ def _acm_lines(task: Mapping[str, Any]) -> list:
         f'{row["compile_s"]["end_to_end"]:7.1f}')
   lines += [f'  {row["name"]}: {row["acm"]["capacities_from"]}' for row in acm['variants']
             if row['acm']]
-  return lines
+  return lines + plan_lines(acm['variants'])
 
 
 def format_table(result: Mapping[str, Any]) -> str:
@@ -89,6 +104,7 @@ def format_table(result: Mapping[str, Any]) -> str:
           f'{row["fraction_of_bound"]["encoder"]:7.2f} {topk_text} '
           f'{row["speedup_of_min"]["end_to_end"]:9.2f} '
           f'{row["compile_s"]["encoder"]:10.1f}')
+    lines += plan_lines(task['variants'])
     if task.get('acm'):
       lines += _acm_lines(task)
   cross = result.get('cross_kv')

@@ -42,10 +42,13 @@ CACHE_HIT_EVENT = '/jax/compilation_cache/cache_hits'
 
 @dataclasses.dataclass
 class Timed:
-  """A compiled function bound to its arguments: `call()` runs it once."""
+  """A compiled function bound to its arguments: `call()` runs it once.
+  `plans`: the `coda_jax.plan.Plan`s its program resolved while traced
+  (`models.compile_encoder`; empty where not recorded)."""
   call: Callable[[], Any]
   compile_s: float
   compiled: Any = None
+  plans: List[Any] = dataclasses.field(default_factory=list)
 
   def hlo_text(self) -> str:
     return self.compiled.as_text() if self.compiled is not None else ''

@@ -18,6 +18,15 @@ with their time at the interconnect's bandwidth. A table goes to stdout, a
 progress line per program (with its compile time) to stderr, and with
 ``--out`` the JSON (the pod, the exact jax and libtpu versions, the command).
 
+Under the table, a line per program with an encoder (the train steps, the
+decoding program, its encoder; not the decoding step) gives its plan
+(`coda_jax.plan`: how the encoder's token dispatch, attention, MLP, route,
+output and soft top-k run on this chip, `Plan.summary`), as its encoder
+resolved it while the program was lowered; the JSON row holds it in full
+(``plan``: a list of `Plan.as_dict`, with the reason of each choice). A
+program that is not lowered (below) gets the plan resolved from the same
+configs, noted in its row.
+
 Before anything is lowered or compiled, each program's arguments are added up
 per chip from the shardings `partitioning` gives them (a train step's
 parameters, optimizer state and batch; the decoding programs' parameters and
@@ -247,7 +256,7 @@ def _check_arguments(run, pod, log) -> Tuple[List[Any], Optional[List[Any]]]:
     try:
       analysis.check_arguments(program.name, arguments, pod.chip)
     except analysis.DoesNotFitError as e:
-      failed.append((program, None, e))
+      failed.append((program, None, e, None))
   if not failed:
     return sizes, None
   log(f'compiling nothing: the arguments of {len(failed)} of {len(run.programs)} programs '
@@ -259,6 +268,11 @@ def _compile_all(run, pod, devices, log, jobs: int = 1) -> List[Any]:
   """Compiles every program; a `DoesNotFitError` becomes a report row marked
   as not fitting (with what the compiler said it needs).
 
+  Returns:
+    (program, its `analysis.Report` or None, the `DoesNotFitError` or None,
+    the plans its encoder resolved while it was lowered:
+    `programs.lower_with_plans`) per program, in order.
+
   Programs are lowered one after the other on this thread and compiled on
   `jobs` threads (the compiler releases the GIL): while one program
   compiles, the next is lowered and, with 2 or more jobs, compiled beside
@@ -267,17 +281,18 @@ def _compile_all(run, pod, devices, log, jobs: int = 1) -> List[Any]:
   """
   from concurrent import futures  # pylint: disable=g-import-not-at-top
   from coda_jax.compile import analysis  # pylint: disable=g-import-not-at-top
+  from coda_jax.compile import programs as programs_lib  # pylint: disable=g-import-not-at-top
   slices = None
   if pod.num_slices > 1:
     from coda_jax.compile import topology  # pylint: disable=g-import-not-at-top
     slices = [topology.slice_of(d) for d in devices]
   total = len(run.programs)
   tag = lambda i, program: f'[{i}/{total}] {program.name}'
-  pending = {}
+  pending, plans = {}, {}
   with futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
     for i, program in enumerate(run.programs, 1):
       start = time.perf_counter()
-      lowered = program.lower()
+      lowered, plans[i] = programs_lib.lower_with_plans(program)
       log(f'{tag(i, program)}: lowered in {time.perf_counter() - start:.1f} s; compiling '
           f'for {pod.accelerator_type}')
       pending[pool.submit(analysis.compile_program, program.name, lowered, pod.chip)] = i
@@ -289,7 +304,7 @@ def _compile_all(run, pod, devices, log, jobs: int = 1) -> List[Any]:
         compiled, seconds = future.result()
       except analysis.DoesNotFitError as e:
         log(f'{tag(i, program)}: the compiler ran out of HBM: {e}')
-        done[i] = (program, None, e)
+        done[i] = (program, None, e, plans[i])
         continue
       slice_order = None if slices is None else [
           slices[devices.index(d)] for d in program.mesh.devices.flat]
@@ -297,7 +312,7 @@ def _compile_all(run, pod, devices, log, jobs: int = 1) -> List[Any]:
                                 program.model_flops, slice_order)
       log(f'{tag(i, program)}: compiled in {seconds:.1f} s; needs '
           f'{gib(report.memory.needed)} of {gib(report.hbm_bytes)} GiB per chip')
-      done[i] = (program, report, None)
+      done[i] = (program, report, None, plans[i])
   return [done[i] for i in sorted(done)]
 
 
@@ -370,20 +385,50 @@ def _failed_row(program, error, pod) -> Dict[str, Any]:
           'mfu': None, 'collectives': [], 'collective_seconds': None, 'notes': []}
 
 
+def _plans(program, traced) -> Tuple[List[Any], bool]:
+  """The plans of `program`'s encoder: `traced` (those it resolved while it
+  was lowered), or, where it was not lowered (None), the plan resolved from
+  its configs (`Program.plan`); and whether they were resolved so."""
+  if traced is not None:
+    return list(traced), False
+  plan = program.plan()
+  return ([] if plan is None else [plan]), True
+
+
+def plan_lines(named_plans: Sequence[Tuple[str, Sequence[Any], bool]]) -> List[str]:
+  """A line per program with an encoder: its name and its plan
+  (`Plan.summary`; plans that differ, one after the other), from `named_plans`
+  (name, plans, whether they were resolved from the configs: `_plans`)."""
+  named_plans = [entry for entry in named_plans if entry[1]]
+  if not named_plans:
+    return []
+  width = max(len(name) for name, _, _ in named_plans)
+  return ['plans (coda_jax.plan: how each encoder runs on the chip):'] + [
+      f'  {name:<{width}}  ' + ' | '.join(p.summary() for p in plans)
+      + ('  (from the configs: not lowered)' if resolved else '')
+      for name, plans, resolved in named_plans]
+
+
 def _report(run_, pod, results, arguments, args: argparse.Namespace, log) -> int:
   """Prints the table (and writes the JSON) of `results` (`_compile_all`'s),
-  the line of each program that does not fit; returns the exit status.
-  `arguments`: each of `run_.programs`' `analysis.ArgumentBytes`."""
+  each program's plan, the line of each program that does not fit; returns
+  the exit status. `arguments`: each of `run_.programs`'
+  `analysis.ArgumentBytes`."""
   from coda_jax.compile import topology  # pylint: disable=g-import-not-at-top
-  rows, failures = [], []
+  rows, failures, named_plans = [], [], []
   sizes = {program.name: size for program, size in zip(run_.programs, arguments)}
-  for program, report, error in results:
+  for program, report, error, traced in results:
     mesh_shape = (run_.train_mesh_shape if program.kind == 'train'
                   else run_.infer_mesh_shape)
     row = (_failed_row(program, error, pod) if report is None else
            {**report.as_dict(), 'kind': program.kind, 'details': program.details})
     row['mesh_shape'] = list(mesh_shape)
     row['argument_shards'] = sizes[program.name].as_dict()
+    plans, resolved = _plans(program, traced)
+    row['plan'] = [p.as_dict() for p in plans]
+    if plans and resolved:
+      row['notes'].append('plan: resolved from the configs (the program was not lowered)')
+    named_plans.append((program.name, plans, resolved))
     rows.append(row)
     if not row['fits']:
       needed = row['memory']['needed']
@@ -395,6 +440,9 @@ def _report(run_, pod, results, arguments, args: argparse.Namespace, log) -> int
   if infer is not None:
     _decoding_roofline(rows, infer['details']['lengths']['targets'], pod.chip.peak_flops)
   print(table(rows, pod))
+  lines = plan_lines(named_plans)
+  if lines:
+    print('\n'.join([''] + lines))
   if args.out:
     _write_json(args, pod, run_, rows, failures, topology.versions())
     log(f'wrote {args.out}')

@@ -21,6 +21,12 @@ the model FLOPs utilisation, and its arguments as the sharded
 `ShapeDtypeStruct`s it is lowered for (`Program.arguments`), whose bytes per
 chip (`argument_bytes`) say, before anything compiles, whether its
 parameters, optimizer state and batch alone fit a chip's HBM.
+
+Its encoder's plan (`coda_jax.plan`: which formulation and kernel each step
+of its layers runs on the pod's chip) is recorded while it is lowered
+(`lower_with_plans`); for a program that is not lowered (its arguments alone
+do not fit), `Program.plan` resolves it from the same configs, length, chip
+and mesh the encoder would (tests/test_compile.py holds the two equal).
 """
 from __future__ import annotations
 
@@ -33,10 +39,14 @@ import jax.numpy as jnp
 from coda_jax import decoding as decoding_lib
 from coda_jax import flops as flops_lib
 from coda_jax import infer as infer_lib
+from coda_jax import partitioning
+from coda_jax import plan as plan_lib
+from coda_jax import target as target_lib
 from coda_jax.compile import analysis
 from coda_jax.compile import chips as chips_lib
 from coda_jax.compile.chips import Pod
 from coda_jax.config import DEFAULT_ADAPTER_DIM, PARALLEL
+from coda_jax.kernels import tpu_blocks
 from coda_jax.training import data as data_lib
 from coda_jax.training import gin_utils
 from coda_jax.training import train_lib
@@ -69,6 +79,10 @@ class Program:
       (params, tokens [batch, n]) for the decoding program and its encoder;
       (params, encoded [rows, n, d], tokens [rows, n], token [rows, 1],
       cache) for one decoding step (rows: batch x beams).
+    plan: `() ->` the `coda_jax.plan.Plan` its encoder resolves, from the
+      configs without tracing (`resolved_plan`), or None: no encoder (one
+      decoding step). For a program that is not lowered; a lowered one's
+      own are recorded while it is traced (`lower_with_plans`).
   """
   name: str
   kind: str
@@ -77,6 +91,7 @@ class Program:
   model_flops: Optional[float]
   details: Dict[str, Any]
   arguments: Callable[[], Tuple[Any, ...]]
+  plan: Callable[[], Optional[plan_lib.Plan]] = lambda: None
 
 
 @dataclasses.dataclass
@@ -155,6 +170,36 @@ def argument_bytes(program: Program) -> analysis.ArgumentBytes:
   size = lambda tree: analysis.shard_bytes(jax.tree.leaves(tree))
   return analysis.ArgumentBytes(params=size(params), optimizer_state=size(optimizer_state),
                                 inputs=size(inputs), inputs_name=_INPUTS_NAMES[program.kind])
+
+
+def platform(program: Program) -> Optional[str]:
+  """The platform `program` is compiled for ('tpu'): its mesh's devices'."""
+  return target_lib.platform_of(program.mesh.devices.flat)
+
+
+def lower_with_plans(program: Program) -> Tuple[Any, List[plan_lib.Plan]]:
+  """`program.lower()`, and the plans its encoder resolved while it was
+  traced (`plan.recording`): those for the program's platform only (a
+  `jax.eval_shape` traced outside the program's target, e.g. of the encoder
+  output's shape for one decoding step, notes one for this machine's)."""
+  with plan_lib.recording() as plans:
+    lowered = program.lower()
+  return lowered, [p for p in plans if p.target.platform == platform(program)]
+
+
+def resolved_plan(model, mesh, rules, length: int, training: bool,
+                  packed: bool) -> plan_lib.Plan:
+  """The plan `network.Encoder` resolves for `model` on `length` tokens in a
+  program on `mesh` under the logical axis `rules` (its chip, the axes the
+  mesh splits), without tracing anything: `training` (a train step: dropout
+  on), `packed` (segment ids in the batch)."""
+  devices = list(mesh.devices.flat)
+  with jax.set_mesh(mesh), partitioning.axis_rules(rules):
+    sharded = tpu_blocks.split_axes('mlp', 'embed')
+  return plan_lib.resolve(
+      model.config, model.coda, getattr(model, 'acm', None),
+      target=target_lib.Target(target_lib.platform_of(devices), target_lib.kind_of(devices)),
+      length=length, training=training, packed=packed, sharded=sharded)
 
 
 def check_mesh(name: str, mesh_shape: Sequence[int], pod: Pod) -> tuple:
@@ -252,7 +297,10 @@ def _train_programs(model, args: Dict[str, Any], train_cfg, lengths, devices,
         None if total is None else total / pod.total_chips,
         {'batch_size': train_cfg.batch_size, 'lengths': dict(lengths), 'k': k,
          'rung': rung, 'rungs': rungs},
-        lambda: (trainer.abstract_state(), trainer.abstract_batch(batch))))
+        lambda: (trainer.abstract_state(), trainer.abstract_batch(batch)),
+        lambda m=rung_model: resolved_plan(m, mesh, trainer.rules, lengths['inputs'],
+                                           training=True,
+                                           packed='encoder_segment_ids' in batch)))
   return out
 
 
@@ -275,12 +323,14 @@ def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Prog
              'num_beams': args['num_beams'] if args['decoding'] == 'beam' else 1}
   tokens = lambda: (predictor.abstract_params(),
                     predictor._rows((batch, n), jnp.int32))  # pylint: disable=protected-access
+  plan = lambda: resolved_plan(predictor.model, mesh, predictor.trainer.rules, n,
+                               training=False, packed=False)
   return [
       Program('infer', INFER, lambda: predictor.lower(batch, n), mesh,
               None if costs is None else per_chip('encoder') + steps * per_chip('step'),
-              details, tokens),
+              details, tokens, plan),
       Program('encode', ENCODE, lambda: predictor.lower_encode(batch, n), mesh,
-              per_chip('encoder'), details, tokens),
+              per_chip('encoder'), details, tokens, plan),
       Program('decode step', DECODE_STEP, lambda: predictor.lower_decode_step(batch, n),
               mesh, per_chip('step'), {**details, 'rows': rows},
               lambda: _decode_step_arguments(predictor, batch, n)),
