@@ -250,7 +250,7 @@ class _Resolver:
     else:
       choice, why = alternative, f'{SETTING[what]} = {setting!r}'
     if choice == alternative and blockers:
-      return DEFAULTS[what], f'{why}, but {"; ".join(blockers)}'
+      return DEFAULTS[what], f'{"; ".join(blockers)} (else {alternative}: {why})'
     return choice, why
 
 
@@ -342,7 +342,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
     output, why_out = rules.choose(OUTPUT, coda.unroute_kernel, [] if adapter else [
         'no parallel adapter'])
     if coda.unroute_kernel == 'auto' and output == PALLAS and dispatch != ONE_HOT:
-      output, why_out = XLA, f'{why_out}, but the dispatch is {dispatch}'
+      output, why_out = XLA, f'the dispatch is {dispatch} (else pallas: {why_out})'
     blockers = [] if adapter else ['no parallel adapter']
     if output == PALLAS:
       blockers.append('the output kernel computes the adapter')
@@ -352,7 +352,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
       blockers.append(f'its [k, emb] accumulator does not fit {tpu_blocks.VMEM_BUDGET} B')
     route, why_route = rules.choose(ROUTE, coda.route_kernel, blockers)
     if coda.route_kernel == 'auto' and route == PALLAS and dispatch != ONE_HOT:
-      route, why_route = XLA, f'{why_route}, but the dispatch is {dispatch}'
+      route, why_route = XLA, f'the dispatch is {dispatch} (else pallas: {why_route})'
     # The norm's factor after the MLP's input projections, where the output
     # kernel finishes the layer and the MLP is XLA's (measured with it only).
     factored = output == PALLAS and mlp == XLA and not (
