@@ -126,8 +126,9 @@ def encoder_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length
     lowered = p.lower_encode(batch_size, length, param_dtype=dtype)
   model_flops = 2.0 * batch_size * programs.encoder_macs(variant.model, length,
                                                          variant.k(length))
+  [plan] = [q for q in plans if q.target.platform == 'tpu']     # the encoder's, on the chip
   return _compiled_row(ENCODER, lowered, p.mesh, pod, variant, length, model_flops,
-                       plan=plans[-1])
+                       plan=plan)
 
 
 def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
