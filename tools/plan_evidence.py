@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any, Dict, List
@@ -71,9 +72,14 @@ def parse_args(argv):
   p.add_argument('--min_saving', type=float, default=0.005,
                  help='--search: the smallest share of bytes a flip must save')
   p.add_argument('--out', default=None, help='write the JSON here')
+  p.add_argument('--update', action='store_true',
+                 help='--out exists: replace its variants that this run measures, keep the '
+                      'others (after a rule changed for some)')
   args = p.parse_args(argv)
   if args.out:
     flags.check_writable_file('--out', args.out)
+  if args.update and not (args.out and os.path.exists(args.out)):
+    p.error('--update needs an existing --out file')
   return args
 
 
@@ -187,6 +193,17 @@ def main(argv=None) -> int:
          'versions': topology.versions(), 'chip': args.chip, 'model': args.model,
          'batch_size': args.batch_size, 'length': args.length, 'layers': args.layers,
          'dtype': 'bfloat16', 'search': args.search, 'variants': results}
+  if args.update:
+    with open(args.out) as f:
+      old = json.load(f)
+    for key in ('chip', 'model', 'batch_size', 'length', 'layers', 'search'):
+      if old[key] != out[key]:
+        print(f'error: --update: {args.out} has {key} {old[key]!r}, this run {out[key]!r}',
+              file=sys.stderr)
+        return 2
+    mine = {v['variant'] for v in results}
+    out['variants'] = [v for v in old['variants'] if v['variant'] not in mine] + results
+    out['command'] = old['command'] + '; then ' + out['command']
   text = json.dumps(out, indent=1)
   if args.out:
     with open(args.out, 'w') as f:
