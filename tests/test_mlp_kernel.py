@@ -215,7 +215,7 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate(pod, resident):
   assert kernel.plan(b, n, e, h, 2, 2, vmem).resident == resident
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  estimate = kernel.cost_estimate(b, n, e, h, 2, jnp.bfloat16, vmem)
+  estimate = kernel.cost_estimate(b, n, e, h, acts, jnp.bfloat16, vmem)
   moved = 2 * x.size * 2 + sum(w.size * 2 for w in wi) + wo.size * 2
   assert estimate.bytes_accessed >= moved
   assert cost['bytes accessed'] >= estimate.bytes_accessed

@@ -24,21 +24,23 @@ are read once; otherwise a second grid axis walks blocks of hidden units,
 adding each one's share of y to a float32 accumulator, and the weights are
 read once per block of rows. Where even that does not fit (one row's blocks
 too large, as xl's on a v4), the plan keeps XLA (`fits`). `cost_estimate`
-declares those bytes and the arithmetic, which is what the TPU compiler's
-`cost_analysis()` reports.
+declares those bytes, at the arrays' tiled sizes in HBM, and the
+arithmetic, which is what the TPU compiler's `cost_analysis()` reports.
 
 Gradients: a custom VJP whose backward pass is XLA's derivative of
 `reference`. Sharding: under a mesh the call runs in `shard_map` over the
 batch axis of the logical rules; `MlpBlock` keeps XLA where the rules shard
 the hidden units ('mlp') or the embedding over more than one device.
 
-Public: `mlp` (differentiable), `reference`, `cost_estimate`, `plan`, `fits`.
+Public: `mlp` (differentiable), `reference`, `cost_estimate`,
+`transcendentals_per_element`, `plan`, `fits`.
 Pallas is imported when a kernel is built.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -56,6 +58,15 @@ _CHUNK = 256
 _TEMPORARIES = 5
 # VMEM a call leaves to Mosaic's own scratch, beyond what `plan` counts.
 _HEADROOM = 2 * 1024 * 1024
+# Primitives that XLA's cost analysis counts as transcendental, one per
+# output element: what an activation's jaxpr is searched for
+# (`transcendentals_per_element`).
+_TRANSCENDENTAL_PRIMITIVES = frozenset({
+    'exp', 'exp2', 'expm1', 'log', 'log1p', 'logistic', 'tanh', 'sinh', 'cosh', 'asinh',
+    'acosh', 'atanh', 'sin', 'cos', 'tan', 'asin', 'acos', 'atan', 'atan2', 'erf', 'erfc',
+    'erf_inv', 'lgamma', 'digamma', 'rsqrt', 'sqrt', 'cbrt', 'pow'})
+# Elements of the array an activation is traced on to count them.
+_TRACE_ELEMENTS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +130,36 @@ def fits(shape: Sequence[int], hidden: int, projections: int, dtype,
               vmem_bytes).fits
 
 
+def _subjaxprs(params):
+  """The jaxprs among a jaxpr equation's parameters (jit, custom_jvp_call,
+  cond branches, ...)."""
+  for value in params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      if hasattr(item, 'eqns'):
+        yield item
+      elif hasattr(getattr(item, 'jaxpr', None), 'eqns'):
+        yield item.jaxpr
+
+
+def _transcendental_elements(jaxpr) -> int:
+  count = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in _TRANSCENDENTAL_PRIMITIVES:
+      count += sum(math.prod(v.aval.shape) for v in eqn.outvars)
+    for sub in _subjaxprs(eqn.params):
+      count += _transcendental_elements(sub)
+  return count
+
+
+def transcendentals_per_element(activation: Callable, dtype) -> int:
+  """The transcendental operations `activation` computes per element, read
+  from its jaxpr on `_TRACE_ELEMENTS` elements (those on fewer, e.g. of a
+  constant, are not per element): 1 for gelu (tanh in T5's approximation;
+  erfc exactly), silu (logistic), 0 for relu and 'linear'."""
+  traced = jax.make_jaxpr(activation)(jax.ShapeDtypeStruct((_TRACE_ELEMENTS,), dtype))
+  return _transcendental_elements(traced.jaxpr) // _TRACE_ELEMENTS
+
+
 def _norm(x: Array, scale: Array, epsilon: float) -> Array:
   """`layers.RMSNorm`: float32 statistics, rounded, times the scale."""
   x32 = x.astype(jnp.float32)
@@ -174,24 +215,34 @@ def _kernel(*refs, projections: int, activations, epsilon: float, plan_: Plan):
   lax.fori_loop(0, rows * chunks, step, 0)
 
 
-def cost_estimate(batch: int, length: int, emb: int, hidden: int, projections: int, dtype,
-                  vmem: int):
-  """Bytes: x and y, the norm scale, and the weights once (resident) or once
-  per block of rows. Flops: the matmuls, the norm (4 per element), the
-  products of the projections; transcendentals: the norm's rsqrt per token
-  and one per activation output (an upper bound: ReLU has none). A
-  `pl.CostEstimate`."""
+def cost_estimate(batch: int, length: int, emb: int, hidden: int,
+                  activations: Sequence[Callable], dtype, vmem: int):
+  """What one call moves in HBM and computes (a `pl.CostEstimate`), with one
+  input projection per activation of `activations`.
+
+  Bytes, each array at its tiled size in HBM (`tpu_blocks.tiled_bytes`:
+  `length` rows to the sublane tile, so a routed k = 77 moves 80): x and y
+  `[batch, length, emb]`, the norm scale `[1, emb]`, and the weights once
+  (resident) or once per block of rows. Flops: the matmuls, the norm (4 per
+  element), the products of the projections. Transcendentals: the norm's
+  rsqrt per token, and per hidden unit of each token those of each
+  activation (`transcendentals_per_element`: gated GELU's tanh, none for its
+  linear projection or for ReLU)."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  projections = len(activations)
   itemsize = jnp.dtype(dtype).itemsize
   p = plan(batch, length, emb, hidden, projections, itemsize, vmem)
   tokens = batch * length
   weight_reads = 1 if p.resident else batch // p.batch_block
   flops = (2 * tokens * emb * hidden * (projections + 1) + 4 * tokens * emb
            + tokens * hidden * (projections - 1))
-  bytes_accessed = itemsize * (2 * tokens * emb + emb
-                               + weight_reads * (projections + 1) * emb * hidden)
+  tiled = tpu_blocks.tiled_bytes
+  weights = projections * tiled((emb, hidden), dtype) + tiled((hidden, emb), dtype)
+  bytes_accessed = (2 * tiled((batch, length, emb), dtype) + tiled((1, emb), dtype)
+                    + weight_reads * weights)
+  per_unit = sum(transcendentals_per_element(a, dtype) for a in activations)
   return pl.CostEstimate(flops=int(flops),
-                         transcendentals=int(tokens * (1 + hidden * projections)),
+                         transcendentals=int(tokens * (1 + hidden * per_unit)),
                          bytes_accessed=int(bytes_accessed))
 
 
@@ -220,7 +271,7 @@ def _kernel_call(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem):
       out_specs=rows,
       out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       scratch_shapes=scratch,
-      cost_estimate=cost_estimate(batch, length, emb, hidden, projections, x.dtype, vmem),
+      cost_estimate=cost_estimate(batch, length, emb, hidden, activations, x.dtype, vmem),
       compiler_params=None if interpret else pltpu.CompilerParams(
           dimension_semantics=('parallel', 'arbitrary'),
           vmem_limit_bytes=p.vmem_limit),

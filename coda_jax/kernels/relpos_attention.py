@@ -26,12 +26,16 @@ code per token, 2 position + real), looks each head's bias up in the
 writes only the output. q, k, v and the output stay in the projections'
 layout, `[batch, length, heads * head_dim]`, so no transpose is written and a
 64-wide head fills no 128-lane tile by itself; a block of heads is a block of
-128-lane columns (`head_block`). HBM traffic is q, k, v, the output and the
-codes: `cost_estimate` declares those bytes (k and v once per batch row and
-block of heads: query blocks are the innermost grid axis, so a key block is
-fetched once) and the arithmetic (two matmuls, the bucket and lookup
-selects, the softmax), which the TPU compiler's `cost_analysis()` reports for
-the call.
+128-lane columns (`head_block`). The codes of queries and keys are both
+rows, `[1, length]`, which HBM stores densely along the lanes (a column
+`[length, 1]` would take a 128-lane tile row per query); the kernel turns
+its block of query codes into a column in VMEM (a transpose). HBM traffic
+is q, k, v, the output and the codes: `cost_estimate` declares those bytes
+at their tiled sizes (`tpu_blocks.tiled_bytes`; k and v once per batch row
+and block of heads: query blocks are the innermost grid axis, so a key
+block is fetched once) and the arithmetic (two matmuls, the bucket and
+lookup selects, the softmax), which the TPU compiler's `cost_analysis()`
+reports for the call.
 
 Every key of a row is in one block (the softmax is a single pass, no running
 maximum); queries are split in blocks of at most `_MAX_BLOCK_ELEMENTS` /
@@ -139,12 +143,13 @@ def _kernel(table_ref, qcode_ref, kcode_ref, q_ref, k_ref, v_ref, o_ref, *, head
             max_distance: int):
   """One (batch row, block of heads, block of queries).
 
-  qcode `[bq, 1]`, kcode `[1, s]` (2 position + real), q/o `[bq, heads *
+  qcode `[1, bq]`, kcode `[1, s]` (2 position + real, rows), q/o `[bq, heads *
   head_dim]`, k/v `[s, heads / groups * head_dim]`: for each head,
-  `o = softmax(q kᵀ + bias + mask) v`; buckets and mask once for the block."""
+  `o = softmax(q kᵀ + bias + mask) v`; buckets and mask once for the block,
+  from the query codes as a column `[bq, 1]` (transposed in VMEM)."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   first_head = pl.program_id(1) * heads
-  q_pos, q_real = _decode(qcode_ref[...])
+  q_pos, q_real = _decode(jnp.transpose(qcode_ref[...]))
   k_pos, k_real = _decode(kcode_ref[...])
   buckets = relative_position_bucket(k_pos - q_pos, bidirectional, num_buckets,
                                      max_distance)                   # [bq, s]
@@ -166,26 +171,39 @@ def _kernel(table_ref, qcode_ref, kcode_ref, q_ref, k_ref, v_ref, o_ref, *, head
 
 
 def cost_estimate(batch: int, heads: int, kv_heads: int, q_length: int, kv_length: int,
-                  head_dim: int, num_buckets: int, head_blocks: int, dtype):
+                  head_dim: int, num_buckets: int, head_blocks: int, dtype,
+                  q_block: Optional[int] = None):
   """What one call reads and writes in HBM and its arithmetic (a `pl.CostEstimate`).
 
-  Bytes: q and the output once; k and v once (each block of heads reads its
-  own columns once per batch row: query blocks are the innermost grid
-  axis); the int32 position codes once per block of heads; the float32
-  table. Flops: the two matmuls, 2 (num_buckets - 1) compares and selects
-  of the lookup and `_HEAD_OPS` per (head, query, key), `_BUCKET_OPS` per
-  (block of heads, query, key). Transcendentals: the softmax's exp per
-  (head, query, key), the bucket's log per (block of heads, query, key)."""
+  Bytes, each array at its tiled size in HBM (`tpu_blocks.tiled_bytes`:
+  rows to the sublane tile, columns to 128 lanes): q `[batch, q_length,
+  heads * head_dim]` and the output once; k and v `[batch, kv_length,
+  kv_heads * head_dim]` once (each block of heads reads its own columns once
+  per batch row: query blocks are the innermost grid axis); the int32 codes
+  once per block of heads, the queries' as one `[1, q_block]` row per query
+  block (`q_block`: `query_block`'s by default), the keys' as a `[1,
+  kv_length]` row; the float32 `[heads, num_buckets]` table. q_length is
+  the padded length the kernel is called with (a multiple of q_block).
+  Flops: the two matmuls, 2 (num_buckets - 1) compares and selects of the
+  lookup and `_HEAD_OPS` per (head, query, key), `_BUCKET_OPS` per (block of
+  heads, query, key). Transcendentals: the softmax's exp per (head, query,
+  key), the bucket's log per (block of heads, query, key)."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-  itemsize = jnp.dtype(dtype).itemsize
+  q_block = query_block(q_length, kv_length) if q_block is None else q_block
+  if q_length % q_block:
+    raise ValueError(f'cost_estimate: q_length {q_length} is not a multiple of the query '
+                     f'block {q_block} (pass the padded length)')
   pairs = batch * heads * q_length * kv_length
   block_pairs = batch * head_blocks * q_length * kv_length
   flops = (4 * pairs * head_dim + pairs * (2 * (num_buckets - 1) + _HEAD_OPS)
            + block_pairs * _BUCKET_OPS)
-  bytes_accessed = (2 * batch * q_length * heads * head_dim * itemsize
-                    + 2 * batch * kv_length * kv_heads * head_dim * itemsize
-                    + head_blocks * batch * (q_length + kv_length) * 4
-                    + heads * num_buckets * 4)
+  tiled = tpu_blocks.tiled_bytes
+  bytes_accessed = (2 * tiled((batch, q_length, heads * head_dim), dtype)
+                    + 2 * tiled((batch, kv_length, kv_heads * head_dim), dtype)
+                    + head_blocks * (
+                        tiled((batch, q_length // q_block, 1, q_block), jnp.int32)
+                        + tiled((batch, 1, kv_length), jnp.int32))
+                    + tiled((heads, num_buckets), jnp.float32))
   return pl.CostEstimate(flops=int(flops), transcendentals=int(pairs + block_pairs),
                          bytes_accessed=int(bytes_accessed))
 
@@ -196,10 +214,12 @@ def _kernel_call(query: Array, key: Array, value: Array, table: Array, q_code: A
   """The pallas_call.
 
   query `[b, q, h, d]`, key/value `[b, s, kvh, d]`, table `[h, buckets]`
-  float32, q_code `[b, q, 1]` and k_code `[b, 1, s]` int32 (2 position +
+  float32, q_code `[b, 1, q]` and k_code `[b, 1, s]` int32 rows (2 position +
   real). Heads stay where the projections put them (`[b, q, h * d]` is the
-  same array): a block of heads is a block of 128-lane columns.
-  Returns `[b, q, h, d]`."""
+  same array): a block of heads is a block of 128-lane columns. The query
+  codes go to the kernel as `[b, q / block, 1, block]`: a row per query
+  block, whole in its last two dimensions (a block of a row's lanes would
+  have to be a multiple of 128). Returns `[b, q, h, d]`."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   batch, q_length, heads, head_dim = query.shape
@@ -212,7 +232,8 @@ def _kernel_call(query: Array, key: Array, value: Array, table: Array, q_code: A
   query = query.reshape(batch, q_length, heads * head_dim)
   if padded != q_length:
     query = jnp.pad(query, ((0, 0), (0, padded - q_length), (0, 0)))
-    q_code = jnp.pad(q_code, ((0, 0), (0, padded - q_length), (0, 0)))
+    q_code = jnp.pad(q_code, ((0, 0), (0, 0), (0, padded - q_length)))
+  q_code = q_code.reshape(batch, padded // block, 1, block)
   num_buckets = table.shape[1]
   kernel = functools.partial(_kernel, heads=hb, groups=groups, head_dim=head_dim,
                              num_buckets=num_buckets, bidirectional=bidirectional,
@@ -224,13 +245,13 @@ def _kernel_call(query: Array, key: Array, value: Array, table: Array, q_code: A
       kernel,
       grid=(batch, heads // hb, padded // block),
       in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
-                pl.BlockSpec((None, block, 1), lambda b, h, i: (b, i, 0)),
+                pl.BlockSpec((None, None, 1, block), lambda b, h, i: (b, i, 0, 0)),
                 pl.BlockSpec((None, 1, kv_length), lambda b, h, i: (b, 0, 0)),
                 q_spec, kv_spec, kv_spec],
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct((batch, padded, heads * head_dim), query.dtype),
       cost_estimate=cost_estimate(batch, heads, kv_heads, padded, kv_length, head_dim,
-                                  num_buckets, heads // hb, query.dtype),
+                                  num_buckets, heads // hb, query.dtype, q_block=block),
       compiler_params=None if interpret else pltpu.CompilerParams(
           dimension_semantics=('parallel', 'parallel', 'parallel')),
       interpret=interpret,
@@ -241,8 +262,9 @@ def _kernel_call(query: Array, key: Array, value: Array, table: Array, q_code: A
 
 def reference(query: Array, key: Array, value: Array, table: Array, q_code: Array,
               k_code: Array, *, bidirectional: bool, max_distance: int) -> Array:
-  """The kernel's function in jnp, on the kernel's operands (`_kernel_call`):
-  its backward pass is the kernel's."""
+  """The kernel's function in jnp, on the kernel's operands (`_kernel_call`),
+  the query codes as a column `[b, q, 1]`: its backward pass is the
+  kernel's."""
   groups = query.shape[2] // key.shape[2]
   key = jnp.repeat(key, groups, axis=2)
   value = jnp.repeat(value, groups, axis=2)
@@ -276,8 +298,9 @@ def _attention_fwd(query, key, value, table, q_code, k_code, bidirectional, max_
 def _attention_bwd(bidirectional, max_distance, interpret, residuals, cotangent):
   del interpret
   query, key, value, table, q_code, k_code = residuals
+  q_column = jnp.swapaxes(q_code, 1, 2)                              # [b, q, 1]
   _, vjp = jax.vjp(
-      lambda q, k, v, t: reference(q, k, v, t, q_code, k_code, bidirectional=bidirectional,
+      lambda q, k, v, t: reference(q, k, v, t, q_column, k_code, bidirectional=bidirectional,
                                    max_distance=max_distance),
       query, key, value, table)
   zeros = [np.zeros(a.shape, jax.dtypes.float0) for a in (q_code, k_code)]
@@ -336,7 +359,7 @@ def relpos_attention(query: Array, key: Array, value: Array, table: Array, *,
     interpret = target.platform() != 'tpu'
   operands = (query, key.astype(query.dtype), value.astype(query.dtype),
               jnp.asarray(table, jnp.float32),
-              _codes(query_positions, query_real, batch, q_length)[..., None],
+              _codes(query_positions, query_real, batch, q_length)[:, None, :],
               _codes(key_positions, key_real, batch, kv_length)[:, None, :])
 
   def call(*args):

@@ -28,8 +28,9 @@ before its output. Here one program per (batch row, block of positions)
 reads its block of x once: the `[k, block]` one-hot (an iota compare with
 the indices) multiplies it on the MXU into a float32 `[k, emb]` accumulator
 over the blocks, and the block's norm and down projection are written as
-`[adapter, block]`. `cost_estimate` declares those bytes and the arithmetic,
-which is what the TPU compiler's `cost_analysis()` reports.
+`[adapter, block]`. `cost_estimate` declares those bytes, at the arrays'
+tiled sizes in HBM, and the arithmetic, which is what the TPU compiler's
+`cost_analysis()` reports.
 
 Gradients: a custom VJP whose backward pass is XLA's derivative of
 `reference` (x, the norm scale and w_down get gradients; the selection is a
@@ -144,17 +145,26 @@ def _kernel(idx_ref, x_ref, s_ref, wd_ref, routed_ref, factor_ref, down_ref, acc
 
 
 def cost_estimate(batch: int, length: int, k: int, emb: int, adapter: int, dtype):
-  """Bytes: x, the routed tokens, their float32 norm factors and the
-  bottleneck, the int32 indices, the norm scale and w_down once. Flops: the
-  one-hot and down matmuls, the norm (4 per element), the one-hot compares
-  and the factors' picking (2 per position and routed token);
-  transcendentals: the norm's rsqrt per token. A `pl.CostEstimate`."""
+  """What one call moves in HBM and computes (a `pl.CostEstimate`); length
+  is the padded one the kernel is called with.
+
+  Bytes, once each and at its tiled size in HBM (`tpu_blocks.tiled_bytes`:
+  rows to the sublane tile, the last dimension to 128 lanes): x `[batch,
+  length, emb]`, the routed tokens `[batch, k, emb]` (k = 77 moves 80 rows),
+  their float32 norm factors and the int32 indices (`[batch, 1, k]` rows),
+  the bottleneck `[batch, adapter, length]`, the norm scale `[1, emb]` and
+  w_down as `[adapter, emb]`. Flops: the one-hot and down matmuls, the norm
+  (4 per element), the one-hot compares and the factors' picking (2 per
+  position and routed token); transcendentals: the norm's rsqrt per
+  token."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-  itemsize = jnp.dtype(dtype).itemsize
   tokens = batch * length
   flops = 2 * tokens * emb * (k + adapter) + 4 * tokens * emb + 3 * tokens * k
-  bytes_accessed = (itemsize * (tokens * (emb + adapter) + batch * k * emb)
-                    + 4 * 2 * batch * k + itemsize * emb * (1 + adapter))
+  tiled = tpu_blocks.tiled_bytes
+  bytes_accessed = (tiled((batch, length, emb), dtype) + tiled((batch, k, emb), dtype)
+                    + tiled((batch, 1, k), jnp.float32) + tiled((batch, 1, k), jnp.int32)
+                    + tiled((batch, adapter, length), dtype)
+                    + tiled((1, emb), dtype) + tiled((adapter, emb), dtype))
   return pl.CostEstimate(flops=int(flops), transcendentals=int(tokens),
                          bytes_accessed=int(bytes_accessed))
 

@@ -1,17 +1,21 @@
-"""What the TPU kernels share: their VMEM budget, row blocks, mesh axes.
+"""What the TPU kernels share: their VMEM budget, row blocks, HBM tiles, mesh axes.
 
 `relpos_attention`, `unroute_combine`, `route_adapter` and `mlp` split their
 rows (queries, positions, batch rows) into blocks that fit `VMEM_BUDGET`
 (`mlp` keeps its weights beside them within the chip's VMEM, which the plan
-passes it from `compile.chips.Chip.vmem_bytes`), and run in `shard_map` over
+passes it from `compile.chips.Chip.vmem_bytes`), declare what they move in
+HBM at the arrays' tiled sizes (`tiled_bytes`: the TPU compiler counts a
+Pallas call only by its `pl.CostEstimate`), and run in `shard_map` over
 the mesh axes that the logical axis rules give their dimensions (a Pallas
 call is opaque to XLA's partitioner). No Pallas import here.
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Sequence, Tuple
 
 import jax
+import numpy as np
 
 # VMEM one program may use (bytes): double-buffered blocks plus float32
 # temporaries, under the 16 MiB scoped default of v4 and v5e.
@@ -20,6 +24,21 @@ VMEM_BUDGET = 12 * 1024 * 1024
 # The smallest VMEM of a TensorCore of the chips in `compile.chips.CHIPS`
 # (v4's 16 MiB): what a kernel assumes when it is not told its chip's.
 SMALLEST_VMEM = 16 * 1024 * 1024
+
+# How the TPU compiler lays out a kernel's operands and results in HBM
+# (row-major, as Pallas asks): in tiles over the last two dimensions, LANES
+# wide and SUBLANES rows high for every element width (16- and 8-bit types
+# pack 2 or 4 rows into each 32-bit word of a tile: T(8,128)(2,1),
+# T(8,128)(4,1)); an array with fewer rows gets the smallest power-of-two
+# rows that hold them, at least one 32-bit word's worth (T(1,128) for a
+# float32 row, T(2,128)(2,1) for a bfloat16 one, T(4,128)(4,1) for int8).
+# Read from the layouts of tpu_custom_call operands and from
+# `memory_analysis()` (bf16[1,72,256] takes 72 rows, 36864 B) on v4 and v5e
+# with libtpu 0.0.42.1; tests/test_kernel_estimates.py checks every kernel's
+# operands against the layouts of its compiled program.
+LANES = 128
+SUBLANES = 8
+_WORD_BYTES = 4
 
 
 def row_block(length: int, limit: int) -> int:
@@ -33,6 +52,32 @@ def row_block(length: int, limit: int) -> int:
   if divisors and 2 * divisors[-1] > limit:
     return divisors[-1]
   return 1 << (limit.bit_length() - 1)
+
+
+def tile_rows(rows: int, itemsize: int) -> int:
+  """Rows of the HBM tile of an array whose second-to-last dimension is
+  `rows`, of `itemsize`-byte elements: `SUBLANES`, or fewer for a short
+  array (the next power of two, at least the rows one 32-bit word packs)."""
+  packed = max(1, _WORD_BYTES // itemsize)
+  return min(SUBLANES, max(packed, 1 << max(0, rows - 1).bit_length()))
+
+
+def tiled_shape(shape: Sequence[int], dtype) -> Tuple[int, ...]:
+  """`shape` as the TPU stores it in HBM: the last dimension rounded up to
+  `LANES`, the second-to-last to its tile's rows (`tile_rows`). Rank 2 and
+  up: the kernels pass a row as `[1, n]` (a rank-1 array's tiles, 128 to
+  1024 elements, follow other rules)."""
+  if len(shape) < 2:
+    raise ValueError(f'tiled_shape: rank {len(shape)} {tuple(shape)}; pass a row as [1, n]')
+  *outer, rows, lanes = (int(d) for d in shape)
+  tile = tile_rows(rows, np.dtype(dtype).itemsize)
+  return (*outer, -(-rows // tile) * tile, -(-lanes // LANES) * LANES)
+
+
+def tiled_bytes(shape: Sequence[int], dtype) -> int:
+  """Bytes an array of `shape` and `dtype` takes in HBM (`tiled_shape`): what
+  a kernel moves when it reads or writes all of it."""
+  return math.prod(tiled_shape(shape, dtype)) * np.dtype(dtype).itemsize
 
 
 def _mesh_and_axes(logical: str):

@@ -22,8 +22,9 @@ emb]` array, with the compiler's memory-space assignment adding copies
 around them. Here one program per (batch row, block of positions) reads x and
 the row's k updates and writes y once; the norm, both adapter matmuls and the
 one-hot `[block, k]` (an iota compare with the indices, multiplied on the
-MXU) stay in VMEM. `cost_estimate` declares those bytes and the
-arithmetic, which is what the TPU compiler's `cost_analysis()` reports.
+MXU) stay in VMEM. `cost_estimate` declares those bytes, at the arrays'
+tiled sizes in HBM, and the arithmetic, which is what the TPU compiler's
+`cost_analysis()` reports.
 
 Gradients: a custom VJP whose backward pass is XLA's derivative of
 `reference` (the norm scale, both adapter kernels, x and delta get
@@ -99,18 +100,27 @@ def _kernel(idx_ref, x_ref, s_ref, wd_ref, wu_ref, d_ref, y_ref, *, block: int, 
 
 
 def cost_estimate(batch: int, length: int, k: int, emb: int, adapter: int, dtype):
-  """Bytes: x and y, delta, the int32 indices once per block of positions,
-  the norm scale and both adapter kernels once. Flops: the three matmuls, the
-  norm (square, sum, scale: 4 per element), the activation and the two adds,
-  the one-hot compares; transcendentals: the norm's rsqrt per token. A
-  `pl.CostEstimate`."""
+  """What one call moves in HBM and computes (a `pl.CostEstimate`); length
+  is the padded one the kernel is called with.
+
+  Bytes, each array at its tiled size in HBM (`tpu_blocks.tiled_bytes`:
+  rows to the sublane tile, the last dimension to 128 lanes): x and y
+  `[batch, length, emb]` and delta `[batch, k, emb]` (k = 77 moves 80 rows)
+  once, the int32 indices (`[batch, 1, k]` rows) once per block of
+  positions, the norm scale `[1, emb]`, w_down `[emb, adapter]` (a 64-wide
+  bottleneck fills 128 lanes) and w_up `[adapter, emb]` once. Flops: the
+  three matmuls, the norm (square, sum, scale: 4 per element), the
+  activation and the two adds, the one-hot compares; transcendentals: the
+  norm's rsqrt per token."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   itemsize = jnp.dtype(dtype).itemsize
   blocks = -(-length // position_block(length, emb, itemsize))
   flops = (2 * batch * length * emb * (2 * adapter + k) + 6 * batch * length * emb
            + batch * length * (adapter + k))
-  bytes_accessed = (itemsize * batch * (2 * length * emb + k * emb)
-                    + 4 * batch * blocks * k + itemsize * (2 * adapter + 1) * emb)
+  tiled = tpu_blocks.tiled_bytes
+  bytes_accessed = (2 * tiled((batch, length, emb), dtype) + tiled((batch, k, emb), dtype)
+                    + blocks * tiled((batch, 1, k), jnp.int32) + tiled((1, emb), dtype)
+                    + tiled((emb, adapter), dtype) + tiled((adapter, emb), dtype))
   return pl.CostEstimate(flops=int(flops), transcendentals=int(batch * length),
                          bytes_accessed=int(bytes_accessed))
 
