@@ -162,3 +162,16 @@ def test_the_trainer_falls_back_to_xla_with_one_line_and_trains_on(monkeypatch, 
   assert len(broken) == len(xla) == 3
   np.testing.assert_allclose([r['loss'] for r in broken], [r['loss'] for r in xla],
                              rtol=1e-6)
+
+
+def test_a_runs_gin_files_give_its_model_and_shapes(tmp_path, capsys):
+  """`--gin_file`: the run's own model and input length (the quickstart: 48
+  tokens, r = 2, so k = 24), as the trainer would build them."""
+  code = selftest.main(['--gin_file', QUICKSTART, f'--gin.MODEL_DIR={tmp_path}',
+                        '--kernels', 'mlp', '--dtypes', 'float32', '--no_edges',
+                        '--batch_size', '1', '--out', str(tmp_path / 'out.json')])
+  assert code == 0
+  report = json.loads((tmp_path / 'out.json').read_text())
+  assert [r['case'] for r in report['results']] == ['48 rows', '24 rows']
+  assert all(r['shape']['emb'] == 32 and r['shape']['mlp_dim'] == 64
+             for r in report['results'])
