@@ -101,25 +101,41 @@ class Rule:
 
 
 # The rows, first match wins. Measured with `tools/plan_evidence.py` (base,
-# batch 128, n 384, bf16, the encoder's bytes accessed as the TPU compiler
-# counts them, each choice flipped against the plan these rows give; jax
-# 0.10.2, libtpu 0.0.42.1).
+# batch 128, n 384, 12 layers, bf16, the encoder's bytes accessed as the TPU
+# compiler counts them, each choice flipped against the plan these rows give;
+# jax 0.10.2, libtpu 0.0.42.1) at r = 3 and 5 (k / n = 0.33, 0.2) and for
+# the Parallel Adapter model (k / n = 1): the routed layers' rows hold up to
+# k / n = 0.34, where they were measured.
+_MEASURED = (0.0, 0.34)
 RULES: Tuple[Rule, ...] = (
-    # v4: the attention and MLP kernels everywhere; one-hot dispatch; the
-    # route kernel up to k / n = 0.3 (above it memory-space assignment copies
-    # the layer input to CMEM around the kernel); never the output kernel.
+    # v4: the attention and MLP kernels; one-hot dispatch; the route kernel
+    # (k-to-k up to k / n = 0.3: above it memory-space assignment copies the
+    # layer input to CMEM around the kernel); no output kernel.
     Rule(DISPATCH, 'v4', ONE_HOT, evidence=_BASE.format('v4')),
     Rule(ATTENTION, 'v4', PALLAS, evidence=_BASE.format('v4')),
     Rule(MLP, 'v4', PALLAS, evidence=_BASE.format('v4')),
-    Rule(ROUTE, 'v4', PALLAS, fractions=(0.0, 0.3), evidence=_BASE.format('v4')),
-    # v5e: the same, the route kernel at every k measured, and for k-to-k up
-    # to k / n = 0.3 the output kernel instead (it computes the adapter).
+    Rule(ROUTE, 'v4', PALLAS, attention='k_to_all', fractions=_MEASURED,
+         evidence=_BASE.format('v4')),
+    Rule(ROUTE, 'v4', PALLAS, attention='k_to_k', fractions=(0.0, 0.3),
+         evidence=_BASE.format('v4')),
+    # v5e: the same, the route kernel at both k, and for k-to-k up to
+    # k / n = 0.3 the output kernel instead (it computes the adapter).
     Rule(DISPATCH, 'v5e', ONE_HOT, evidence=_BASE.format('v5e')),
     Rule(ATTENTION, 'v5e', PALLAS, evidence=_BASE.format('v5e')),
     Rule(MLP, 'v5e', PALLAS, evidence=_BASE.format('v5e')),
     Rule(OUTPUT, 'v5e', PALLAS, attention='k_to_k', fractions=(0.0, 0.3),
          evidence=_BASE.format('v5e')),
-    Rule(ROUTE, 'v5e', PALLAS, evidence=_BASE.format('v5e')),
+    Rule(ROUTE, 'v5e', PALLAS, fractions=_MEASURED, evidence=_BASE.format('v5e')),
+    # v5p: attention and MLP kernels, one-hot dispatch, the output kernel.
+    Rule(DISPATCH, 'v5p', ONE_HOT, evidence=_BASE.format('v5p')),
+    Rule(ATTENTION, 'v5p', PALLAS, evidence=_BASE.format('v5p')),
+    Rule(MLP, 'v5p', PALLAS, evidence=_BASE.format('v5p')),
+    Rule(OUTPUT, 'v5p', PALLAS, fractions=_MEASURED, evidence=_BASE.format('v5p')),
+    # v6e: the same as v5p.
+    Rule(DISPATCH, 'v6e', ONE_HOT, evidence=_BASE.format('v6e')),
+    Rule(ATTENTION, 'v6e', PALLAS, evidence=_BASE.format('v6e')),
+    Rule(MLP, 'v6e', PALLAS, evidence=_BASE.format('v6e')),
+    Rule(OUTPUT, 'v6e', PALLAS, fractions=_MEASURED, evidence=_BASE.format('v6e')),
 )
 
 
@@ -338,21 +354,8 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
   att, mlp = attention_and_mlp(k, kv, fraction, 'routed ')
   output, route, factored = XLA, XLA, False
   if k < n:
-    adapter = coda.adapter == PARALLEL
-    output, why_out = rules.choose(OUTPUT, coda.unroute_kernel, [] if adapter else [
-        'no parallel adapter'])
-    if coda.unroute_kernel == 'auto' and output == PALLAS and dispatch != ONE_HOT:
-      output, why_out = XLA, f'the dispatch is {dispatch} (else pallas: {why_out})'
-    blockers = [] if adapter else ['no parallel adapter']
-    if output == PALLAS:
-      blockers.append('the output kernel computes the adapter')
-    if 'embed' in sharded:
-      blockers.append('embed split over devices')
-    if not route_adapter.fits(n, k, config.emb_dim, jnp.dtype(config.dtype).itemsize):
-      blockers.append(f'its [k, emb] accumulator does not fit {tpu_blocks.VMEM_BUDGET} B')
-    route, why_route = rules.choose(ROUTE, coda.route_kernel, blockers)
-    if coda.route_kernel == 'auto' and route == PALLAS and dispatch != ONE_HOT:
-      route, why_route = XLA, f'the dispatch is {dispatch} (else pallas: {why_route})'
+    (output, why_out), (route, why_route) = _output_and_route(
+        rules, config, coda, n, k, dispatch, sharded)
     # The norm's factor after the MLP's input projections, where the output
     # kernel finishes the layer and the MLP is XLA's (measured with it only).
     factored = output == PALLAS and mlp == XLA and not (
@@ -367,6 +370,29 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
                      factored_norm=factored, dispatch=dispatch, soft_topk=soft_topk, k=k,
                      **common)
   return Plan(target, n, k, variant, dense, routed, tuple(reasons))
+
+
+def _output_and_route(rules: _Resolver, config: T5Config, coda: CodaConfig, n: int, k: int,
+                      dispatch: str, sharded: FrozenSet[str]):
+  """The routed layer's output and route formulations, each with its reason:
+  both kernels need the parallel adapter and the one-hot dispatch, and the
+  output kernel, where it runs, computes the adapter the route kernel would."""
+  adapter = coda.adapter == PARALLEL
+  output, why_out = rules.choose(OUTPUT, coda.unroute_kernel, [] if adapter else [
+      'no parallel adapter'])
+  if coda.unroute_kernel == 'auto' and output == PALLAS and dispatch != ONE_HOT:
+    output, why_out = XLA, f'the dispatch is {dispatch} (else pallas: {why_out})'
+  blockers = [] if adapter else ['no parallel adapter']
+  if output == PALLAS:
+    blockers.append('the output kernel computes the adapter')
+  if 'embed' in sharded:
+    blockers.append('embed split over devices')
+  if not route_adapter.fits(n, k, config.emb_dim, jnp.dtype(config.dtype).itemsize):
+    blockers.append(f'its [k, emb] accumulator does not fit {tpu_blocks.VMEM_BUDGET} B')
+  route, why_route = rules.choose(ROUTE, coda.route_kernel, blockers)
+  if coda.route_kernel == 'auto' and route == PALLAS and dispatch != ONE_HOT:
+    route, why_route = XLA, f'the dispatch is {dispatch} (else pallas: {why_route})'
+  return (output, why_out), (route, why_route)
 
 
 def _soft_topk(rules: _Resolver, coda: CodaConfig) -> Tuple[str, str]:

@@ -161,18 +161,21 @@ def test_where_xla_routes(case, monkeypatch):
 
 
 @pytest.mark.parametrize('kind,attention,reduction_factor,dispatch,expected', [
-    ('TPU v4', 'k_to_k', 5.0, 'auto', True), ('TPU v4', 'k_to_all', 3.0, 'auto', False),
+    ('TPU v4', 'k_to_k', 5.0, 'auto', True), ('TPU v4', 'k_to_all', 3.0, 'auto', True),
+    ('TPU v4', 'k_to_k', 3.0, 'auto', False),
     ('TPU v5 lite', 'k_to_k', 3.0, 'auto', True),
     ('TPU v5 lite', 'k_to_all', 5.0, 'auto', True),
+    ('TPU v5 lite', 'k_to_all', 1.5, 'auto', False),
     ('TPU v5 lite', 'k_to_k', 5.0, 'auto', False), ('TPU v4', 'k_to_k', 5.0, 'gather', False),
-    (None, 'k_to_all', 3.0, 'auto', False), ('TPU v5', 'k_to_all', 5.0, 'auto', False)])
+    (None, 'k_to_all', 3.0, 'auto', False), ('TPU v5', 'k_to_all', 5.0, 'auto', False),
+    ('TPU v9', 'k_to_all', 5.0, 'auto', False)])
 def test_auto_routes_with_the_kernel_on_tpu(kind, attention, reduction_factor, dispatch,
                                             expected, monkeypatch):
   """'auto' in a program for a TPU: the kernel where `coda_jax.plan`'s rules
-  measured it (v4 up to k / n = 0.3: not k = 4 of 12 tokens at r = 3; v5e at
-  every k), except where the output kernel computes the adapter (v5e k-to-k
-  at k / n <= 0.3: k = 3 of 12 at r = 5) and with gathers; XLA on a chip
-  with no rule (an unknown TPU; v5p until measured)."""
+  measured it (v4 k-to-all and v5e up to k / n = 0.34: k = 4 of 12 tokens at
+  r = 3, not 8 at r = 1.5; v4 k-to-k up to 0.3: not 4 of 12), except where
+  the output kernel computes the adapter (v5e k-to-k at k / n <= 0.3: k = 3
+  of 12 at r = 5; v5p) and with gathers; XLA on a chip with no rule."""
   from coda_jax import target  # pylint: disable=g-import-not-at-top
   enc, dec_in, tgt = batch()
   model = Transformer(tiny(attention_kernel='xla', mlp_kernel='xla'),

@@ -33,8 +33,8 @@ CONFIG = dataclasses.replace(models.make_config('small', jnp.bfloat16),
 # XLA: r = 1 1.052, k-to-all r = 3 0.819, k-to-k r = 3 0.745 (flops 1.001,
 # 0.493, 0.372). The kernels 'auto' picks on v5e (attention, the encoder's
 # MLP, the routed layer's route with its norm factors and adapter down
-# projection; not its output at k / n = 86 / 256, above
-# UNROUTE_KERNEL_CHIPS' fraction): 1.045, 0.996, 0.916 (flops 1.000, 0.484,
+# projection; not its output at k / n = 86 / 256, above the fraction of
+# the plan's v5e output row, `coda_jax.plan.RULES`): 1.045, 0.996, 0.916 (flops 1.000, 0.484,
 # 0.366; 1.003 and 0.922 before the route kernel); higher ratios than XLA's,
 # because the attention and MLP kernels remove more bytes from the baseline
 # (n x n attention, n tokens' MLP activations) than from a routed layer; the

@@ -106,6 +106,30 @@ def test_a_broken_kernel_is_named_and_exits_1(monkeypatch, capsys):
   assert any(line.startswith('route ') and ' ok ' in line for line in captured.out.splitlines())
 
 
+
+@pytest.mark.parametrize('interpret', [True, False])
+def test_a_host_that_cannot_run_interpret_mode_skips_instead_of_failing(monkeypatch, interpret):
+  """Some CPUs' XLA has no bfloat16 x bfloat16 -> float32 dot, which a
+  kernel's interpret-mode program may contain: that case is skipped, with
+  the reason, not called off. On the chip (no interpret mode) the same error
+  is the kernel's."""
+  from coda_jax import kernel_checks  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+
+  def unrunnable(x):
+    raise jax.errors.JaxRuntimeError(  # what the CPU runtime raised in CI
+        'UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32')
+
+  def builder(case, interpret):
+    return unrunnable, lambda x: 2 * x, (jnp.ones((4, 4), jnp.float32),)
+  monkeypatch.setitem(kernel_checks._BUILDERS, 'mlp', builder)  # pylint: disable=protected-access
+  case = kernel_checks.Case('mlp', '4 rows', 'bfloat16', ())
+  result = kernel_checks.run_case(case, interpret=interpret)
+  if interpret:
+    assert result.skipped is not None and 'DotThunk' in result.skipped and result.error is None
+  else:
+    assert result.skipped is None and 'DotThunk' in result.error and not result.ok
+
 def test_check_run_switches_an_off_kernel_to_xla_and_caches_verdicts(monkeypatch, tmp_path):
   monkeypatch.setenv('CODA_JAX_CACHE_DIR', str(tmp_path))
   model = Transformer(T5Config(emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64,

@@ -144,10 +144,10 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
     (None, 'k_to_k', 5.0, False)])
 def test_auto_picks_the_kernel_where_it_costs_less(kind, attention, reduction_factor, fused):
   """'auto' with one-hot dispatch: the kernel in a program for a chip and
-  attention variant of `UNROUTE_KERNEL_CHIPS` (v5e k-to-k, where the TPU
-  compiler counts fewer bytes with it than with the route kernel) when k / n
-  is at most its fraction (0.3: k = 3 of 12 tokens, not 4), XLA for v5e's
-  k-to-all, on other chips (v4: more) and off TPU."""
+  attention variant with an output row in `plan.RULES` (v5e k-to-k, where
+  the TPU compiler counts fewer bytes with it than with the route kernel)
+  when k / n is at most the row's fraction (0.3: k = 3 of 12 tokens, not 4),
+  XLA for v5e's k-to-all, on v4 (more bytes) and off TPU."""
   from coda_jax import target  # pylint: disable=g-import-not-at-top
   enc, dec_in, tgt = batch()
   model = Transformer(tiny(attention_kernel='xla', mlp_kernel='xla'),

@@ -362,17 +362,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g.add_argument('--decoding', default='greedy', choices=('greedy', 'beam'))
   g.add_argument('--num_beams', type=flags.at_least_one, default=4)
   g.add_argument('--alpha', type=float, default=0.6, help='beam search length penalty')
-  g = parser.add_argument_group('cross-attention K/V row (not in the default run)')
-  g.add_argument('--cross_kv', dest='cross_kv', action='store_true', default=False,
-                 help="also time the baseline's decoder with the encoder's keys/values "
-                 "computed once per sequence (ours) vs at every step (t5x's); the same "
-                 'for every variant, so not part of CoDA vs Parallel Adapter')
-  g.add_argument('--no_cross_kv', dest='cross_kv', action='store_false',
-                 help='(the default) no cross-attention K/V row')
-  g.add_argument('--cross_kv_task', default=CROSS_KV_TASK, choices=sorted(TASK_SHAPES))
-  g.add_argument('--cross_kv_batch_size', type=flags.at_least_one, default=None,
-                 help=f'(default: {CPU_CROSS_KV_BATCH} on CPU, --batch_size otherwise)')
-  g.add_argument('--cross_kv_repeats', type=flags.at_least_one, default=2)
+  _add_cross_kv_arguments(parser)
   g = parser.add_argument_group('run and output')
   g.add_argument('--repeats', type=flags.at_least_one, default=7,
                  help='timed calls per function')
@@ -394,6 +384,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  help='exit with status 1 when a target line is a MISS')
   g.add_argument('--no_progress', action='store_true',
                  help='no progress bar (there is none when stderr is not a terminal)')
+
+
+def _add_cross_kv_arguments(parser: argparse.ArgumentParser) -> None:
+  """The flags of the cross-attention K/V row."""
+  g = parser.add_argument_group('cross-attention K/V row (not in the default run)')
+  g.add_argument('--cross_kv', dest='cross_kv', action='store_true', default=False,
+                 help="also time the baseline's decoder with the encoder's keys/values "
+                 "computed once per sequence (ours) vs at every step (t5x's); the same "
+                 'for every variant, so not part of CoDA vs Parallel Adapter')
+  g.add_argument('--no_cross_kv', dest='cross_kv', action='store_false',
+                 help='(the default) no cross-attention K/V row')
+  g.add_argument('--cross_kv_task', default=CROSS_KV_TASK, choices=sorted(TASK_SHAPES))
+  g.add_argument('--cross_kv_batch_size', type=flags.at_least_one, default=None,
+                 help=f'(default: {CPU_CROSS_KV_BATCH} on CPU, --batch_size otherwise)')
+  g.add_argument('--cross_kv_repeats', type=flags.at_least_one, default=2)
 
 
 def run(args: argparse.Namespace) -> int:

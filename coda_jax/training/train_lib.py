@@ -612,8 +612,7 @@ def train(*,
     trainable_params: 'coda' (adapters, routers, layer norms, LoRA) or 'all'.
     k_anneal_fraction / k_anneal_max_rungs: k falls from n to n / r over that
       fraction of the steps in at most that many rungs, one compiled step each.
-    z_loss / random_seed / log_period: t5x's z-loss; the seed of new leaves and
-      dropout; steps between logged lines.
+    z_loss / random_seed / log_period: t5x's z-loss; the seed; steps per log line.
     vocabulary / register_tasks: the seqio vocabulary our tasks are registered
       with (default T5's SentencePiece); False leaves the registry alone.
     tensorboard / progress_bar / callbacks: event files; a bar (None: on a
@@ -622,9 +621,8 @@ def train(*,
     acm_usage_batches: after an ACM 'finetune' run, measure the learners' usage
       u_n = P(k >= n) on that many batches into run_config.json, where 'gather'
       inference takes its capacities from (0: not measured).
-    selftest: before the first step, the kernels the plan selects against XLA
-      at the run's shapes (`coda_jax.selftest.check_run`): 'auto' (on a TPU or
-      GPU), 'always', 'never'; a kernel that is off runs as XLA, with a line.
+    selftest: 'auto' (on a TPU or GPU), 'always', 'never': the plan's kernels
+      checked against XLA at the run's shapes first (`selftest.check_run`).
   """
   global _TRAIN_CALLS
   _TRAIN_CALLS += 1
