@@ -1,7 +1,35 @@
-"""Shared test set-up: tests run in any order, so no gin binding outlives its test."""
+"""Shared test set-up: tests run in any order, so no gin binding outlives its
+test; one JAX compilation cache per test run."""
+import os
+import shutil
+import tempfile
+
 import coda_jax  # noqa: F401  (first: a libtpu installed without a TPU stays quiet)
 import gin
 import pytest
+
+_CACHE_ENV = 'JAX_COMPILATION_CACHE_DIR'
+
+
+def pytest_configure(config):
+  """Many tests compile the same small programs (the quickstart model's train
+  step, a tiny encoder): one persistent compilation cache for the run, made
+  here before the workers start and shared by them and by the processes tests
+  start (through the environment), compiles each once. Removed at the end.
+  A cache the environment already names is used as it is."""
+  if hasattr(config, 'workerinput') or os.environ.get(_CACHE_ENV):
+    return
+  cache = tempfile.mkdtemp(prefix='coda_jax_tests_compilation_cache_')
+  os.environ[_CACHE_ENV] = cache
+  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+  os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
+  config.coda_jax_test_cache = cache
+
+
+def pytest_unconfigure(config):
+  cache = getattr(config, 'coda_jax_test_cache', None)
+  if cache:
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
