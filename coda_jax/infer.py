@@ -43,7 +43,7 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import gin
 import jax
@@ -296,10 +296,11 @@ class Predictor:
                                                 self.max_decode_length)
       return step(token, cache)
 
-  def lower_decode_step(self, batch_size: int, input_length: int, param_dtype: Any = None):
-    """One step of the decoding loop (`decoding.make_tokens_to_logits`) on its
-    own: the decoder for one token of every row (`num_beams` rows per example
-    with beam search), with the cache and encoder output as inputs."""
+  def decode_step_arguments(self, batch_size: int, input_length: int,
+                            param_dtype: Any = None) -> Tuple[Any, ...]:
+    """What one decoding step takes, as sharded shapes: params, the encoder
+    output [rows, n, emb], its tokens [rows, n], the token [rows, 1] and the
+    decoder cache, rows (batch x beams with beam search) split over `data`."""
     rows = batch_size * (self.num_beams if self.method == 'beam' else 1)
     tokens = jax.ShapeDtypeStruct((rows, input_length), jnp.int32)
     params = self.trainer.param_shapes
@@ -309,9 +310,15 @@ class Predictor:
                                                        self.max_decode_length),
         params, encoded, tokens)
     as_rows = lambda s: self._rows(s.shape, s.dtype)
+    return (self.abstract_params(param_dtype), as_rows(encoded), as_rows(tokens),
+            self._rows((rows, 1), jnp.int32), jax.tree.map(as_rows, cache))
+
+  def lower_decode_step(self, batch_size: int, input_length: int, param_dtype: Any = None):
+    """One step of the decoding loop (`decoding.make_tokens_to_logits`) on its
+    own: the decoder for one token of every row (`num_beams` rows per example
+    with beam search), with the cache and encoder output as inputs."""
     jitted = partitioning.on_mesh(jax.jit(self._decode_step_fn), self.mesh)
-    return jitted.lower(self.abstract_params(param_dtype), as_rows(encoded), as_rows(tokens),
-                        self._rows((rows, 1), jnp.int32), jax.tree.map(as_rows, cache))
+    return jitted.lower(*self.decode_step_arguments(batch_size, input_length, param_dtype))
 
 
 def _records(decoded: Sequence[data_lib.Decoded]) -> List[Dict[str, Any]]:

@@ -36,7 +36,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
-from coda_jax import decoding as decoding_lib
 from coda_jax import flops as flops_lib
 from coda_jax import infer as infer_lib
 from coda_jax import partitioning
@@ -333,25 +332,5 @@ def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Prog
               per_chip('encoder'), details, tokens, plan),
       Program('decode step', DECODE_STEP, lambda: predictor.lower_decode_step(batch, n),
               mesh, per_chip('step'), {**details, 'rows': rows},
-              lambda: _decode_step_arguments(predictor, batch, n)),
+              lambda: predictor.decode_step_arguments(batch, n)),
   ]
-
-
-def _decode_step_arguments(predictor, batch: int, n: int) -> Tuple[Any, ...]:
-  """The arguments `predictor.lower_decode_step(batch, n)` lowers one
-  decoding step for: params, encoded [rows, n, d], tokens [rows, n], token
-  [rows, 1] and the decoder cache, the rows (batch x beams) split over `data`.
-  The encoder output's and cache's shapes come from `jax.eval_shape`, as
-  there (tests/test_compile.py holds the two to the same shapes)."""
-  # pylint: disable=protected-access
-  rows = batch * (predictor.num_beams if predictor.method == 'beam' else 1)
-  tokens = jax.ShapeDtypeStruct((rows, n), jnp.int32)
-  params = predictor.trainer.param_shapes
-  encoded = jax.eval_shape(predictor._encode_fn, params, tokens)
-  cache = jax.eval_shape(
-      lambda p, e, t: decoding_lib.init_decode_cache(predictor.model, p, e, t,
-                                                     predictor.max_decode_length),
-      params, encoded, tokens)
-  as_rows = lambda s: predictor._rows(s.shape, s.dtype)
-  return (predictor.abstract_params(), as_rows(encoded), as_rows(tokens),
-          predictor._rows((rows, 1), jnp.int32), jax.tree.map(as_rows, cache))
