@@ -6,7 +6,8 @@ and 171, not multiples of the 8 x 128 tile; every distance of 0-255, where
 T5's buckets change at 16, 32, 64 and saturate at 128, with the relative
 position bias dominating the logits so that one pair in the neighbouring
 bucket shows; padding tokens; the MLP kernel's weights in blocks of hidden
-units; multi-query heads). `run_case` compares the kernel's outputs and the
+units; multi-query heads; three sequences, which a v4 splits unevenly over
+its two TensorCores). `run_case` compares the kernel's outputs and the
 gradients of a random projection of them with respect to every float input
 with XLA's, as the largest difference relative to the largest XLA value,
 against `TOLERANCE`; on an accelerator it times both. Every operand is in the
@@ -29,6 +30,10 @@ TOLERANCE = {'float32': {'forward': 1e-4, 'gradient': 1e-4},
              'bfloat16': {'forward': 3e-2, 'gradient': 5e-2}}
 # Edge shapes: routed rows not a multiple of the tile; all distances of 0-255.
 EDGE_KS = (77, 171)
+# The first edge k runs on 3 sequences: every kernel's first grid axis (the
+# batch) is 'parallel', which a v4 splits over its two TensorCores
+# (megacore), here unevenly.
+MEGACORE_BATCH = 3
 DISTANCE_LENGTH = 256
 
 
@@ -102,10 +107,16 @@ def cases(kernels: Sequence[str], config, coda, length: int, ks: Sequence[int],
   routed = sorted({k for k in ks if k < length})
   out: List[Case] = []
 
-  def add(kernel, label, **shape):
+  def add(kernel, label, rows_of=batch, **shape):
     for dtype in (('float32',) if kernel == 'soft_topk' else dtypes):
       out.append(Case(kernel, label, dtype, tuple(sorted(
-          dict(dims, batch=batch, **shape).items()))))
+          dict(dims, batch=rows_of, **shape).items()))))
+
+  def edge_batch(k):
+    return MEGACORE_BATCH if k == EDGE_KS[0] else batch
+
+  def megacore(k):
+    return f', {MEGACORE_BATCH} sequences' if k == EDGE_KS[0] else ''
 
   edge_length = max(length, max(EDGE_KS) + 1)
   for kernel in kernels:
@@ -118,12 +129,15 @@ def cases(kernels: Sequence[str], config, coda, length: int, ks: Sequence[int],
         add(kernel, f'distances 0-{DISTANCE_LENGTH - 1}, bias-dominated',
             queries=DISTANCE_LENGTH, keys=DISTANCE_LENGTH, routed=False, bias_only=True)
         for k in EDGE_KS:
-          add(kernel, f'k_to_k k = {k}', queries=k, keys=k, routed=True, length=edge_length)
+          add(kernel, f'k_to_k k = {k}{megacore(k)}', edge_batch(k), queries=k, keys=k,
+              routed=True, length=edge_length)
         add(kernel, 'multi-query heads', queries=length, keys=length, routed=False,
             kv_heads=1)
     elif kernel == 'mlp':
-      for rows in [length] + routed + (list(EDGE_KS) if edges else []):
+      for rows in [length] + routed:
         add(kernel, f'{rows} rows', rows=rows)
+      for rows in (EDGE_KS if edges else ()):
+        add(kernel, f'{rows} rows{megacore(rows)}', edge_batch(rows), rows=rows)
       if edges:
         add(kernel, f'{min(length, 128)} rows, non-resident weights', rows=min(length, 128),
             resident=False)
@@ -132,7 +146,8 @@ def cases(kernels: Sequence[str], config, coda, length: int, ks: Sequence[int],
         add(kernel, f'k = {k} of {length}', length=length, k=k)
       if edges:
         for k in EDGE_KS:
-          add(kernel, f'k = {k} of {edge_length}', length=edge_length, k=k)
+          add(kernel, f'k = {k} of {edge_length}{megacore(k)}', edge_batch(k),
+              length=edge_length, k=k)
     elif kernel == 'soft_topk':
       for k in routed or [max(1, length // 3)]:
         add(kernel, f'k = {k} of {length}', length=length, k=k)
