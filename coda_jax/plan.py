@@ -118,7 +118,7 @@ RULES: Tuple[Rule, ...] = (
          evidence=_BASE.format('v4')),
     Rule(ROUTE, 'v4', PALLAS, attention='k_to_k', fractions=(0.0, 0.3),
          evidence=_BASE.format('v4')),
-    # v5e: the same, the route kernel at both k, and for k-to-k up to
+    # v5e: the same, the route kernel for both variants, and for k-to-k up to
     # k / n = 0.3 the output kernel instead (it computes the adapter).
     Rule(DISPATCH, 'v5e', ONE_HOT, evidence=_BASE.format('v5e')),
     Rule(ATTENTION, 'v5e', PALLAS, evidence=_BASE.format('v5e')),

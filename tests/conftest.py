@@ -12,12 +12,23 @@ _CACHE_ENV = 'JAX_COMPILATION_CACHE_DIR'
 
 
 def pytest_configure(config):
-  """Many tests compile the same small programs (the quickstart model's train
-  step, a tiny encoder): one persistent compilation cache for the run, made
-  here before the workers start and shared by them and by the processes tests
-  start (through the environment), compiles each once. Removed at the end.
-  A cache the environment already names is used as it is."""
-  if hasattr(config, 'workerinput') or os.environ.get(_CACHE_ENV):
+  """Set here, before the workers start, for them and the processes tests
+  start (through the environment):
+
+  - XLA's CPU backend at optimisation level 0: the tests compile many small
+    programs whose run time is negligible next to their compile time (the
+    scripts' tests already ran so);
+  - many tests compile the same small programs (the quickstart model's train
+    step, a tiny encoder): one persistent compilation cache for the run
+    compiles each once. Removed at the end. A cache the environment already
+    names is used as it is.
+  """
+  if hasattr(config, 'workerinput'):
+    return
+  flags = os.environ.get('XLA_FLAGS', '')
+  if '--xla_backend_optimization_level' not in flags:
+    os.environ['XLA_FLAGS'] = (flags + ' --xla_backend_optimization_level=0').strip()
+  if os.environ.get(_CACHE_ENV):
     return
   cache = tempfile.mkdtemp(prefix='coda_jax_tests_compilation_cache_')
   os.environ[_CACHE_ENV] = cache

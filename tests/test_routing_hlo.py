@@ -84,7 +84,9 @@ def test_gather_routing_equals_the_scatter_form(attention, method, monkeypatch):
   np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
   for name, g in params_lib.flatten(grads).items():
     want = np.asarray(params_lib.flatten(want_grads)[name])
-    tol = 1e-5 if '/router/' in name else 1e-6
+    # float32 sums in another order: XLA's CPU code at optimisation level 0
+    # (the suite's) moves the two forms apart by up to 1.1e-6 (router 1.01e-5).
+    tol = 3e-5 if '/router/' in name else 3e-6
     np.testing.assert_allclose(np.asarray(g), want, atol=tol * max(1, np.abs(want).max()),
                                rtol=0, err_msg=name)
 
