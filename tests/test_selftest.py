@@ -109,7 +109,6 @@ def test_a_broken_kernel_is_named_and_exits_1(monkeypatch, capsys):
   assert any(line.startswith('route ') and ' ok ' in line for line in captured.out.splitlines())
 
 
-
 @pytest.mark.parametrize('interpret', [True, False])
 def test_a_host_that_cannot_run_interpret_mode_skips_instead_of_failing(monkeypatch, interpret):
   """Some CPUs' XLA has no bfloat16 x bfloat16 -> float32 dot, which a
@@ -132,6 +131,7 @@ def test_a_host_that_cannot_run_interpret_mode_skips_instead_of_failing(monkeypa
     assert result.skipped is not None and 'DotThunk' in result.skipped and result.error is None
   else:
     assert result.skipped is None and 'DotThunk' in result.error and not result.ok
+
 
 def test_check_run_switches_an_off_kernel_to_xla_and_caches_verdicts(monkeypatch, tmp_path):
   monkeypatch.setenv('CODA_JAX_CACHE_DIR', str(tmp_path))

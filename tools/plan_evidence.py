@@ -19,8 +19,9 @@ that saves the most bytes, again and again until no flip saves more than
 what to write as that chip's rows. Without it, the file records the plan of
 the current rules and each flip of it: the evidence the rows cite.
 
-The base encoder (12 layers, batch 128, n 384) compiles in about 2 minutes
-per program on 2 CPU cores, 27 programs per chip on the defaults. A model of
+The base encoder (12 layers, batch 128, n 384) compiled in 20 s to 2 minutes
+per program on 2 CPU cores, 27 programs per chip on the defaults (about 30
+minutes a chip). A model of
 the chip, not a timing (`coda_jax/compile/variant_costs.py`).
 """
 from __future__ import annotations
