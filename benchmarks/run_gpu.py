@@ -1,12 +1,15 @@
 """The GPU measurement of benchmarks/README.md, in one command.
 
   python benchmarks/run_gpu.py [--out_dir DIR] [--steps NAME,...] [--dry_run]
-                               [--smoke] [--allow_cpu]
+                               [--time_limit_s S] [--smoke] [--allow_cpu]
 
 Runs each step below as its own process, one after the other, on the GPU JAX
 sees (the repository's tools and `coda-jax benchmark`, with the settings the
 README's targets are stated for):
 
+  selftest             coda-jax selftest --kernels soft_topk: the Pallas (Triton)
+                       soft top-k kernel against its XLA formulation, forward and
+                       gradients, float32 and bfloat16, base shapes and edges
   pallas_soft_topk     tools/bench_soft_topk.py --pallas_vs_xla: the fused Pallas
                        soft top-k kernel against the XLA path (agreement, ms)
   routing              tools/bench_routing.py: each routing primitive next to one
@@ -16,9 +19,9 @@ README's targets are stated for):
                        with the target lines ([ok] / [MISS])
   encoder_xl           tools/bench_encoder.py: the encoder alone, T5 v1.1-XL,
                        batch 32, n = 512, r = 1, 3, 5
-  decoding_xl_boolq    coda-jax benchmark --model xl (its wall time is a target)
   acm_base             tools/bench_acm.py: ACM encoder against the dense one,
                        T5 v1.1-base, batch 64, n = 384
+  decoding_xl_boolq    coda-jax benchmark --model xl (its wall time is a target)
 
 Each step writes its JSON (the tool's own, with the device, the jax version
 and its command inside; the decoding benchmark a PNG too) into --out_dir
@@ -26,12 +29,17 @@ and its command inside; the decoding benchmark a PNG too) into --out_dir
 run as a whole goes into run_gpu.json (this command, the device, the jax
 version, per step the command, exit status and wall seconds). The command
 ends with the rows of benchmarks/README.md's table for the files it wrote.
+With --time_limit_s, a step still running when the run has used that many
+seconds is stopped and recorded as 'timed out', and the steps after it are
+recorded as 'not run' (the steps are ordered from the shortest).
+A kernel that selftest finds off (its exit status 1) is a result too.
 
 --smoke runs every step at toy sizes (T5 v1.1-small shapes, a few tokens,
 one repeat): a check of the set-up, on a GPU or (it allows a CPU) anywhere;
 its numbers are not measurements. --dry_run prints the
 commands only. Exit status: 0; 1 when a step failed (its log says why; a
-MISS of a target line is a result, not a failure); 2 when JAX sees no GPU
+MISS of a target line is a result, not a failure) or did not finish within
+--time_limit_s; 2 when JAX sees no GPU
 (--allow_cpu runs anyway).
 """
 from __future__ import annotations
@@ -62,6 +70,11 @@ class Step:
 
 
 STEPS = (
+    Step('selftest', 'coda-jax selftest: the soft top-k kernel against XLA',
+         ['-m', 'coda_jax.cli', 'selftest', '--kernels', 'soft_topk', '--model', 'base',
+          '--length', '384', '--reduction_factors', '3,5', '--batch_size', '128'],
+         ['-m', 'coda_jax.cli', 'selftest', '--kernels', 'soft_topk', '--model', 'small',
+          '--length', '64', '--reduction_factors', '3', '--no_edges']),
     Step('pallas_soft_topk', 'Pallas soft top-k kernel vs the XLA path',
          ['tools/bench_soft_topk.py', '--pallas_vs_xla', '128x384,128x512,4096x512'],
          ['tools/bench_soft_topk.py', '--pallas_vs_xla', '8x64', '--repeats', '2']),
@@ -80,15 +93,15 @@ STEPS = (
           '--reduction_factors', '1,3,5', '--no_progress'],
          ['tools/bench_encoder.py', '--model', 'small', '--batch_size', '2', '--length', '64',
           '--reduction_factors', '1,3', '--repeats', '1', '--no_progress']),
+    Step('acm_base', 'ACM encoder vs dense, T5 v1.1-base, batch 64, n = 384',
+         ['tools/bench_acm.py', '--model', 'base', '--batch_size', '64', '--length', '384'],
+         ['tools/bench_acm.py', '--model', 'small', '--batch_size', '2', '--length', '64',
+          '--budgets', '0.5', '--repeats', '1']),
     Step('decoding_xl_boolq', 'decoding latency, T5 v1.1-XL, boolq shape (target: < 5 min)',
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'xl'],
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'small', '--input_length', '64',
           '--output_length', '2', '--batch_size', '2', '--reduction_factors', '1,3',
           '--attention', 'k_to_all', '--repeats', '1', '--acm_budgets', '']),
-    Step('acm_base', 'ACM encoder vs dense, T5 v1.1-base, batch 64, n = 384',
-         ['tools/bench_acm.py', '--model', 'base', '--batch_size', '64', '--length', '384'],
-         ['tools/bench_acm.py', '--model', 'small', '--batch_size', '2', '--length', '64',
-          '--budgets', '0.5', '--repeats', '1']),
 )
 STEP_NAMES = tuple(step.name for step in STEPS)
 # `coda-jax benchmark --strict`'s status when a target line is a MISS.
@@ -109,6 +122,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument('--allow_cpu', action='store_true',
                       help='run even when JAX sees no GPU')
   parser.add_argument('--dry_run', action='store_true', help='print the commands only')
+  parser.add_argument('--time_limit_s', type=float, default=None,
+                      help='stop the step running when the run has taken this many '
+                      'seconds ("timed out"); the steps after it are "not run"')
   args = parser.parse_args(argv)
   names = [n for n in args.steps.split(',') if n]
   unknown = [n for n in names if n not in STEP_NAMES]
@@ -144,27 +160,37 @@ def shown(command: Sequence[str]) -> str:
   return shlex.join(['python'] + list(command[1:]))
 
 
-def run_step(step: Step, command: List[str], log_path: str) -> Dict[str, object]:
-  """Runs `command` from the repository root, its output into `log_path`."""
+def run_step(step: Step, command: List[str], log_path: str,
+             timeout_s: Optional[float] = None) -> Dict[str, object]:
+  """Runs `command` from the repository root, its output into `log_path`;
+  stopped after `timeout_s` seconds (then its 'rc' is None)."""
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(
       [REPO] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
   env.setdefault('PYTHONUNBUFFERED', '1')
   start = time.perf_counter()
   with open(log_path, 'w') as log:
-    rc = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                        check=False).returncode
+    try:
+      rc = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                          check=False, timeout=timeout_s).returncode
+    except subprocess.TimeoutExpired:
+      rc = None
   return {'name': step.name, 'what': step.what, 'command': shown(command), 'rc': rc,
           'wall_s': round(time.perf_counter() - start, 1)}
 
 
 def outcome(record: Dict[str, object], out_file: str) -> str:
-  """'ok', 'targets missed' (--strict's MISS) or 'failed'."""
+  """'ok', 'targets missed' (--strict's MISS), 'timed out' or 'failed'."""
+  if record['rc'] is None:
+    return 'timed out'
   if record['rc'] == 0:
     return 'ok'
   if record['rc'] == MISS_EXIT_CODE and '--strict' in str(record['command']) and (
       os.path.isfile(out_file)):
     return 'targets missed'
+  if record['rc'] == MISS_EXIT_CODE and record.get('name') == 'selftest' and (
+      os.path.isfile(out_file)):
+    return 'kernel off'
   return 'failed'
 
 
@@ -172,11 +198,18 @@ def headline(record: Dict[str, object], out_file: str) -> str:
   """What the table's last column can say without reading the numbers: the
   target lines met, the XL decoding run's wall time against its target."""
   parts = []
+  if record['status'] == 'timed out':
+    parts.append(f'stopped after {float(record["wall_s"]):.0f} s (--time_limit_s)')
   try:
     with open(out_file) as f:
       result = json.load(f)
   except (OSError, ValueError):
-    return record['status']
+    return '; '.join(parts) or str(record['status'])
+  if record['name'] == 'selftest' and isinstance(result, dict):
+    results = [r for r in result.get('results', []) if r.get('skipped') is None]
+    parts.append(f'{sum(bool(r.get("ok")) for r in results)} of {len(results)} cases '
+                 'within tolerance' + (f'; off: {", ".join(result["off"])}'
+                                       if result.get('off') else ''))
   checks = result.get('checks') if isinstance(result, dict) else None
   if isinstance(checks, list) and checks:
     parts.append(f'{sum(bool(c.get("ok")) for c in checks)} of {len(checks)} target lines ok')
@@ -193,6 +226,8 @@ def table(records: Sequence[Dict[str, object]], info: Dict[str, str], smoke: boo
   benchmarks = os.path.join(REPO, 'benchmarks')
   rows = ['| file | device | jax | what | headline |', '| --- | --- | --- | --- | --- |']
   for record in records:
+    if record['status'] == 'not run':
+      continue
     path = str(record['json'])
     if path.startswith(benchmarks + os.sep):
       path = os.path.relpath(path, benchmarks)
@@ -200,6 +235,11 @@ def table(records: Sequence[Dict[str, object]], info: Dict[str, str], smoke: boo
     rows.append(f'| [{path}]({path}) | {info["device"]} | {info["jax"]} | {what} | '
                 f'{record["headline"]} |')
   return '\n'.join(rows)
+
+
+def _write(run: Dict[str, object], out_dir: str) -> None:
+  with open(os.path.join(out_dir, 'run_gpu.json'), 'w') as f:
+    json.dump(run, f, indent=2)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -222,24 +262,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       sys.argv[1:] if argv is None else argv)), **info, 'smoke': args.smoke,
          'started': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
          'steps': []}
+  started = time.perf_counter()
   for i, (step, out_file) in enumerate(planned, 1):
     command = step_command(step, out_file, args.smoke)
     log_path = os.path.join(out_dir, step.name + '.log')
+    left = (None if args.time_limit_s is None
+            else args.time_limit_s - (time.perf_counter() - started))
+    if left is not None and left <= 0:
+      run['steps'].append({'name': step.name, 'what': step.what, 'command': shown(command),
+                           'rc': None, 'wall_s': 0.0, 'json': out_file, 'log': None,
+                           'status': 'not run', 'headline': 'not run (--time_limit_s)'})
+      continue
     print(f'[{i}/{len(planned)}] {step.name}: {shown(command)}', file=sys.stderr, flush=True)
-    record = run_step(step, command, log_path)
+    record = run_step(step, command, log_path, left)
     record.update(json=out_file, log=log_path)
     record['status'] = outcome(record, out_file)
     record['headline'] = headline(record, out_file)
     print(f'  {record["status"]} in {record["wall_s"]} s (exit status {record["rc"]}; log: '
           f'{log_path})', file=sys.stderr, flush=True)
     run['steps'].append(record)
-    with open(os.path.join(out_dir, 'run_gpu.json'), 'w') as f:
-      json.dump(run, f, indent=2)
+    _write(run, out_dir)
+  _write(run, out_dir)
   print(table(run['steps'], info, args.smoke))
   failed = [r['name'] for r in run['steps'] if r['status'] == 'failed']
   if failed:
     print(f'run_gpu.py: {len(failed)} step(s) failed: {", ".join(failed)} (see their logs '
           f'in {out_dir})', file=sys.stderr)
+  unfinished = [r['name'] for r in run['steps'] if r['status'] in ('timed out', 'not run')]
+  if unfinished:
+    print(f'run_gpu.py: --time_limit_s {args.time_limit_s:g} stopped or skipped: '
+          f'{", ".join(unfinished)}', file=sys.stderr)
+  if failed or unfinished:
     return 1
   return 0
 

@@ -26,10 +26,12 @@ def run_gpu():
 def test_dry_run_prints_each_tool_of_the_readme(run_gpu, capsys):
   assert run_gpu.main(['--dry_run', '--out_dir', '/tmp/x']) == 0
   lines = capsys.readouterr().out.splitlines()
-  assert [shlex.split(line)[1:3] for line in lines] == [
-      ['tools/bench_soft_topk.py', '--pallas_vs_xla'], ['tools/bench_routing.py', '--out'],
-      ['-m', 'coda_jax.cli'], ['tools/bench_encoder.py', '--model'],
-      ['-m', 'coda_jax.cli'], ['tools/bench_acm.py', '--model']]
+  assert [shlex.split(line)[1:4] for line in lines] == [
+      ['-m', 'coda_jax.cli', 'selftest'],
+      ['tools/bench_soft_topk.py', '--pallas_vs_xla', '128x384,128x512,4096x512'],
+      ['tools/bench_routing.py', '--out', '/tmp/x/routing.json'],
+      ['-m', 'coda_jax.cli', 'benchmark'], ['tools/bench_encoder.py', '--model', 'xl'],
+      ['tools/bench_acm.py', '--model', 'base'], ['-m', 'coda_jax.cli', 'benchmark']]
   for line, step in zip(lines, run_gpu.STEPS):
     words = shlex.split(line)
     assert words[0] == 'python' and words[-2:] == ['--out', f'/tmp/x/{step.name}.json']
@@ -68,6 +70,30 @@ def test_a_miss_of_a_target_is_a_result_a_crash_is_a_failure(run_gpu, tmp_path):
   record = {'name': 'decoding_xl_boolq', 'wall_s': 290.0, 'status': 'ok'}
   assert run_gpu.headline(record, str(out)) == (
       '2 of 3 target lines ok; 290 s wall (under the 5-minute target)')
+  # selftest: a kernel off is a result (exit status 1 with its JSON), its
+  # skipped cases not counted.
+  selftest = {'name': 'selftest', 'rc': 1, 'command': 'python -m coda_jax.cli selftest'}
+  out.write_text(json.dumps({'off': ['soft_topk'], 'results': [
+      {'ok': True, 'skipped': None}, {'ok': False, 'skipped': None},
+      {'ok': True, 'skipped': 'not here'}]}))
+  assert run_gpu.outcome(selftest, str(out)) == 'kernel off'
+  selftest['status'] = 'kernel off'
+  assert run_gpu.headline(selftest, str(out)) == (
+      '1 of 2 cases within tolerance; off: soft_topk')
+
+
+def test_the_time_limit_stops_a_step_and_skips_the_rest(run_gpu, tmp_path, capsys):
+  assert run_gpu.main(['--smoke', '--steps', 'routing,acm_base', '--time_limit_s', '0.5',
+                       '--out_dir', str(tmp_path)]) == 1
+  out = capsys.readouterr()
+  run = json.loads((tmp_path / 'run_gpu.json').read_text())
+  routing, acm = run['steps']
+  assert routing['status'] == 'timed out' and routing['rc'] is None
+  assert routing['wall_s'] < 30  # stopped, not waited for
+  assert routing['headline'].startswith('stopped after')
+  assert acm['status'] == 'not run' and not (tmp_path / 'acm_base.log').exists()
+  assert 'stopped or skipped: routing, acm_base' in out.err
+  assert len(out.out.splitlines()) == 3  # the header, the rule, the routing row
 
 
 def test_smoke_step_writes_its_json_the_run_record_and_the_table_row(run_gpu, tmp_path,
