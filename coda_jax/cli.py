@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shlex
 import sys
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -200,6 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     module, function = PASSTHROUGH[argv[0]]
     return getattr(importlib.import_module(module), function)(argv[1:])
   args = build_parser().parse_args(argv)
+  args.command_line = shlex.join(['coda-jax'] + argv)  # recorded in the JSON it writes
   _, _, run = SUBCOMMANDS[args.command]
   from coda_jax.checkpoints.base import CheckpointError  # pylint: disable=import-outside-toplevel
   try:

@@ -1,5 +1,5 @@
 """Shared test set-up: tests run in any order, so no gin binding outlives its
-test; one JAX compilation cache per test run."""
+test; one JAX compilation cache per test run; the longest files first."""
 import os
 import shutil
 import tempfile
@@ -41,6 +41,24 @@ def pytest_unconfigure(config):
   cache = getattr(config, 'coda_jax_test_cache', None)
   if cache:
     shutil.rmtree(cache, ignore_errors=True)
+
+
+# The files that take longest (`pytest --durations=0`, summed per file, on a
+# 2-core machine), longest first. The suite runs a file per worker
+# (`--dist loadfile --no-loadscope-reorder`, pyproject.toml) in collection
+# order: starting the long files first leaves short ones to fill the end,
+# instead of one worker running a long file while the other has finished.
+LONGEST_FIRST = (
+    'test_multiprocess.py', 'test_acm.py', 'test_compile.py', 'test_routed_cost.py',
+    'test_selftest.py', 'test_train_run.py', 'test_coda.py', 'test_acm_conversion.py',
+    'test_infer.py', 'test_sharding.py', 'test_acm_infer.py', 'test_router_ablation.py',
+    'test_bench_decoding.py', 'test_benchmark.py')
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """The latency benchmark (coda_jax.benchmark, tools/benchmark_decoding.py) on a tiny model."""
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,7 @@ def test_json_fields(tiny_run):
               'coda', 'batch_size', 'repeats', 'decoding', 'eos_id', 'png'):
     assert key in meta, key
   assert meta['model'] == 'tiny' and meta['batch_size'] == 2 and meta['repeats'] == 2
+  assert meta['command'].startswith('python -m coda_jax.bench.decoding_latency --preset tiny ')
   assert meta['dtype'] == bm.default_dtype()
   assert meta['eos_id'] == bm.NEVER_EOS
   assert meta['config']['emb_dim'] == bm.TINY['emb_dim']
@@ -327,6 +329,8 @@ def test_table_on_stdout_then_the_paths_written(tmp_path, capsys):
   with open(out) as f:
     result = json.load(f)
   assert 'cross_kv' not in result  # not in the default run
+  assert result['meta']['command'] == shlex.join(['coda-jax', 'benchmark',
+                                                  *_tiny_argv(out, '--strict')])
   lines = captured.out.rstrip().splitlines()
   assert lines[0].startswith('model tiny')
   assert any(line.startswith('coda_k_to_all_r2 ') for line in lines)

@@ -96,7 +96,35 @@ def test_readme_setup_is_install_then_test_then_the_main_job():
   # Both on the first screen, with the results right below them.
   first_screen = '\n'.join(text.splitlines()[:60])
   assert INSTALL in first_screen and MAIN_JOB in first_screen
-  assert 'not measured yet' in text.split('## Quickstart')[0]
+
+
+GPU_RUN = os.path.join(REPO, 'benchmarks', 'gpu_nvidia_h100_80gb_hbm3',
+                       'decoding_base_boolq_k_to_all.json')
+
+
+def test_readme_gpu_column_is_the_committed_gpu_run():
+  """The first screen's GPU cells: the end-to-end speed-up and its bound of
+  each variant the committed H100 run measured, 'not measured' for the rest."""
+  import json  # pylint: disable=g-import-not-at-top
+  with open(GPU_RUN) as f:
+    run = json.load(f)
+  assert run['meta']['platform'] == 'gpu'
+  measured = {v['name']: v for v in run['tasks'][0]['variants']}
+  rows = [line.split(' | ') for line in _readme().split('## Quickstart')[0].splitlines()
+          if line.startswith('| CoDA ')]
+  assert len(rows) == 6
+  for row in rows:
+    attention, r = re.match(r'\| CoDA (k-to-\w+) r = (\d)', row[0]).groups()
+    cell = row[-1].rstrip(' |')
+    variant = measured.get(f'coda_{attention.replace("-", "_")}_r{r}')
+    if variant is None:
+      assert cell == 'not measured', row
+      continue
+    assert cell.startswith(f'{variant["speedup"]["end_to_end"]:.2f} '
+                           f'({variant["flop_bound"]["end_to_end"]:.2f})'), row
+    if 'encoder' in cell:
+      assert cell.endswith(f'encoder {variant["speedup"]["encoder"]:.2f} '
+                           f'({variant["flop_bound"]["encoder"]:.2f})'), row
 
 
 def test_readme_links_every_docs_page():

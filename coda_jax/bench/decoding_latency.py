@@ -99,6 +99,7 @@ import argparse
 import dataclasses
 import datetime
 import os
+import shlex
 import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -220,6 +221,7 @@ def _meta(args: argparse.Namespace, *, dtype: str, model_name: str, config: T5Co
   """The JSON's ``meta``: what ran, where, and how it was timed."""
   return {
       'tool': 'coda_jax.bench.decoding_latency',
+      'command': getattr(args, 'command_line', None),
       'date': datetime.datetime.now().isoformat(timespec='seconds'),
       **timing.environment(),
       'dtype': dtype, 'model': model_name, 'config': config_lib.to_dict(config),
@@ -435,6 +437,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       description='CoDA vs Parallel Adapter inference latency (paper Fig. 7a, Table 12).')
   add_arguments(parser)
   args = parser.parse_args(argv)
+  args.command_line = shlex.join(['python', '-m', 'coda_jax.bench.decoding_latency'] + list(
+      sys.argv[1:] if argv is None else argv))
   try:
     return run(args)
   except ValueError as e:

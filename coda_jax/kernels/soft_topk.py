@@ -54,7 +54,9 @@ Backend (checked in the installed jax 0.10.2 source, jaxlib 0.10.2):
   (`jit(f).trace(...).lower(lowering_platforms=('cuda',))`): the tests check
   that both kernels lower to Triton IR that way. That IR, compiled offline by
   Triton 3.9 (PyPI's, not the one inside XLA), gives cubins for sm_80 and
-  sm_90; what XLA's own Triton makes of it is for a GPU to tell.
+  sm_90. On an H100 with jax 0.11.2 it compiled, ran and matched XLA
+  (`coda-jax selftest`: relative error 2.5e-5 forward, 1.3e-5 gradients;
+  `benchmarks/gpu_nvidia_h100_80gb_hbm3/`).
 * The Pallas changelog deprecates the Triton backend in jax 0.11.0 (still
   present). We pin it anyway: the kernel is the row-block, softmax-like
   pattern Triton is made for, it runs on Ampere as well as Hopper (Mosaic GPU
