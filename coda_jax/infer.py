@@ -290,6 +290,21 @@ class Predictor:
     return jitted.lower(self.abstract_params(param_dtype),
                         self._rows((batch_size, input_length), jnp.int32))
 
+  def _prefill_fn(self, params, encoded, tokens):
+    with partitioning.axis_rules(self.trainer.rules):
+      return decoding_lib.init_decode_cache(self.model, params, encoded, tokens,
+                                            self.max_decode_length)
+
+  def lower_prefill(self, batch_size: int, input_length: int, param_dtype: Any = None):
+    """The decoder cache the loop starts from, on its own
+    (`decoding.init_decode_cache`): every decoder layer's cross-attention
+    keys/values of the encoder output `[rows, n, emb]`, once per sequence,
+    and the empty self-attention cache."""
+    params, encoded, tokens, _, _ = self.decode_step_arguments(batch_size, input_length,
+                                                               param_dtype)
+    jitted = partitioning.on_mesh(jax.jit(self._prefill_fn), self.mesh)
+    return jitted.lower(params, encoded, tokens)
+
   def _decode_step_fn(self, params, encoded, tokens, token, cache):
     with partitioning.axis_rules(self.trainer.rules):
       step = decoding_lib.make_tokens_to_logits(self.model, params, encoded, tokens,
@@ -316,8 +331,11 @@ class Predictor:
   def lower_decode_step(self, batch_size: int, input_length: int, param_dtype: Any = None):
     """One step of the decoding loop (`decoding.make_tokens_to_logits`) on its
     own: the decoder for one token of every row (`num_beams` rows per example
-    with beam search), with the cache and encoder output as inputs."""
-    jitted = partitioning.on_mesh(jax.jit(self._decode_step_fn), self.mesh)
+    with beam search), with the cache and encoder output as inputs. The cache
+    is donated, as the loop carries it: the step writes its new keys/values
+    in place and passes the rest (the cross-attention keys/values) through
+    uncopied, so its costs are those of the step in the loop."""
+    jitted = partitioning.on_mesh(jax.jit(self._decode_step_fn, donate_argnums=4), self.mesh)
     return jitted.lower(*self.decode_step_arguments(batch_size, input_length, param_dtype))
 
 

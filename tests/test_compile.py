@@ -232,7 +232,8 @@ def test_each_program_s_plan_is_printed_and_recorded(data_parallel_run):
 
 @needs_libtpu
 def test_a_model_axis_of_two_brings_model_collectives(capsys):
-  code, out, err = _compile(capsys, '--gin.MESH_SHAPE=(2, 2)', '--programs=train')
+  code, out, err = _compile(capsys, '--gin.MESH_SHAPE=(2, 2)', '--programs=train',
+                            '--rungs=last')
   assert code == 0, err
   assert 'all-reduce@model' in out
 
@@ -247,11 +248,13 @@ def test_train_step_arguments_are_the_shards_partitioning_places():
   gin_utils.parse_gin([QUICKSTART, 'gin_configs/runs/infer.gin'],
                       [('MESH_SHAPE', '(2, 2)'), ('K_ANNEAL_MAX_RUNGS', '2')])
   pod = chips.parse_pod('v5e-4')
-  run = programs.run_programs(topology.devices(pod), pod, kinds=('train',))
-  program = run.programs[-1]
-  compiled, seconds = analysis.compile_program(program.name, program.lower(), pod.chip)
+  run = programs.run_programs(topology.devices(pod), pod, kinds=('train',),
+                              rungs=(programs.LAST,))
+  [program] = run.programs
+  lowered = program.lower()
+  compiled, seconds = analysis.compile_program(program.name, lowered, pod.chip)
   report = analysis.analyze(program.name, compiled, seconds, pod.chip, program.mesh)
-  leaves = analysis.kept_arguments(program.lower(), program.arguments())
+  leaves = analysis.kept_arguments(lowered, program.arguments())
   params = hlo_costs.entry_parameters(compiled.as_text())
   assert [tuple(leaf.sharding.shard_shape(leaf.shape)) for leaf in leaves] == [
       shape for _, shape, _ in params]
@@ -483,3 +486,30 @@ def test_what_to_change_grows_with_what_is_missing():
   assert '--gin.MESH_SHAPE="(4, 2)"' in line and '--gin.BATCH_SIZE=64' in line
   # No data axis left to trade: no model-axis advice.
   assert 'MESH_SHAPE' not in command.suggestion(int(3 * hbm), pod, (1, 8), 128, 'BATCH_SIZE')
+
+
+def test_decode_step_floor_counts_what_one_step_must_move():
+  """By hand, for a multi-query T5 without adapters: the decoder's weights
+  but its cross-attention key / value projections (the prefill's), the
+  rows' embeddings, the cross K/V of n positions, the cache of T positions
+  read and one position written, the logits."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from coda_jax.compile import programs  # pylint: disable=g-import-not-at-top
+  from coda_jax.config import T5Config, preset  # pylint: disable=g-import-not-at-top
+  from coda_jax.network import Transformer  # pylint: disable=g-import-not-at-top
+  config = dataclasses.replace(preset('text_base', dtype='bfloat16'), num_encoder_layers=1,
+                               num_decoder_layers=2)
+  assert isinstance(config, T5Config) and config.kv_heads == 1
+  d, h, g, dh, m, v = 768, 12, 1, 128, 3072, 32128
+  layer = (2 * d * h * dh + 2 * d * g * dh      # self-attention q, o; k, v
+           + 2 * d * h * dh                     # cross-attention q, o
+           + 3 * d * m                          # gated MLP
+           + 3 * d)                             # three norms
+  weights = 2 * layer + d + 32 * h + d * v      # + final norm, relative bias, LM head
+  rows, n, steps = 4, 384, 8
+  floor = programs.decode_step_floor(Transformer(config), rows, n, steps, np.dtype('bfloat16'))
+  kv = 2 * 2 * g * dh * 2                      # keys and values, 2 layers, bf16
+  assert floor == {'weights': 2.0 * weights, 'embeddings': 2.0 * rows * d,
+                   'cross_kv': float(rows * n * kv), 'self_cache': float(rows * (steps + 1) * kv),
+                   'logits': 2.0 * rows * v, 'total': floor['total']}
+  assert floor['total'] == sum(v for k, v in floor.items() if k != 'total')

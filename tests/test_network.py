@@ -12,7 +12,7 @@ import pytest
 from coda_jax import decoding
 from coda_jax import layers
 from coda_jax import relpos
-from coda_jax.config import T5Config, t5_1_1
+from coda_jax.config import T5Config, preset, t5_1_1
 from coda_jax.network import Transformer
 
 from tiny_models import decode_step_by_step, tiny_config
@@ -112,6 +112,36 @@ def test_gin_presets_build_the_t5x_sizes():
     expect = t5_1_1(size, dtype=jnp.bfloat16)
     assert model.config == expect and model.config.emb_dim == emb
   gin.clear_config()
+
+
+def test_gin_presets_build_the_papers_text_models():
+  """Table 7's Text Base, Large and XL: multi-query attention, 6 decoder
+  layers, d_head 128; each gin file builds `config.preset`'s model, and so
+  does the trainer's MODEL_SIZE macro."""
+  table7 = {'text_base': (12, 768, 3072), 'text_large': (24, 1024, 4096),
+            'text_xl': (24, 2048, 8192)}
+  for size, (encoder_layers, emb, mlp) in table7.items():
+    expect = preset(size, dtype=jnp.bfloat16)
+    assert (expect.num_encoder_layers, expect.num_decoder_layers, expect.emb_dim,
+            expect.mlp_dim, expect.head_dim, expect.kv_heads) == (
+                encoder_layers, 6, emb, mlp, 128, 1)
+    assert expect.num_heads * 64 == emb  # 12, 16, 32 heads of 128
+    gin.clear_config()
+    gin.parse_config_file(f'gin_configs/models/coda_{size}.gin')
+    from coda_jax import network  # the module gin registered dynamically
+    assert gin.get_configurable(network.Transformer)().config == expect
+    gin.clear_config()
+    gin.parse_config_files_and_bindings(
+        ['gin_configs/runs/coda_common.gin'],
+        [f"MODEL_SIZE = '{size}'", 'DROPOUT_RATE = 0.0', "MODEL_DIR = '/tmp/x'",
+         "MIXTURE_OR_TASK_NAME = 'x'", "TASK_FEATURE_LENGTHS = {'inputs': 8}",
+         'INITIAL_CHECKPOINT_PATH = None'])
+    model = gin.get_configurable(network.Transformer)()
+    assert model.config == expect and model.coda.adapter_dim == 64
+  gin.clear_config()
+  assert preset('base') == t5_1_1('base')
+  with pytest.raises(ValueError, match="unknown model size 'text_huge'; known: T5 v1.1 "):
+    preset('text_huge')
 
 
 def test_config_errors_name_the_field():

@@ -105,6 +105,34 @@ def test_routed_encoder_bytes_stay_within_the_committed_ratio(request, attention
   assert ratio <= MAX_BYTES_RATIO[attention_kernel][name], (name, ratio)
 
 
+# The decoding step (cache donated, as the loop carries it) against its byte
+# floor (`programs.decode_step_floor`: the decoder's weights, the cross K/V
+# and the cache read once, the new keys/values and logits written), v5e:
+# 4.67x measured (jax 0.10.2, libtpu 0.0.42.1), bounded with 1% for another
+# libtpu. Most of the excess is what the compiler counts for prefetching the
+# weights into VMEM (async slices and copies, on top of the matmuls reading
+# them) and a gather counted as a read of the whole embedding table. A change
+# that adds bytes to the step fails here; one that removes some lowers this.
+MAX_STEP_OVER_FLOOR = 4.72
+# Its compiled flops against the analytic count of one step
+# (`programs.decode_step_flops`): the decoder's matmuls, nothing recomputed.
+MAX_STEP_FLOPS_OVER_ANALYTIC = 1.1
+
+
+def test_the_decoding_step_stays_near_its_floor(rows):
+  [step] = _by(rows, variant_costs.DECODE_STEP).values()
+  floor = step.floor_bytes
+  assert floor['total'] == sum(v for k, v in floor.items() if k != 'total')
+  assert floor['cross_kv'] > 0 and floor['weights'] > 0
+  assert step.bytes_accessed >= floor['total']
+  assert step.bytes_accessed / floor['total'] <= MAX_STEP_OVER_FLOOR, (
+      step.bytes_accessed / floor['total'])
+  assert 1.0 <= step.flops / step.model_flops <= MAX_STEP_FLOPS_OVER_ANALYTIC, (
+      step.flops / step.model_flops)
+  [prefill] = _by(rows, variant_costs.PREFILL).values()
+  assert prefill.loops == 0 and prefill.bytes_accessed >= floor['cross_kv']
+
+
 def test_the_kernel_moves_fewer_bytes_than_xla(rows, xla_rows):
   """On a TPU the attention kernel writes no logits and the MLP kernel no
   hidden activations: every encoder moves fewer bytes with them, the
@@ -139,10 +167,12 @@ def test_the_tool_prints_each_encoder_s_plan_and_keeps_it_in_the_json(tmp_path, 
   rows = json.loads(out.read_text())['rows']
   assert [(r['variant'], r['program']) for r in rows] == [
       ('parallel_adapter', variant_costs.ENCODER), ('coda_k_to_k_r5', variant_costs.ENCODER),
+      ('parallel_adapter', variant_costs.PREFILL),
       ('parallel_adapter', variant_costs.DECODE_STEP)]
-  base, coda, step = rows
+  base, coda, prefill, step = rows
   assert base['plan']['kernels'] == ['attention', 'mlp'] and base['plan']['routed'] is None
   assert coda['plan']['kernels'] == ['attention', 'mlp', 'output']
   assert coda['plan']['k'] == math.ceil(128 / 5) and coda['plan']['target'] == 'tpu v5e'
   assert 'measured on v5e k_to_k' in coda['plan']['reasons']['output']
-  assert step['plan'] is None
+  assert step['plan'] is None and prefill['plan'] is None
+  assert step['floor_bytes']['total'] > 0 and prefill['floor_bytes'] is None

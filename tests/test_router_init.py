@@ -17,9 +17,9 @@ from tiny_models import tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(REPO, 'gin_configs', 'runs', 'finetune_*.gin')))
-TINY_MODEL = ['config.t5_1_1.emb_dim = 16', 'config.t5_1_1.num_heads = 2',
-              'config.t5_1_1.head_dim = 8', 'config.t5_1_1.mlp_dim = 32',
-              'config.t5_1_1.num_encoder_layers = 2', 'config.t5_1_1.num_decoder_layers = 1',
+TINY_MODEL = ['config.preset.emb_dim = 16', 'config.preset.num_heads = 2',
+              'config.preset.head_dim = 8', 'config.preset.mlp_dim = 32',
+              'config.preset.num_encoder_layers = 2', 'config.preset.num_decoder_layers = 1',
               'config.CodaConfig.adapter_dim = 4']
 
 

@@ -12,7 +12,7 @@ Nothing is downloaded:
     (`seqio/test_data/sentencepiece/sentencepiece.model`, 26 pieces + 100
     sentinels) bound in place of T5's `gs://` one, or `seqio.ByteVocabulary`
     where text must round-trip exactly.
-  * The model is a tiny T5 (binding `config.t5_1_1`'s sizes), except where a
+  * The model is a tiny T5 (binding `config.preset`'s sizes), except where a
     test checks T5 v1.1 sizes, which only builds shapes.
 The training batches are read unshuffled: mock C4 documents are a dozen
 characters, and a 1000-example shuffle buffer of 568-token span-corruption
@@ -48,9 +48,9 @@ FINETUNE = {
     'squad': ('coda_squad_v1_1', 512, 32),
     'xsum': ('coda_xsum', 1664, 64),
 }
-TINY_MODEL = ['config.t5_1_1.emb_dim = 16', 'config.t5_1_1.num_heads = 2',
-              'config.t5_1_1.head_dim = 8', 'config.t5_1_1.mlp_dim = 32',
-              'config.t5_1_1.num_encoder_layers = 2', 'config.t5_1_1.num_decoder_layers = 1',
+TINY_MODEL = ['config.preset.emb_dim = 16', 'config.preset.num_heads = 2',
+              'config.preset.head_dim = 8', 'config.preset.mlp_dim = 32',
+              'config.preset.num_encoder_layers = 2', 'config.preset.num_decoder_layers = 1',
               'config.CodaConfig.adapter_dim = 4']
 TEST_VOCABULARY = [f"seqio.SentencePieceVocabulary.sentencepiece_model_file = '{TEST_SPM}'"]
 UNSHUFFLED = ['train/data.DatasetConfig.shuffle = False']

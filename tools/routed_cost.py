@@ -40,9 +40,9 @@ import jax.numpy as jnp
 from coda_jax import plan as plan_lib
 from coda_jax.bench import flags, models
 from coda_jax.compile import topology, variant_costs
-from coda_jax.config import ATTENTION_KERNELS, ATTENTION_VARIANTS, CodaConfig
+from coda_jax.config import ATTENTION_KERNELS, ATTENTION_VARIANTS, PRESETS, CodaConfig
 
-MODELS = ('small', 'base', 'large', 'xl', 'xxl')
+MODELS = PRESETS  # T5 v1.1 sizes and the paper's §6 text models
 DTYPES = {'bfloat16': jnp.bfloat16, 'float32': jnp.float32}
 
 
@@ -110,6 +110,20 @@ def table(rows) -> str:
   return '\n'.join(lines)
 
 
+def floor_lines(rows) -> str:
+  """Each decoding step's bytes against its floor (`programs.decode_step_floor`:
+  the decoder's weights, the cross-attention keys / values and the cache read
+  once, the new keys / values and the logits written)."""
+  lines = [f'  {r.generation:4} n={r.length}: {r.bytes_accessed / 1e9:.3f} GB, floor '
+           f'{r.floor_bytes["total"] / 1e9:.3f} GB (weights {r.floor_bytes["weights"] / 1e9:.3f}, '
+           f'cross K/V {r.floor_bytes["cross_kv"] / 1e9:.3f}, cache '
+           f'{r.floor_bytes["self_cache"] / 1e9:.3f}): '
+           f'{r.bytes_accessed / r.floor_bytes["total"]:.2f}x; flops '
+           f'{r.flops / r.model_flops:.2f}x the analytic count'
+           for r in rows if r.floor_bytes is not None]
+  return '\n'.join(['decoding steps, bytes against their floor:'] + lines) if lines else ''
+
+
 def plan_lines(rows, plans) -> str:
   """Each encoder row's plan in one line (`Plan.summary`), one per chip and
   variant (with the input length where its lengths' plans differ). `plans`:
@@ -154,9 +168,9 @@ def main(argv=None) -> int:
         config=config,
         coda=CodaConfig(unroute_kernel=args.kernels, route_kernel=args.kernels), log=log)
   print(table(rows))
-  lines = plan_lines(rows, plans)
-  if lines:
-    print('\n' + lines)
+  for lines in (floor_lines(rows), plan_lines(rows, plans)):
+    if lines:
+      print('\n' + lines)
   result = {
       'command': 'python tools/routed_cost.py ' + ' '.join(
           sys.argv[1:] if argv is None else argv),

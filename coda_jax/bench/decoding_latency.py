@@ -116,6 +116,7 @@ from coda_jax.bench import flags
 from coda_jax.bench import models
 from coda_jax.bench import report
 from coda_jax.bench import timing
+from coda_jax.compile import chips as chips_lib
 # The other modules' public names, importable from here as before the split.
 from coda_jax.bench.acm_block import (  # pylint: disable=unused-import
     DENSE, AcmBlock, acm_profile, acm_row)
@@ -174,6 +175,11 @@ def check_args(args: argparse.Namespace) -> None:
   directories."""
   if (args.input_length is None) != (args.output_length is None):
     raise ValueError('--input_length and --output_length go together')
+  if args.chip:
+    _check_chip_args(args)
+  elif args.decode_steps is not None:
+    raise ValueError('--decode_steps goes with --chip (on this machine\'s clock the '
+                     'decoded tokens are --output_length)')
   if args.checkpoint:
     try:
       checkpoints.detect_format(args.checkpoint)
@@ -183,6 +189,17 @@ def check_args(args: argparse.Namespace) -> None:
   for flag, path in (('--out', args.out), ('--png', png_path(args))):
     if path:
       flags.check_writable_file(flag, path)
+
+
+def _check_chip_args(args: argparse.Namespace) -> None:
+  """What the chip model does not do (yet), named before anything compiles."""
+  refused = [flag for flag, given in (
+      ('--checkpoint', args.checkpoint), ('--decoding beam', args.decoding == 'beam'),
+      ('--acm_budgets', bool(args.acm_budgets)), ('--cross_kv', args.cross_kv)) if given]
+  if refused:
+    raise ValueError(f'--chip models greedy decoding of the CoDA and Parallel Adapter '
+                     f'variants with random weights of --model; not with '
+                     f'{", ".join(refused)}')
 
 
 def _resolve_tasks(args) -> List[Tuple[str, int, int]]:
@@ -339,7 +356,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  help='custom number of decoded tokens')
   g.add_argument('--batch_size', type=flags.at_least_one, default=None,
                  help=f'sequences per batch (default: {CPU_BATCH} on CPU, '
-                 f'{ACCELERATOR_BATCH} on an accelerator, the paper\'s per-chip batch)')
+                 f'{ACCELERATOR_BATCH} on an accelerator and with --chip, the paper\'s '
+                 'per-chip batch)')
+  g.add_argument('--decode_steps', type=flags.at_least_one, default=None,
+                 help='with --chip: decoding steps per task (default: the task\'s '
+                 'output tokens)')
+  g = parser.add_argument_group('on a TPU chip\'s model instead of this machine\'s clock')
+  g.add_argument('--chip', default=None, choices=sorted(chips_lib.CHIPS),
+                 help='compile every program for one chip of this TPU generation with '
+                 'the TPU compiler (the tpu extra; no TPU needed) and report its roofline '
+                 'times: encoder, cross-attention prefill, decoding steps with their cache '
+                 'donated, end to end; a model of the chip, not a timing')
   g = parser.add_argument_group('variants')
   g.add_argument('--reduction_factors', default='1,3,5', type=flags.reduction_factors,
                  help='comma-separated CoDA reduction factors r >= 1 (empty: none)')
@@ -411,6 +438,8 @@ def run(args: argparse.Namespace) -> int:
   With --strict, 1 when a target line is a MISS.
   """
   check_args(args)
+  if args.chip:
+    return _run_chip_model(args)
   result = run_benchmark(args)
   png = png_path(args)
   if png:
@@ -421,6 +450,30 @@ def run(args: argparse.Namespace) -> int:
   written = [os.path.abspath(p) for p in (args.out, png) if p]
   if written:
     print('\nwrote ' + ' and '.join(written), file=human)
+  if args.json:
+    print(text)
+  misses = [c for c in result['checks'] if not c['ok']]
+  if args.strict and misses:
+    print(f'--strict: {len(misses)} of {len(result["checks"])} target lines missed',
+          file=sys.stderr)
+    return 1
+  return 0
+
+
+def _run_chip_model(args: argparse.Namespace) -> int:
+  """`--chip`: the table and JSON of `chip_model` (no plot)."""
+  from coda_jax.bench import chip_model  # pylint: disable=g-import-not-at-top
+  log = lambda line: print(line, file=sys.stderr, flush=True)
+  dtype = args.dtype or 'bfloat16'
+  config = models.make_config(args.model, jnp.dtype(dtype))
+  coda_template = CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
+                             adapter_dim=args.adapter_dim)
+  result = chip_model.run(args, _resolve_tasks(args), config, coda_template, log)
+  text = report.write_json(result, args.out)
+  human = sys.stderr if args.json else sys.stdout
+  print(chip_model.format_table(result), file=human)
+  if args.out:
+    print(f'\nwrote {os.path.abspath(args.out)}', file=human)
   if args.json:
     print(text)
   misses = [c for c in result['checks'] if not c['ok']]

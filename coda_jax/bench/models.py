@@ -29,21 +29,23 @@ from coda_jax import network
 from coda_jax import params as params_lib
 from coda_jax import plan as plan_lib
 from coda_jax.bench import timing
-from coda_jax.config import (AcmConfig, CodaConfig, T5Config, parallel_adapter_baseline,
-                             t5_1_1)
+from coda_jax.config import (PRESETS, AcmConfig, CodaConfig, T5Config,
+                             parallel_adapter_baseline, preset)
 
 # A backbone small enough for tests (seconds on a CPU).
 TINY = dict(vocab_size=256, emb_dim=32, num_heads=2, num_encoder_layers=2,
             num_decoder_layers=2, head_dim=16, mlp_dim=64)
-MODEL_PRESETS = ('tiny', 'small', 'base', 'large', 'xl', 'xxl')
+# 'tiny', the T5 v1.1 sizes, the paper's §6 text models (`config.preset`).
+MODEL_PRESETS = ('tiny',) + PRESETS
 BASELINE = 'parallel_adapter'
 
 
 def make_config(model: str, dtype: Any) -> T5Config:
-  """A `T5Config` for a preset: 'tiny' (tests) or a T5 v1.1 size."""
+  """A `T5Config` for a preset: 'tiny' (tests), a T5 v1.1 size or one of the
+  paper's §6 text models ('text_base', ...)."""
   if model == 'tiny':
     return T5Config(dtype=dtype, **TINY)
-  return t5_1_1(model, dtype=dtype)
+  return preset(model, dtype=dtype)
 
 
 def variant_name(reduction_factor: Optional[float], attention: Optional[str]) -> str:

@@ -31,6 +31,7 @@ and mesh the encoder would (tests/test_compile.py holds the two equal).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 
 from coda_jax import flops as flops_lib
 from coda_jax import infer as infer_lib
+from coda_jax import params as params_lib
 from coda_jax import partitioning
 from coda_jax import plan as plan_lib
 from coda_jax import target as target_lib
@@ -149,6 +151,51 @@ def decode_flops(model, n: int, steps: int, rows: int) -> Optional[Dict[str, flo
   return {'encoder': 2.0 * encoder_macs(model, n, model.coda.num_selected(n)
                                          if model.coda is not None else n),
           'step': 2.0 * step * rows}
+
+
+def decode_step_flops(model, rows: int, n: int, cache_length: int) -> float:
+  """Analytic FLOPs of one decoding step as the loop compiles it: the
+  decoder for one token of `rows` rows over the `n` encoder positions and a
+  self-attention cache of `cache_length` positions (the whole cache, as the
+  compiled step attends over it, masked), the cross-attention keys/values
+  read from the cache (the prefill's work, not the step's)."""
+  adapter = model.coda.adapter_dim if model.coda is not None else DEFAULT_ADAPTER_DIM
+  macs = flops_lib.decoder_step_macs(model.config, n, cache_length, adapter_dim=adapter,
+                                     decoder_adapters=_variant(model) != flops_lib.DENSE)
+  return 2.0 * rows * macs['total']
+
+
+# A decoding step's parameters it does not read: the cross-attention key /
+# value projections, which the prefill applies once per sequence.
+_PREFILL_ONLY = ('encoder_decoder_attention/key/', 'encoder_decoder_attention/value/')
+
+
+def decode_step_floor(model, rows: int, n: int, cache_length: int, param_dtype: Any = None
+                      ) -> Dict[str, float]:
+  """The bytes one decoding step must move, by what they are (and 'total'):
+  every decoder parameter and the LM head read once ('weights': not the
+  encoder's, not the cross-attention key / value projections, which the
+  prefill applies; `param_dtype`, default the model's), the `rows` token
+  embeddings ('embeddings'), the cross-attention keys / values of the `n`
+  encoder positions read once ('cross_kv'), the self-attention cache of
+  `cache_length` positions read once and the new keys / values written
+  ('self_cache'), the logits written ('logits'). Keys, values and logits in
+  the model's dtype."""
+  config = model.config
+  act = jnp.dtype(config.dtype).itemsize
+  shapes = params_lib.flatten(params_lib.abstract_params(model))
+  weights = sum(math.prod(s.shape) * jnp.dtype(param_dtype or s.dtype).itemsize
+                for name, s in shapes.items()
+                if name.startswith('decoder/') and not any(p in name for p in _PREFILL_ONLY))
+  kv_row = 2 * config.num_decoder_layers * config.kv_heads * config.head_dim * act
+  floor = {'weights': float(weights),
+           'embeddings': float(rows * config.emb_dim * jnp.dtype(
+               param_dtype or shapes['token_embedder/embedding'].dtype).itemsize),
+           'cross_kv': float(rows * n * kv_row),
+           'self_cache': float(rows * (cache_length + 1) * kv_row),
+           'logits': float(rows * config.vocab_size * act)}
+  floor['total'] = sum(floor.values())
+  return floor
 
 
 # What a program's inputs are, by kind, in messages.

@@ -2,8 +2,10 @@
 
 For the variants of `coda-jax benchmark` (the Parallel Adapter baseline, CoDA
 at each reduction factor r, k-to-all and k-to-k), random weights in the model
-dtype, the encoder of `coda-jax infer` (`infer.Predictor.lower_encode`) and one
-step of its decoding loop (`Predictor.lower_decode_step`) are compiled for one
+dtype, the encoder of `coda-jax infer` (`infer.Predictor.lower_encode`), the
+cross-attention prefill (`lower_prefill`) and one step of its decoding loop
+as the loop runs it, its cache donated (`Predictor.lower_decode_step`; with
+its byte floor, `programs.decode_step_floor`) are compiled for one
 chip of a TPU generation (`topology`, as `coda-jax compile` does) and read
 back: flops and bytes accessed of the compiled program (`cost_analysis`), the
 roofline time max(flops / peak, bytes / HBM bandwidth) at the chip's figures
@@ -33,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import jax.numpy as jnp
 
+from coda_jax import flops as flops_lib
 from coda_jax import infer as infer_lib
 from coda_jax import plan as plan_lib
 from coda_jax.bench import models
@@ -41,6 +44,7 @@ from coda_jax.config import CodaConfig
 from coda_jax.training import train_lib
 
 ENCODER = 'encoder'
+PREFILL = 'prefill'
 DECODE_STEP = 'decode step'
 
 # (stage, op_name pattern), first match wins: the model's named scopes
@@ -90,6 +94,9 @@ class Row:
   efficiency: Optional[float] = None
   # The encoder's plan (`coda_jax.plan.Plan.as_dict`); None for a decoding step.
   plan: Optional[Dict[str, Any]] = None
+  # A decoding step's floor (`programs.decode_step_floor`: the bytes it must
+  # move, by what they are, and 'total'); None for an encoder.
+  floor_bytes: Optional[Dict[str, float]] = None
 
   def as_dict(self) -> Dict[str, Any]:
     return dataclasses.asdict(self)
@@ -131,13 +138,27 @@ def encoder_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length
                        plan=plan)
 
 
+def prefill_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
+                decode_steps: int, dtype: Any) -> Row:
+  """The decoder cache the loop starts from (`Predictor.lower_prefill`): the
+  cross-attention keys/values of the encoder output, once per sequence."""
+  p = predictor(variant, pod, decode_steps)
+  lowered = p.lower_prefill(batch_size, length, param_dtype=dtype)
+  macs = flops_lib.cross_kv_macs(variant.model.config, length)
+  return _compiled_row(PREFILL, lowered, p.mesh, pod, variant, length, 2.0 * batch_size * macs)
+
+
 def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
                     decode_steps: int, dtype: Any) -> Row:
-  """One step of the decoding loop (a cache of `decode_steps` positions)."""
+  """One step of the decoding loop (a cache of `decode_steps` positions, the
+  cache donated as the loop carries it), with the bytes it must move."""
   p = predictor(variant, pod, decode_steps)
   lowered = p.lower_decode_step(batch_size, length, param_dtype=dtype)
-  step = programs.decode_flops(variant.model, length, decode_steps, batch_size)['step']
-  return _compiled_row(DECODE_STEP, lowered, p.mesh, pod, variant, length, step)
+  step = programs.decode_step_flops(variant.model, batch_size, length, decode_steps)
+  row = _compiled_row(DECODE_STEP, lowered, p.mesh, pod, variant, length, step)
+  row.floor_bytes = programs.decode_step_floor(variant.model, batch_size, length, decode_steps,
+                                               param_dtype=dtype)
+  return row
 
 
 def add_speedups(rows: List[Row]) -> None:
@@ -163,9 +184,9 @@ def measure(model: str = 'base', batch_size: int = 128, lengths: Sequence[int] =
             config: Optional[Any] = None, coda: Optional[CodaConfig] = None,
             log: Callable[[str], None] = lambda line: None) -> List[Row]:
   """Compiles every variant's encoder at every input length (and, with
-  `decode_steps`, one decoding step of a `decode_steps`-token decode; every
-  variant decodes with the baseline's decoder, CoDA routes only in the
-  encoder) for one chip of each generation. `config` overrides the `model`
+  `decode_steps`, the cross-attention prefill and one decoding step of a
+  `decode_steps`-token decode; every variant decodes with the baseline's
+  decoder, CoDA routes only in the encoder) for one chip of each generation. `config` overrides the `model`
   preset's `T5Config`."""
   cfg = config if config is not None else models.make_config(model, dtype)
   variants = models.make_variants(cfg, coda or CodaConfig(), reduction_factors, attentions)
@@ -182,10 +203,10 @@ def measure(model: str = 'base', batch_size: int = 128, lengths: Sequence[int] =
         log(f'{generation} n={length} {variant.name} encoder: compiled in '
             f'{time.perf_counter() - start:.1f} s')
       if decode_steps:
-        start = time.perf_counter()
-        rows.append(decode_step_row(variants[0], pod, batch_size, length, decode_steps,
-                                    dtype))
-        log(f'{generation} n={length} decode step: compiled in '
-            f'{time.perf_counter() - start:.1f} s')
+        for row in (prefill_row, decode_step_row):
+          start = time.perf_counter()
+          rows.append(row(variants[0], pod, batch_size, length, decode_steps, dtype))
+          log(f'{generation} n={length} {rows[-1].program}: compiled in '
+              f'{time.perf_counter() - start:.1f} s')
   add_speedups(rows)
   return rows
