@@ -155,7 +155,10 @@ def preset(size: str, **overrides) -> T5Config:
   if size in T5_1_1_SIZES:
     return t5_1_1(size, **overrides)
   if size not in CODA_TEXT_SIZES:
-    raise ValueError(f'unknown model size {size!r}; known: T5 v1.1 {list(T5_1_1_SIZES)}, '
+    close = difflib.get_close_matches(str(size), PRESETS, 1, 0.6)
+    raise ValueError(f'unknown model size {size!r}' + (f' (did you mean {close[0]!r}?)'
+                                                        if close else '')
+                     + f'; known: T5 v1.1 {list(T5_1_1_SIZES)}, '
                      f"the paper's §6 text models {list(CODA_TEXT_SIZES)}")
   return _t5_layers(CODA_TEXT_SIZES[size], overrides)
 

@@ -90,9 +90,10 @@ def test_invalid_value(capsys, tmp_path, no_compute):
   rc, err = _cli(capsys, tmp_path / 'run', '--gin.MODEL_SIZE=smal')
   assert rc == 2
   assert err == [
-      "coda-jax train: error: invalid configuration: unknown T5 v1.1 size 'smal'; known: "
-      "['base', 'large', 'small', 'xl', 'xxl'] (building configurable 't5_1_1' in scope "
-      "'MODEL')"]
+      "coda-jax train: error: invalid configuration: unknown model size 'smal' (did you "
+      "mean 'small'?); known: T5 v1.1 ['small', 'base', 'large', 'xl', 'xxl'], the paper's "
+      "§6 text models ['text_base', 'text_large', 'text_xl'] (building configurable "
+      "'preset' in scope 'MODEL')"]
   rc, err = _cli(capsys, tmp_path / 'run', '--gin.ATTENTION=k_to_kk')
   assert rc == 2
   assert err == [

@@ -336,7 +336,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g = parser.add_argument_group('model')
   g.add_argument('--model', '--preset', dest='model', default='small',
                  choices=models.MODEL_PRESETS,
-                 help='T5 v1.1 size with random weights (tiny: a test-sized model)')
+                 help='a T5 v1.1 size or one of the paper\'s §6 text models (text_base, '
+                 'text_large, text_xl), random weights (tiny: a test-sized model)')
   g.add_argument('--checkpoint', default=None,
                  help='T5 v1.1 checkpoint (anything coda_jax.checkpoints.load_t5_v1_1 '
                  'reads); overrides --model; routers and adapters are fresh')
@@ -346,27 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g.add_argument('--adapter_dim', type=flags.at_least_one, default=CodaConfig.adapter_dim)
   g.add_argument('--soft_topk_method', default=SoftTopKConfig.method,
                  choices=soft_topk_lib.METHODS)
-  g = parser.add_argument_group('shapes')
-  g.add_argument('--tasks', default='boolq', type=flags.one_of_each(sorted(TASK_SHAPES), False),
-                 help=f'comma-separated task shapes from {sorted(TASK_SHAPES)} '
-                 f'(input, output tokens: {TASK_SHAPES})')
-  g.add_argument('--input_length', type=flags.at_least_one, default=None,
-                 help='custom input length (with --output_length; replaces --tasks)')
-  g.add_argument('--output_length', type=flags.at_least_one, default=None,
-                 help='custom number of decoded tokens')
-  g.add_argument('--batch_size', type=flags.at_least_one, default=None,
-                 help=f'sequences per batch (default: {CPU_BATCH} on CPU, '
-                 f'{ACCELERATOR_BATCH} on an accelerator and with --chip, the paper\'s '
-                 'per-chip batch)')
-  g.add_argument('--decode_steps', type=flags.at_least_one, default=None,
-                 help='with --chip: decoding steps per task (default: the task\'s '
-                 'output tokens)')
-  g = parser.add_argument_group('on a TPU chip\'s model instead of this machine\'s clock')
-  g.add_argument('--chip', default=None, choices=sorted(chips_lib.CHIPS),
-                 help='compile every program for one chip of this TPU generation with '
-                 'the TPU compiler (the tpu extra; no TPU needed) and report its roofline '
-                 'times: encoder, cross-attention prefill, decoding steps with their cache '
-                 'donated, end to end; a model of the chip, not a timing')
+  _add_shape_arguments(parser)
   g = parser.add_argument_group('variants')
   g.add_argument('--reduction_factors', default='1,3,5', type=flags.reduction_factors,
                  help='comma-separated CoDA reduction factors r >= 1 (empty: none)')
@@ -415,6 +396,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  help='no progress bar (there is none when stderr is not a terminal)')
 
 
+def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+  """The task shapes, the batch, and `--chip` (the TPU chip's model)."""
+  g = parser.add_argument_group('shapes')
+  g.add_argument('--tasks', default='boolq', type=flags.one_of_each(sorted(TASK_SHAPES), False),
+                 help=f'comma-separated task shapes from {sorted(TASK_SHAPES)} '
+                 f'(input, output tokens: {TASK_SHAPES})')
+  g.add_argument('--input_length', type=flags.at_least_one, default=None,
+                 help='custom input length (with --output_length; replaces --tasks)')
+  g.add_argument('--output_length', type=flags.at_least_one, default=None,
+                 help='custom number of decoded tokens')
+  g.add_argument('--batch_size', type=flags.at_least_one, default=None,
+                 help=f'sequences per batch (default: {CPU_BATCH} on CPU, '
+                 f'{ACCELERATOR_BATCH} on an accelerator and with --chip, the paper\'s '
+                 'per-chip batch)')
+  g.add_argument('--decode_steps', type=flags.at_least_one, default=None,
+                 help='with --chip: decoding steps per task (default: the task\'s '
+                 'output tokens)')
+  g = parser.add_argument_group('on a TPU chip\'s model instead of this machine\'s clock')
+  g.add_argument('--chip', default=None, choices=sorted(chips_lib.CHIPS),
+                 help='compile every program for one chip of this TPU generation with '
+                 'the TPU compiler (the tpu extra; no TPU needed) and report its roofline '
+                 'times: encoder, cross-attention prefill, decoding steps with their cache '
+                 'donated, end to end; a model of the chip, not a timing')
+
+
 def _add_cross_kv_arguments(parser: argparse.ArgumentParser) -> None:
   """The flags of the cross-attention K/V row."""
   g = parser.add_argument_group('cross-attention K/V row (not in the default run)')
@@ -444,10 +450,18 @@ def run(args: argparse.Namespace) -> int:
   png = png_path(args)
   if png:
     result['meta']['png'] = report.plot(result, png)
+  return _report(args, result, report.format_table(result), (args.out, png))
+
+
+def _report(args: argparse.Namespace, result: Dict[str, Any], table: str,
+            paths: Sequence[str]) -> int:
+  """Writes the JSON; prints the table and the paths written (on stderr
+  with --json, which prints the JSON on stdout); with --strict, 1 when a
+  target line is a MISS."""
   text = report.write_json(result, args.out)
   human = sys.stderr if args.json else sys.stdout
-  print(report.format_table(result), file=human)
-  written = [os.path.abspath(p) for p in (args.out, png) if p]
+  print(table, file=human)
+  written = [os.path.abspath(p) for p in paths if p]
   if written:
     print('\nwrote ' + ' and '.join(written), file=human)
   if args.json:
@@ -469,19 +483,7 @@ def _run_chip_model(args: argparse.Namespace) -> int:
   coda_template = CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
                              adapter_dim=args.adapter_dim)
   result = chip_model.run(args, _resolve_tasks(args), config, coda_template, log)
-  text = report.write_json(result, args.out)
-  human = sys.stderr if args.json else sys.stdout
-  print(chip_model.format_table(result), file=human)
-  if args.out:
-    print(f'\nwrote {os.path.abspath(args.out)}', file=human)
-  if args.json:
-    print(text)
-  misses = [c for c in result['checks'] if not c['ok']]
-  if args.strict and misses:
-    print(f'--strict: {len(misses)} of {len(result["checks"])} target lines missed',
-          file=sys.stderr)
-    return 1
-  return 0
+  return _report(args, result, chip_model.format_table(result), (args.out,))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
