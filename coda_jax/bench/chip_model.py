@@ -168,11 +168,11 @@ def format_table(result: Dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaConfig,
-        log) -> Dict[str, Any]:
-  """The `--chip` benchmark: `tasks` [(name, n, decoded tokens)]; the JSON."""
+        batch: int, log) -> Dict[str, Any]:
+  """The `--chip` benchmark of `batch` sequences: `tasks` [(name, n, decoded
+  tokens)]; the JSON."""
   topology.check_compiler()
-  dtype = jnp.dtype(args.dtype or 'bfloat16')
-  batch = args.batch_size or 128
+  dtype = jnp.dtype(config.dtype)
   result = {'meta': {
       'tool': 'coda_jax.bench.chip_model', 'command': getattr(args, 'command_line', None),
       'date': datetime.datetime.now().isoformat(timespec='seconds'),

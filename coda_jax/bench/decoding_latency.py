@@ -482,7 +482,8 @@ def _run_chip_model(args: argparse.Namespace) -> int:
   config = models.make_config(args.model, jnp.dtype(dtype))
   coda_template = CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
                              adapter_dim=args.adapter_dim)
-  result = chip_model.run(args, _resolve_tasks(args), config, coda_template, log)
+  result = chip_model.run(args, _resolve_tasks(args), config, coda_template,
+                          args.batch_size or ACCELERATOR_BATCH, log)
   return _report(args, result, chip_model.format_table(result), (args.out,))
 
 

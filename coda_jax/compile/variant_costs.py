@@ -186,8 +186,8 @@ def measure(model: str = 'base', batch_size: int = 128, lengths: Sequence[int] =
   """Compiles every variant's encoder at every input length (and, with
   `decode_steps`, the cross-attention prefill and one decoding step of a
   `decode_steps`-token decode; every variant decodes with the baseline's
-  decoder, CoDA routes only in the encoder) for one chip of each generation. `config` overrides the `model`
-  preset's `T5Config`."""
+  decoder, CoDA routes only in the encoder) for one chip of each generation.
+  `config` overrides the `model` preset's `T5Config`."""
   cfg = config if config is not None else models.make_config(model, dtype)
   variants = models.make_variants(cfg, coda or CodaConfig(), reduction_factors, attentions)
   rows: List[Row] = []
