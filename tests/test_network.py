@@ -140,8 +140,11 @@ def test_gin_presets_build_the_papers_text_models():
     assert model.config == expect and model.coda.adapter_dim == 64
   gin.clear_config()
   assert preset('base') == t5_1_1('base')
-  with pytest.raises(ValueError, match="unknown model size 'text_huge'; known: T5 v1.1 "):
+  with pytest.raises(ValueError, match=r"unknown model size 'text_huge' \(did you mean "
+                     r"'text_large'\?\); known: T5 v1.1 \['small', "):
     preset('text_huge')
+  with pytest.raises(ValueError, match=r"unknown model size 'gpt'; known: T5 v1.1 "):
+    preset('gpt')
 
 
 def test_config_errors_name_the_field():
