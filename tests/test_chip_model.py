@@ -72,9 +72,8 @@ def test_end_to_end_is_encoder_prefill_and_the_steps(run):
       'custom coda_k_to_all_r3', 'custom coda_k_to_k_r3']
 
 
-def test_the_table_says_what_it_is(run, capsys):
-  code, result = run
-  del code
+def test_the_table_says_what_it_is(run):
+  _, result = run
   from coda_jax.bench import chip_model  # pylint: disable=g-import-not-at-top
   lines = chip_model.format_table(result).splitlines()
   assert lines[0].startswith('model tiny  chip v5e (TPU compiler cost model, not a timing)')

@@ -110,7 +110,6 @@ def measure_task(config: T5Config, coda_template: CodaConfig, chip: str, batch_s
     programs.append(row(variants[0], pod, batch_size, n, decode_steps, dtype))
     log(f'{chip} n={n} {programs[-1].program}: compiled in {time.perf_counter() - start:.1f} s')
   *encoders, prefill, step = programs
-  variant_costs.add_speedups(encoders)
   return {'input_length': n, 'decode_steps': decode_steps, 'batch_size': batch_size,
           'variants': variant_rows(encoders, prefill, step, config, decode_steps,
                                    coda_template.adapter_dim, pod.chip.hbm_bandwidth),
