@@ -52,6 +52,8 @@ SPLITS = (TRAIN, VALIDATION)
 VALIDATION_SEED = 1
 # The train stream's seed when the pipeline gives none.
 DEFAULT_TRAIN_SEED = 0
+# What an offline task trains (`OfflineTask.objective`).
+OBJECTIVES = ('text_to_text', 'span_corruption')
 # Draws per validation example before a generator is declared too small.
 _MAX_DRAWS_PER_EXAMPLE = 100
 
@@ -70,6 +72,11 @@ class OfflineTask:
       every offline task reports).
     informative: `piece -> bool`, whether an input token (its decoded text)
       carries the answer; None: the task does not say.
+    objective: 'text_to_text' (the example's ``inputs`` -> its ``targets``)
+      or 'span_corruption' (T5's pre-training objective over the stream of
+      the examples' ``targets`` documents, as `coda_c4_span_corruption` over
+      C4: cut into windows that fill the inputs, noise spans replaced by
+      sentinels; no metric).
   """
   name: str
   generate: Generator
@@ -77,6 +84,7 @@ class OfflineTask:
   num_validation: int = 256
   metric_fns: Sequence[Callable[..., Mapping[str, float]]] = ()
   informative: Optional[Callable[[str], bool]] = None
+  objective: str = 'text_to_text'
 
   def all_metric_fns(self, default_metric_fn: Callable[..., Mapping[str, float]]
                      ) -> List[Callable[..., Mapping[str, float]]]:
@@ -158,7 +166,8 @@ OFFLINE_TASKS: Dict[str, OfflineTask] = {}
 def offline_task(name: str, generate: Generator, description: str, *,
                  num_validation: int = 256,
                  metric_fns: Sequence[Callable[..., Mapping[str, float]]] = (),
-                 informative: Optional[Callable[[str], bool]] = None) -> OfflineTask:
+                 informative: Optional[Callable[[str], bool]] = None,
+                 objective: str = 'text_to_text') -> OfflineTask:
   """Adds the task `name` (see `OfflineTask`) to `OFFLINE_TASKS`; returns it.
 
   `coda_jax.tasks.register_tasks` registers it with seqio.
@@ -168,31 +177,56 @@ def offline_task(name: str, generate: Generator, description: str, *,
   if num_validation < 1:
     raise ValueError(f'offline task {name!r}: num_validation must be >= 1, got '
                      f'{num_validation}')
+  if objective not in OBJECTIVES:
+    raise ValueError(f'offline task {name!r}: objective must be one of {OBJECTIVES}, got '
+                     f'{objective!r}')
   task = OfflineTask(name, generate, description, num_validation, tuple(metric_fns),
-                     informative)
+                     informative, objective)
   OFFLINE_TASKS[name] = task
   return task
 
 
 def task_specs(vocabulary, postprocess_fn: Callable[..., Any],
-               default_metric_fn: Callable[..., Mapping[str, float]]
+               default_metric_fn: Callable[..., Mapping[str, float]],
+               span_corruption: Sequence[Callable[..., Any]] = ()
                ) -> Dict[str, Dict[str, Any]]:
   """Keyword arguments of `seqio.Task` for each offline task.
 
   `postprocess_fn` and `default_metric_fn` (exact match: every task reports
-  it, then its own `metric_fns`) come from the caller (`coda_jax.tasks`), so
-  no import runs back up.
+  it, then its own `metric_fns`), and `span_corruption` (the preprocessors
+  that turn a stream of tokenized ``targets`` documents into span-corruption
+  examples, `coda_jax.tasks`'s, which its C4 task runs) come from the caller
+  (`coda_jax.tasks`), so no import runs back up.
   """
   import seqio  # pylint: disable=g-import-not-at-top
-  features = {key: seqio.Feature(vocabulary, add_eos=True) for key in ('inputs', 'targets')}
-  return {
-      name: dict(source=seqio.FunctionDataSource(task.dataset, splits=SPLITS),
-                 output_features=features,
-                 preprocessors=[seqio.preprocessors.tokenize,
-                                seqio.preprocessors.append_eos_after_trim],
-                 postprocess_fn=postprocess_fn,
-                 metric_fns=task.all_metric_fns(default_metric_fn))
-      for name, task in OFFLINE_TASKS.items()}
+  specs = {}
+  for name, task in OFFLINE_TASKS.items():
+    source = seqio.FunctionDataSource(task.dataset, splits=SPLITS)
+    if task.objective == 'span_corruption':
+      if not span_corruption:
+        raise ValueError(f'offline task {name!r} is a span-corruption task: task_specs needs '
+                         'the span_corruption preprocessors')
+      specs[name] = dict(
+          source=source,
+          output_features={
+              'inputs': seqio.Feature(vocabulary, add_eos=True, required=False),
+              'targets': seqio.Feature(vocabulary, add_eos=True)},
+          preprocessors=[_documents, seqio.preprocessors.tokenize, *span_corruption,
+                         seqio.preprocessors.append_eos_after_trim],
+          metric_fns=[])
+      continue
+    features = {key: seqio.Feature(vocabulary, add_eos=True) for key in ('inputs', 'targets')}
+    specs[name] = dict(source=source, output_features=features,
+                       preprocessors=[seqio.preprocessors.tokenize,
+                                      seqio.preprocessors.append_eos_after_trim],
+                       postprocess_fn=postprocess_fn,
+                       metric_fns=task.all_metric_fns(default_metric_fn))
+  return specs
+
+
+def _documents(dataset):
+  """A span-corruption task's examples -> {'targets': document}."""
+  return dataset.map(lambda x: {'targets': x['targets']})
 
 
 # ----------------------------------------------------------------------------
@@ -283,3 +317,30 @@ for _name, _needles in ORDER_FAMILY.items():
                f'the {_needles} capitals among {ORDER_LENGTH} letters, in order '
                f'(a task where routing matters; targets of {_needles + 1} tokens)',
                metric_fns=(position_accuracy,), informative=is_capital)
+
+
+# A pre-training stream: documents of simple sentences over the quickstart's
+# words, for T5's span-corruption objective (the offline stand-in for C4 in
+# `gin_configs/runs/pretrain_dense_c4.gin` and `pretrain_coda_c4.gin`).
+DOCUMENT_ADJECTIVES = QUICKSTART_WORDS[:3]
+DOCUMENT_NOUNS = QUICKSTART_WORDS[3:]
+DOCUMENT_VERBS = ('sees', 'likes', 'follows', 'finds')
+
+
+def document(rng: np.random.Generator) -> Example:
+  """2 to 6 sentences "the <adjective> <noun> <verb> the <adjective> <noun>."
+  as ``targets`` (and as ``inputs``: the validation split keeps distinct
+  documents); span corruption hides parts of it and the model fills them in
+  (nouns follow adjectives, verbs follow nouns: there is something to learn)."""
+  def phrase():
+    return (f'the {DOCUMENT_ADJECTIVES[rng.integers(len(DOCUMENT_ADJECTIVES))]} '
+            f'{DOCUMENT_NOUNS[rng.integers(len(DOCUMENT_NOUNS))]}')
+
+  text = ' '.join(f'{phrase()} {DOCUMENT_VERBS[rng.integers(len(DOCUMENT_VERBS))]} '
+                  f'{phrase()}.' for _ in range(rng.integers(2, 7)))
+  return {'inputs': text, 'targets': text}
+
+
+offline_task('coda_quickstart_span_corruption', document,
+             "T5's span corruption over generated documents (an offline stand-in for C4 "
+             'in pre-training)', objective='span_corruption')

@@ -20,7 +20,9 @@ Registered names (`register_tasks`, run at import with T5's vocabulary):
   coda_c4_span_corruption c4/en            T5's span corruption (noise density 0.15,
                           mean span 3, sentinels from the vocabulary's extra ids), the
                           objective of CoDA pre-training (paper App. A: n=512, k=192)
-  coda_quickstart_*       generated on the fly, no download (`coda_jax.offline_tasks`)
+  coda_quickstart_*       generated on the fly, no download (`coda_jax.offline_tasks`);
+                          coda_quickstart_span_corruption: span corruption over
+                          generated documents (pre-training without C4)
 
 Labels of classification tasks are T5's label names; a prediction that is no
 label scores as wrong. Metrics are percentages, as T5 reports them, and
@@ -576,7 +578,8 @@ def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
                          seqio.CacheDatasetPlaceholder(), concat_and_split,
                          span_corruption, seqio.preprocessors.append_eos_after_trim],
           metric_fns=[]),
-      **offline_tasks.task_specs(vocabulary, text_postprocessor, accuracy),
+      **offline_tasks.task_specs(vocabulary, text_postprocessor, accuracy,
+                                 span_corruption=(concat_and_split, span_corruption)),
   }
 
 

@@ -48,12 +48,14 @@ CASES = [(kernel, name) for kernel in sorted(MAX_BYTES_RATIO)
 
 
 def _measure(kernels, decode_steps):
-  """kernels: 'auto' (the Pallas kernels 'auto' picks on v5e) or 'xla'."""
+  """kernels: 'auto' (the Pallas kernels 'auto' picks on v5e) or 'xla'. The
+  variants the ratios name (at r = 1 k-to-k is k-to-all: every token routed)."""
   return variant_costs.measure(
       batch_size=BATCH, lengths=(LENGTH,), generations=('v5e',), reduction_factors=(1, 3),
       attentions=('k_to_all', 'k_to_k'), decode_steps=decode_steps,
       config=dataclasses.replace(CONFIG, attention_kernel=kernels, mlp_kernel=kernels),
-      coda=CodaConfig(unroute_kernel=kernels, route_kernel=kernels))
+      coda=CodaConfig(unroute_kernel=kernels, route_kernel=kernels),
+      only=sorted(MAX_BYTES_RATIO[kernels]))
 
 
 @pytest.fixture(scope='module')
@@ -72,8 +74,8 @@ def _by(rows, program):
 
 def test_every_variant_compiles_without_loops_and_reports_its_costs(rows):
   encoders = _by(rows, variant_costs.ENCODER)
-  assert set(encoders) == {'parallel_adapter', 'coda_k_to_all_r1', 'coda_k_to_k_r1',
-                           'coda_k_to_all_r3', 'coda_k_to_k_r3'}
+  assert set(encoders) == {'parallel_adapter', 'coda_k_to_all_r1', 'coda_k_to_all_r3',
+                           'coda_k_to_k_r3'}
   for r in rows:
     assert r.loops == 0 or r.program == variant_costs.DECODE_STEP, (r.variant, r.loops)
     assert r.flops > 0 and r.bytes_accessed > 0 and r.hbm_needed > 0

@@ -182,14 +182,22 @@ def measure(model: str = 'base', batch_size: int = 128, lengths: Sequence[int] =
             attentions: Sequence[str] = ('k_to_all', 'k_to_k'),
             decode_steps: int = 0, dtype: Any = jnp.bfloat16,
             config: Optional[Any] = None, coda: Optional[CodaConfig] = None,
-            log: Callable[[str], None] = lambda line: None) -> List[Row]:
+            log: Callable[[str], None] = lambda line: None,
+            only: Optional[Sequence[str]] = None) -> List[Row]:
   """Compiles every variant's encoder at every input length (and, with
   `decode_steps`, the cross-attention prefill and one decoding step of a
   `decode_steps`-token decode; every variant decodes with the baseline's
   decoder, CoDA routes only in the encoder) for one chip of each generation.
-  `config` overrides the `model` preset's `T5Config`."""
+  `config` overrides the `model` preset's `T5Config`; `only` names the
+  variants to compile (default: all; the baseline always)."""
   cfg = config if config is not None else models.make_config(model, dtype)
   variants = models.make_variants(cfg, coda or CodaConfig(), reduction_factors, attentions)
+  if only is not None:
+    unknown = set(only) - {v.name for v in variants}
+    if unknown:
+      raise ValueError(f'unknown variants {sorted(unknown)}; these shapes have '
+                       f'{[v.name for v in variants]}')
+    variants = [v for i, v in enumerate(variants) if i == 0 or v.name in only]
   rows: List[Row] = []
   for generation in generations:
     if generation not in ONE_CHIP:
