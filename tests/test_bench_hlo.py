@@ -116,3 +116,62 @@ def test_a_sliced_prefetch_is_counted_once():
   assert by_name['other'] == 2 * half + whole
   stages = hlo_costs.stage_bytes(_SLICED_PREFETCH, [])
   assert stages['other'] == 2 * (2 * half) + (2 * half + whole) + 2 * whole
+
+
+def test_hbm_traffic_counts_a_prefetch_once_and_nothing_read_on_the_chip():
+  """The sliced prefetch above: each slice reads its half of `p` from HBM
+  (its VMEM end is not HBM), the join and the SomethingElse call read VMEM
+  (nothing), the negate reads VMEM and writes its result to HBM."""
+  from coda_jax.compile import hlo_costs
+  instructions, computations = hlo.parse_hlo(_SLICED_PREFETCH)
+  half, whole = 8 * 128 * 2, 16 * 128 * 2
+  by_name = {name: hlo_costs.op_hbm_bytes(text, instructions, computations)
+             for name, text in instructions.items()}
+  assert by_name['slice-start'] == by_name['slice-start.1'] == half
+  assert by_name['custom-call'] == 0 and by_name['other'] == 0
+  assert by_name['negate'] == whole
+  assert hlo_costs.hbm_bytes(_SLICED_PREFETCH) == 2 * half + whole
+  # The compiler-style count of the same ops, for contrast: 2 + 2 + 0 + 3 + 2 halves' worth.
+  assert sum(hlo_costs.stage_bytes(_SLICED_PREFETCH, []).values()) > hlo_costs.hbm_bytes(
+      _SLICED_PREFETCH)
+  assert hlo_costs.in_hbm('1,0:T(8,128)(2,1)') and hlo_costs.in_hbm('1,0:T(8,128)S(0)')
+  assert not hlo_costs.in_hbm('1,0:T(8,128)(2,1)S(1)')
+
+
+_EMBEDDING_GATHER = '''HloModule gather, entry_computation_layout={()->bf16[4,256]}
+
+%fused_gather (param_0: bf16[1000,256], param_1: s32[4]) -> bf16[4,256] {
+  %param_0 = bf16[1000,256]{1,0:T(8,128)(2,1)} parameter(0)
+  %param_1 = s32[4]{0:T(128)} parameter(1)
+  ROOT %gather = bf16[4,256]{1,0:T(8,128)(2,1)} gather(%param_0, %param_1), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,256}
+}
+
+%fused_scale (param_0.1: bf16[1000,256]) -> bf16[1000,256] {
+  %param_0.1 = bf16[1000,256]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %negate.1 = bf16[1000,256]{1,0:T(8,128)(2,1)} negate(%param_0.1)
+}
+
+ENTRY %main (table: bf16[1000,256], ids: s32[4]) -> bf16[4,256] {
+  %table = bf16[1000,256]{1,0:T(8,128)(2,1)} parameter(0)
+  %ids = s32[4]{0:T(128)} parameter(1)
+  %gather_fusion = bf16[4,256]{1,0:T(8,128)(2,1)} fusion(%table, %ids), kind=kCustom, calls=%fused_gather
+  %whole_fusion = bf16[1000,256]{1,0:T(8,128)(2,1)} fusion(%table), kind=kLoop, calls=%fused_scale
+  ROOT %tuple = (bf16[4,256]{1,0:T(8,128)(2,1)}, bf16[1000,256]{1,0:T(8,128)(2,1)}) tuple(%gather_fusion, %whole_fusion)
+}
+'''
+
+
+def test_hbm_traffic_counts_the_rows_a_gather_reads_in_whole_tiles():
+  """A fusion that only gathers 4 rows of a [1000, 256] table reads 4 rows,
+  each as its (8, 128) tile's 8 rows (8 x 256 bf16), not the table; a fusion
+  that reads the whole table counts it whole."""
+  from coda_jax.compile import hlo_costs
+  instructions, computations = hlo.parse_hlo(_EMBEDDING_GATHER)
+  table = 1000 * 256 * 2
+  ids = 128 * 4                      # s32[4] in a tile of 128
+  out = 8 * 256 * 2                  # bf16[4, 256] padded to 8 rows
+  gather = hlo_costs.op_hbm_bytes(instructions['gather_fusion'], instructions, computations)
+  assert gather == 4 * (8 * 256 * 2) + ids + out
+  assert hlo_costs.op_bytes(instructions['gather_fusion'], instructions) == table + ids + out
+  whole = hlo_costs.op_hbm_bytes(instructions['whole_fusion'], instructions, computations)
+  assert whole == 2 * table

@@ -114,10 +114,12 @@ def floor_lines(rows) -> str:
   """Each decoding step's bytes against its floor (`programs.decode_step_floor`:
   the decoder's weights, the cross-attention keys / values and the cache read
   once, the new keys / values and the logits written)."""
-  lines = [f'  {r.generation:4} n={r.length}: {r.bytes_accessed / 1e9:.3f} GB, floor '
+  lines = [f'  {r.generation:4} n={r.length}: HBM traffic {r.hbm_traffic / 1e9:.3f} GB '
+           f'({r.hbm_traffic / r.floor_bytes["total"]:.2f}x the floor; the compiler\'s bytes '
+           f'accessed {r.bytes_accessed / 1e9:.3f} GB), floor '
            f'{r.floor_bytes["total"] / 1e9:.3f} GB (weights {r.floor_bytes["weights"] / 1e9:.3f}, '
            f'cross K/V {r.floor_bytes["cross_kv"] / 1e9:.3f}, cache '
-           f'{r.floor_bytes["self_cache"] / 1e9:.3f}): '
+           f'{r.floor_bytes["self_cache"] / 1e9:.3f}); compiler\'s bytes '
            f'{r.bytes_accessed / r.floor_bytes["total"]:.2f}x; flops '
            f'{r.flops / r.model_flops:.2f}x the analytic count'
            for r in rows if r.floor_bytes is not None]

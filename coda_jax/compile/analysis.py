@@ -94,6 +94,11 @@ class ProgramReport:
   collectives: List[Dict[str, Any]]
   collective_seconds: Optional[float]
   notes: List[str] = dataclasses.field(default_factory=list)
+  # The bytes the program moves to and from HBM (`hlo_costs.hbm_bytes`: the
+  # compiler's `bytes accessed` less what stays in on-chip memory), and the
+  # roofline at them: max(flops / peak, hbm_traffic / HBM bandwidth).
+  hbm_traffic: Optional[float] = None
+  traffic_roofline_seconds: Optional[float] = None
 
   @property
   def fits(self) -> bool:
@@ -247,6 +252,7 @@ def analyze(name: str, compiled, compile_seconds: float, chip: Chip, mesh,
   seconds = roofline_seconds(flops, bytes_accessed, chip)
   bound = 'memory' if bytes_accessed / chip.hbm_bandwidth > flops / chip.peak_flops else 'flops'
   text = compiled.as_text()
+  traffic = float(hlo_costs.hbm_bytes(text))
   found = hlo_costs.collectives(text, mesh.axis_names, tuple(mesh.devices.shape),
                                 device_slices)
   rows = hlo_costs.summarize_collectives(found, chip.ici_bandwidth, chip.dcn_bandwidth)
@@ -259,4 +265,5 @@ def analyze(name: str, compiled, compile_seconds: float, chip: Chip, mesh,
       hbm_bytes=chip.hbm_bytes, flops=flops, bytes_accessed=bytes_accessed,
       roofline_seconds=seconds, bound=bound, model_flops=model_flops, mfu=mfu,
       loops=hlo_costs.count_loops(text), collectives=rows,
-      collective_seconds=None if any(t is None for t in times) else sum(times))
+      collective_seconds=None if any(t is None for t in times) else sum(times),
+      hbm_traffic=traffic, traffic_roofline_seconds=roofline_seconds(flops, traffic, chip))

@@ -14,7 +14,12 @@ Reads the scheduled HLO text of a compiled program (`compiled.as_text()`):
   own `cost_analysis()['bytes accessed']` is the program's total by its own
   model (it charges, e.g., a gather for whole tiles); the stages are this
   module's count of the same ops, reported beside that total, not a split of
-  it.
+  it;
+* `hbm_bytes`: the bytes the program moves to and from HBM, by the memory
+  space of each operand and result in the compiled layouts (memory-space
+  assignment keeps some buffers in on-chip memory, ``S(1)``): a weight
+  prefetched into VMEM counts once, in its prefetch, where XLA's total counts
+  the prefetch's read and write and the consumer's read again.
 """
 from __future__ import annotations
 
@@ -34,20 +39,22 @@ _ELEMENT_BYTES = {'pred': 1, 's4': 0.5, 'u4': 0.5, 's8': 1, 'u8': 1, 'f8e4m3fn':
                   'f64': 8, 's64': 8, 'u64': 8, 'c64': 8, 'c128': 16}
 _ARRAY = re.compile(r'\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\](?:\{([^}]*)\})?')
 _TILE = re.compile(r'T\((\d+(?:,\d+)*)\)')
+_MEMORY_SPACE = re.compile(r'S\((\d+)\)')
 
 COLLECTIVE_KINDS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
                     'collective-permute')
 
 
-def array_bytes(type_text: str, padded: bool = True) -> int:
+def array_bytes(type_text: str, padded: bool = True, hbm_only: bool = False) -> int:
   """Bytes of the arrays in an HLO result type (a tuple's elements summed).
 
   `padded`: in the TPU layout, each dimension the layout's first tile covers
   rounded up to the tile (``bf16[3,100]{1,0:T(8,128)(2,1)}`` holds 8 x 128).
+  `hbm_only`: only the arrays in HBM (`in_hbm`).
   """
   total = 0.0
   for dtype, dims, layout in _ARRAY.findall(type_text):
-    if dtype not in _ELEMENT_BYTES:
+    if dtype not in _ELEMENT_BYTES or (hbm_only and not in_hbm(layout)):
       continue
     shape = [int(d) for d in dims.split(',') if d]
     if padded and layout and not shape and _TILE.search(layout):
@@ -63,6 +70,15 @@ def array_bytes(type_text: str, padded: bool = True) -> int:
           shape[dim] = -(-shape[dim] // t) * t
     total += math.prod(shape) * _ELEMENT_BYTES[dtype]
   return int(total)
+
+
+def in_hbm(layout: str) -> bool:
+  """Whether an array of this layout (the text between its braces) lives in
+  HBM: memory space 0, which a layout leaves unnamed. Memory-space assignment
+  puts buffers it keeps on the chip in another space (``S(1)``: VMEM, or v4's
+  CMEM; higher numbers: semaphores and scalar memory)."""
+  m = _MEMORY_SPACE.search(layout or '')
+  return m is None or m.group(1) == '0'
 
 
 def _result_type(text: str) -> str:
@@ -255,6 +271,116 @@ def op_bytes(text: str, instructions: Mapping[str, str]) -> int:
     return 2 * moved
   read = sum(array_bytes(_result_type(instructions.get(o, ''))) for o in _operands(text))
   return read + array_bytes(_result_type(text))
+
+
+def _sliced_read(use: str, operand_type: str) -> Optional[int]:
+  """The bytes a `gather` or `dynamic-slice` reads of its operand 0 (type
+  `operand_type`): its slices at the operand's tiled layout (a TPU reads a
+  row of a (8, 128)-tiled array as its whole tile of rows), at most the whole
+  operand; None for any other use."""
+  op = hlo_lib.opcode(use)
+  arrays = _ARRAY.findall(operand_type)
+  if op not in ('gather', 'dynamic-slice') or len(arrays) != 1:
+    return None
+  dtype, dims, layout = arrays[0]
+  whole = array_bytes(operand_type)
+  if op == 'dynamic-slice':
+    result = _ARRAY.findall(_result_type(use))
+    if not result:
+      return None
+    sizes = result[0][1]
+    slices = 1
+  else:
+    m = re.search(r'slice_sizes=\{([\d,]*)\}', use)
+    result = _ARRAY.findall(_result_type(use))
+    if not m or not result:
+      return None
+    sizes = m.group(1)
+    elements = math.prod(int(d) for d in result[0][1].split(',') if d)
+    slices = elements // max(1, math.prod(int(d) for d in sizes.split(',') if d))
+  per_slice = array_bytes(f'{dtype}[{sizes}]{{{layout}}}')
+  return min(whole, slices * per_slice)
+
+
+def _operand_reads(text: str, instructions: Mapping[str, str],
+                   computations: Optional[Mapping[str, List[str]]]) -> List[int]:
+  """The HBM bytes an op reads of each operand: the operand's size in HBM; for
+  a fusion's operand that its body only gathers from or slices (an embedding
+  table, a cache), what those read (`_sliced_read`)."""
+  operands = _operands(text)
+  sizes = [array_bytes(_result_type(instructions.get(o, '')), hbm_only=True)
+           for o in operands]
+  m = re.search(r'calls=%?([\w.\-]+)', text)
+  if hlo_lib.opcode(text) != 'fusion' or not m or computations is None:
+    return sizes
+  body = computations.get(m.group(1), [])
+  params = {}
+  for inst in body:
+    p = re.search(r'\sparameter\((\d+)\)', instructions[inst])
+    if p:
+      params[inst] = int(p.group(1))
+  for name, index in params.items():
+    if index >= len(sizes) or not sizes[index]:
+      continue
+    uses = [instructions[i] for i in body if name in _operands(instructions[i])]
+    if not uses or any(_operands(u)[0] != name for u in uses):
+      continue
+    reads = [_sliced_read(u, _result_type(instructions[operands[index]])) for u in uses]
+    if all(r is not None for r in reads):
+      sizes[index] = min(sizes[index], sum(reads))
+  return sizes
+
+
+def op_hbm_bytes(text: str, instructions: Mapping[str, str],
+                 computations: Optional[Mapping[str, List[str]]] = None) -> int:
+  """Bytes an op moves to or from HBM: its operands and results that are in
+  HBM (tiled), an operand that a fusion only gathers rows of or slices
+  (`computations` given) as the rows it reads; an async move (a prefetch into
+  on-chip memory, an eviction out of it) the bytes it moves, once for each of
+  its ends in HBM."""
+  op = hlo_lib.opcode(text)
+  if op == 'custom-call':
+    target = re.search(r'custom_call_target="([^"]+)"', text)
+    if target and target.group(1) in _FREE_CUSTOM_CALLS:
+      return 0
+  if op in _ASYNC_MOVES:
+    # copy-start: (destination, source, context); slice-start: ((source),
+    # destination slice, context).
+    arrays = re.findall(r'\w+\[[\d,]*\]\{[^}]*\}', _result_type(text))
+    if len(arrays) < 2:
+      return 0
+    source, destination = (arrays[0], arrays[1]) if op == 'slice-start' else (arrays[1],
+                                                                             arrays[0])
+    moved = array_bytes(destination)
+    ends = [source, destination]
+    return sum(moved for a in ends if in_hbm(a[a.find('{') + 1:]))
+  return (sum(_operand_reads(text, instructions, computations))
+          + array_bytes(_result_type(text), hbm_only=True))
+
+
+def hbm_bytes(hlo_text: str) -> int:
+  """The bytes a compiled TPU program moves to and from HBM: `op_hbm_bytes`
+  of the ops of its top-level computations (the entry and what loops and
+  branches run, each once; not the insides of fusions).
+
+  XLA's `cost_analysis()['bytes accessed']` counts every operand and result
+  of every op wherever it lives: a weight that memory-space assignment
+  prefetches into VMEM (v4: CMEM) counts in the async copy's read and write
+  and again in the matmul that reads it on the chip, two to three times the
+  HBM traffic; and a gather from an embedding table as the whole table. This
+  count keeps only what crosses HBM, the quantity a roofline at HBM bandwidth
+  is about.
+  """
+  instructions, computations = hlo_lib.parse_hlo(hlo_text)
+  total = 0
+  for comp in _top_level(hlo_text, instructions, computations):
+    for inst in computations[comp]:
+      text = instructions[inst]
+      op = hlo_lib.opcode(text)
+      if op is None or op in _FREE:
+        continue
+      total += op_hbm_bytes(text, instructions, computations)
+  return total
 
 
 def stage_bytes(hlo_text: str, stages: Sequence[Tuple[str, str]],

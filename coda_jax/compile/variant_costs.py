@@ -97,6 +97,11 @@ class Row:
   # A decoding step's floor (`programs.decode_step_floor`: the bytes it must
   # move, by what they are, and 'total'); None for an encoder.
   floor_bytes: Optional[Dict[str, float]] = None
+  # The bytes it moves to and from HBM (`hlo_costs.hbm_bytes`: prefetches into
+  # on-chip memory counted once, not again where the chip reads them) and the
+  # roofline at them.
+  hbm_traffic: Optional[float] = None
+  traffic_roofline_seconds: Optional[float] = None
 
   def as_dict(self) -> Dict[str, Any]:
     return dataclasses.asdict(self)
@@ -122,6 +127,8 @@ def _compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Vari
       model_flops=model_flops, loops=report.loops, hbm_needed=report.memory.needed,
       compile_seconds=seconds,
       stages=hlo_costs.stage_bytes(compiled.as_text(), STAGES, OTHER),
+      hbm_traffic=report.hbm_traffic,
+      traffic_roofline_seconds=report.traffic_roofline_seconds,
       plan=None if plan is None else plan.as_dict())
 
 
