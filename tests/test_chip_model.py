@@ -17,7 +17,7 @@ from coda_jax.compile import chips, variant_costs  # pylint: disable=g-import-no
 N, T, BATCH = 64, 3, 4
 ARGV = ['--chip', 'v5e', '--model', 'tiny', '--input_length', str(N), '--output_length', '5',
         '--decode_steps', str(T), '--batch_size', str(BATCH), '--reduction_factors', '3',
-        '--attention', 'k_to_all,k_to_k']
+        '--attention', 'k_to_all,k_to_k', '--dispatch', 'one_hot']
 
 
 @pytest.fixture(scope='module')
@@ -32,6 +32,7 @@ def test_end_to_end_is_encoder_prefill_and_the_steps(run):
   assert code == 0
   meta = result['meta']
   assert meta['chip'] == 'v5e' and 'not a timing' in meta['device']
+  assert meta['dispatch'] == 'one_hot'
   assert meta['versions']['libtpu'] and meta['command'].startswith(
       'python -m coda_jax.bench.decoding_latency --chip v5e')
   [task] = result['tasks']
@@ -43,6 +44,8 @@ def test_end_to_end_is_encoder_prefill_and_the_steps(run):
                       ('parallel_adapter', variant_costs.PREFILL),
                       ('parallel_adapter', variant_costs.DECODE_STEP)]
   *encoders, prefill, step = task['programs']
+  # --dispatch reaches every routed encoder's plan.
+  assert [p['plan']['routed']['dispatch'] for p in encoders[1:]] == ['one_hot', 'one_hot']
   assert step['loops'] == 0 and prefill['loops'] == 0
   config = models.make_config('tiny', 'bfloat16')
   bandwidth = chips.CHIPS['v5e'].hbm_bandwidth
@@ -130,3 +133,23 @@ def test_a_small_section_6_model_keeps_its_end_to_end_speedup():
   assert 1.0 < speedup <= routed['flop_bound']['end_to_end']
   assert speedup >= 0.98 * SECTION_6_E2E_SPEEDUP, speedup
   assert task['step_over_floor'] <= 1.15
+
+
+def test_a_program_that_does_not_fit_the_chip_is_one_line_and_exit_1(monkeypatch, capsys):
+  """T5 v1.1 XL on XSum at batch 128 needs 41.7 GB of HBM for its prefill on
+  a v4 chip (30.75 GB): the verdict, not a traceback."""
+  from coda_jax.bench import chip_model  # pylint: disable=g-import-not-at-top
+  from coda_jax.compile import analysis  # pylint: disable=g-import-not-at-top
+
+  def too_big(*args, **kwargs):
+    raise analysis.DoesNotFitError(
+        'RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO '
+        'temporaries (41.69G) exceeds available HBM (30.75G).', program=variant_costs.PREFILL)
+
+  monkeypatch.setattr(chip_model, 'run', too_big)
+  assert decoding_latency.main([*ARGV, '--out', '']) == 1
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and 'Traceback' not in err
+  assert err.startswith(f'benchmark: tiny does not fit one v5e chip at batch {BATCH}: the '
+                        f'{variant_costs.PREFILL} program: RESOURCE_EXHAUSTED')
+  assert err.rstrip().endswith('try a smaller --batch_size')

@@ -146,6 +146,7 @@ def format_table(result: Dict[str, Any]) -> str:
   meta = result['meta']
   lines = [f'model {meta["model"]}  chip {meta["chip"]} (TPU compiler cost model, not a '
            f'timing)  dtype {meta["dtype"]}  batch {meta["batch_size"]}  decoding greedy  '
+           + (f'dispatch {meta["dispatch"]}  ' if meta.get('dispatch', 'auto') != 'auto' else '') +
            f'libtpu {meta["versions"].get("libtpu")}  jax {meta["versions"]["jax"]}']
   head = (f'{"variant":22} {"k":>4} {"enc ms":>8} {"pre ms":>7} {"step ms":>7} '
           f'{"e2e ms":>8} {"enc x (bound)":>14} {"e2e x (bound)":>14} {"topk %":>6} '
@@ -187,7 +188,7 @@ def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaCo
       'date': datetime.datetime.now().isoformat(timespec='seconds'),
       'device': WHAT.format(chip=args.chip), 'chip': args.chip,
       'versions': topology.versions(), 'model': args.model, 'dtype': dtype.name,
-      'batch_size': batch, 'decoding': 'greedy',
+      'batch_size': batch, 'decoding': 'greedy', 'dispatch': coda_template.dispatch,
       'reduction_factors': args.reduction_factors, 'attention': args.attention},
       'tasks': []}
   for name, n, decoded in tasks:

@@ -128,8 +128,8 @@ from coda_jax.bench.latency_task import benchmark_task, coda_row  # pylint: disa
 from coda_jax.bench.targets import (  # pylint: disable=unused-import
     BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP, ENCODER_FRACTION_OF_BOUND, R1_MIN_SPEEDUP,
     SOFT_TOPK_MAX_SHARE, checks)
-from coda_jax.config import (ATTENTION_VARIANTS, AcmConfig, CodaConfig, SoftTopKConfig,
-                             T5Config, coda_k)
+from coda_jax.config import (ATTENTION_VARIANTS, DISPATCHES, AcmConfig, CodaConfig,
+                             SoftTopKConfig, T5Config, coda_k)
 
 # The paper's batch: 128 sequences per TPUv4 chip (Table 12). On a CPU the
 # default is small enough that the default run takes a few minutes.
@@ -289,7 +289,7 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
   with timing.CompileCounter() as compiles:
     config, pretrained, model_name = _backbone(args, dtype)
     coda_template = CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
-                               adapter_dim=args.adapter_dim)
+                               adapter_dim=args.adapter_dim, dispatch=args.dispatch)
     config, coda_template = _self_tested(config, coda_template, tasks, rs, attentions,
                                          dtype, args.selftest)
     acm, acm_meta = acm_block_from_args(args, config, pretrained)
@@ -347,6 +347,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g.add_argument('--adapter_dim', type=flags.at_least_one, default=CodaConfig.adapter_dim)
   g.add_argument('--soft_topk_method', default=SoftTopKConfig.method,
                  choices=soft_topk_lib.METHODS)
+  g.add_argument('--dispatch', default=CodaConfig.dispatch, choices=DISPATCHES,
+                 help="how routed layers move their tokens (CodaConfig.dispatch): 'auto' "
+                 "(the plan's rule for the chip), 'gather' (row gathers) or 'one_hot' "
+                 '(one-hot matmuls)')
   _add_shape_arguments(parser)
   g = parser.add_argument_group('variants')
   g.add_argument('--reduction_factors', default='1,3,5', type=flags.reduction_factors,
@@ -481,9 +485,16 @@ def _run_chip_model(args: argparse.Namespace) -> int:
   dtype = args.dtype or 'bfloat16'
   config = models.make_config(args.model, jnp.dtype(dtype))
   coda_template = CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
-                             adapter_dim=args.adapter_dim)
-  result = chip_model.run(args, _resolve_tasks(args), config, coda_template,
-                          args.batch_size or ACCELERATOR_BATCH, log)
+                             adapter_dim=args.adapter_dim, dispatch=args.dispatch)
+  from coda_jax.compile import analysis  # pylint: disable=g-import-not-at-top
+  batch = args.batch_size or ACCELERATOR_BATCH
+  try:
+    result = chip_model.run(args, _resolve_tasks(args), config, coda_template, batch, log)
+  except analysis.DoesNotFitError as e:
+    # One line, exit 1: a verdict about the chip (as `coda-jax compile`'s), not an error.
+    print(f'benchmark: {args.model} does not fit one {args.chip} chip at batch {batch}: '
+          f'the {e.program} program: {e}; try a smaller --batch_size', file=sys.stderr)
+    return 1
   return _report(args, result, chip_model.format_table(result), (args.out,))
 
 
