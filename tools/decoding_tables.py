@@ -55,8 +55,8 @@ def read_rows(paths: List[str]) -> List[Dict[str, Any]]:
   for path in paths:
     with open(path) as f:
       result = json.load(f)
-    meta = result['meta']
-    if meta.get('tool') != 'coda_jax.bench.chip_model':
+    meta = result.get('meta') if isinstance(result, dict) else None
+    if not isinstance(meta, dict) or meta.get('tool') != 'coda_jax.bench.chip_model':
       raise SystemExit(f'{path}: not a `coda-jax benchmark --chip` result')
     for task in result['tasks']:
       for v in task['variants']:
