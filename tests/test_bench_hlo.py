@@ -175,3 +175,21 @@ def test_hbm_traffic_counts_the_rows_a_gather_reads_in_whole_tiles():
   assert hlo_costs.op_bytes(instructions['gather_fusion'], instructions) == table + ids + out
   whole = hlo_costs.op_hbm_bytes(instructions['whole_fusion'], instructions, computations)
   assert whole == 2 * table
+
+
+def test_hbm_traffic_of_a_kernel_is_its_declared_bytes_in_the_share_it_has_in_hbm():
+  """A Pallas call declares 3x what its operands and result hold (it re-reads
+  its weights); one of its two operands of the same size is in VMEM: half of
+  the declared bytes cross HBM. Declaring less than one read counts one read."""
+  from coda_jax.compile import hlo_costs
+  size = 8 * 128 * 2
+  kernel = ('%k = bf16[8,128]{1,0:T(8,128)(2,1)} custom-call(%a, %b), '
+            'custom_call_target="tpu_custom_call", backend_config={"custom_call_config":'
+            '{"cost_estimate":{"flops":"1","transcendentals":"0","bytes_accessed":"DECLARED",'
+            '"remote_bytes_transferred":"0"}}}')
+  instructions = {'a': 'bf16[8,128]{1,0:T(8,128)(2,1)} parameter(0)',
+                  'b': 'bf16[8,128]{1,0:T(8,128)(2,1)S(1)} parameter(1)'}
+  for declared, expected in ((9 * size, 6 * size), (size, 2 * size)):
+    text = kernel.replace('DECLARED', str(declared)).split(' = ', 1)[1]
+    # HBM: a and the result (2 of the 3 arrays), VMEM: b.
+    assert hlo_costs.op_hbm_bytes(text, instructions) == expected, declared

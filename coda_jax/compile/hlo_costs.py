@@ -337,7 +337,8 @@ def op_hbm_bytes(text: str, instructions: Mapping[str, str],
   HBM (tiled), an operand that a fusion only gathers rows of or slices
   (`computations` given) as the rows it reads; an async move (a prefetch into
   on-chip memory, an eviction out of it) the bytes it moves, once for each of
-  its ends in HBM."""
+  its ends in HBM; a Pallas kernel its declared bytes in the share of its
+  operands and results in HBM."""
   op = hlo_lib.opcode(text)
   if op == 'custom-call':
     target = re.search(r'custom_call_target="([^"]+)"', text)
@@ -354,8 +355,17 @@ def op_hbm_bytes(text: str, instructions: Mapping[str, str],
     moved = array_bytes(destination)
     ends = [source, destination]
     return sum(moved for a in ends if in_hbm(a[a.find('{') + 1:]))
-  return (sum(_operand_reads(text, instructions, computations))
-          + array_bytes(_result_type(text), hbm_only=True))
+  hbm = (sum(_operand_reads(text, instructions, computations))
+         + array_bytes(_result_type(text), hbm_only=True))
+  declared = re.search(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"', text)
+  if op == 'custom-call' and declared:
+    # A Pallas kernel declares what it reads and writes (its `pl.CostEstimate`,
+    # re-reads included): that, in the share of its operands and results
+    # that are in HBM, and never less than reading them once.
+    everything = op_bytes(text, instructions)
+    if everything:
+      hbm = max(hbm, int(int(declared.group(1)) * hbm / everything))
+  return hbm
 
 
 def hbm_bytes(hlo_text: str) -> int:
