@@ -27,7 +27,7 @@ import collections
 import dataclasses
 import math
 import re
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -258,15 +258,25 @@ _ASYNC_MOVES = {'copy-start', 'slice-start'}
 _FREE_CUSTOM_CALLS = {'ConcatBitcast'}
 
 
+def _moves_nothing(op: Optional[str], text: str) -> bool:
+  """A custom call of `_FREE_CUSTOM_CALLS`."""
+  target = re.search(r'custom_call_target="([^"]+)"', text) if op == 'custom-call' else None
+  return bool(target) and target.group(1) in _FREE_CUSTOM_CALLS
+
+
+def _async_arrays(text: str) -> List[str]:
+  """The arrays of an async move's result tuple: copy-start (destination,
+  source, context); slice-start ((source), destination slice, context)."""
+  return re.findall(r'\w+\[[\d,]*\]\{[^}]*\}', _result_type(text))
+
+
 def op_bytes(text: str, instructions: Mapping[str, str]) -> int:
   """Bytes an op reads (its operands) and writes (its results), tiled."""
   op = hlo_lib.opcode(text)
-  if op == 'custom-call':
-    target = re.search(r'custom_call_target="([^"]+)"', text)
-    if target and target.group(1) in _FREE_CUSTOM_CALLS:
-      return 0
+  if _moves_nothing(op, text):
+    return 0
   if op in _ASYNC_MOVES:
-    types = re.findall(r'\w+\[[\d,]*\]\{[^}]*\}', _result_type(text))
+    types = _async_arrays(text)
     moved = array_bytes(types[1] if len(types) > 1 else _result_type(text))
     return 2 * moved
   read = sum(array_bytes(_result_type(instructions.get(o, ''))) for o in _operands(text))
@@ -282,7 +292,7 @@ def _sliced_read(use: str, operand_type: str) -> Optional[int]:
   arrays = _ARRAY.findall(operand_type)
   if op not in ('gather', 'dynamic-slice') or len(arrays) != 1:
     return None
-  dtype, dims, layout = arrays[0]
+  dtype, _, layout = arrays[0]
   whole = array_bytes(operand_type)
   if op == 'dynamic-slice':
     result = _ARRAY.findall(_result_type(use))
@@ -340,14 +350,10 @@ def op_hbm_bytes(text: str, instructions: Mapping[str, str],
   its ends in HBM; a Pallas kernel its declared bytes in the share of its
   operands and results in HBM."""
   op = hlo_lib.opcode(text)
-  if op == 'custom-call':
-    target = re.search(r'custom_call_target="([^"]+)"', text)
-    if target and target.group(1) in _FREE_CUSTOM_CALLS:
-      return 0
+  if _moves_nothing(op, text):
+    return 0
   if op in _ASYNC_MOVES:
-    # copy-start: (destination, source, context); slice-start: ((source),
-    # destination slice, context).
-    arrays = re.findall(r'\w+\[[\d,]*\]\{[^}]*\}', _result_type(text))
+    arrays = _async_arrays(text)
     if len(arrays) < 2:
       return 0
     source, destination = (arrays[0], arrays[1]) if op == 'slice-start' else (arrays[1],
@@ -382,15 +388,8 @@ def hbm_bytes(hlo_text: str) -> int:
   is about.
   """
   instructions, computations = hlo_lib.parse_hlo(hlo_text)
-  total = 0
-  for comp in _top_level(hlo_text, instructions, computations):
-    for inst in computations[comp]:
-      text = instructions[inst]
-      op = hlo_lib.opcode(text)
-      if op is None or op in _FREE:
-        continue
-      total += op_hbm_bytes(text, instructions, computations)
-  return total
+  return sum(op_hbm_bytes(text, instructions, computations)
+             for text in _moving_ops(hlo_text, instructions, computations))
 
 
 def stage_bytes(hlo_text: str, stages: Sequence[Tuple[str, str]],
@@ -404,16 +403,23 @@ def stage_bytes(hlo_text: str, stages: Sequence[Tuple[str, str]],
   instructions, computations = hlo_lib.parse_hlo(hlo_text)
   compiled = [(name, re.compile(pattern)) for name, pattern in stages]
   out: Dict[str, int] = collections.Counter()
+  for text in _moving_ops(hlo_text, instructions, computations):
+    where = op_name(text)
+    stage = next((n for n, p in compiled if p.search(where)), other)
+    out[stage] += op_bytes(text, instructions)
+  return dict(out)
+
+
+def _moving_ops(hlo_text: str, instructions: Mapping[str, str],
+                computations: Mapping[str, List[str]]) -> Iterator[str]:
+  """The texts of the ops of the program's top-level computations
+  (`_top_level`) that move data (not `_FREE`)."""
   for comp in _top_level(hlo_text, instructions, computations):
     for inst in computations[comp]:
       text = instructions[inst]
       op = hlo_lib.opcode(text)
-      if op is None or op in _FREE:
-        continue
-      where = op_name(text)
-      stage = next((n for n, p in compiled if p.search(where)), other)
-      out[stage] += op_bytes(text, instructions)
-  return dict(out)
+      if op is not None and op not in _FREE:
+        yield text
 
 
 def _top_level(hlo_text: str, instructions: Mapping[str, str],
