@@ -37,6 +37,14 @@ ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
 # intermediate dropout or model-parallel sharding of their units, whose
 # weights fit the chip's VMEM; the decoder's and an ACM's use XLA.
 MLP_KERNELS = ('auto', 'xla', 'pallas')
+# How a decoding step computes its cross-attention over the cached encoder
+# keys/values (one query token per row), same results: 'xla' (logits,
+# softmax and weights as XLA fusions, the float32 logits written to HBM),
+# 'pallas' (one TPU kernel per block of rows that keeps them in VMEM,
+# `coda_jax.kernels.decode_attention`; interpret mode off TPU, for tests),
+# 'auto' (as `coda_jax.plan`'s rules say for the chip). The kernel serves
+# the step's cross-attention without float32 logits or an ACM attention.
+DECODE_ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
 
 
 @gin.configurable
@@ -69,6 +77,8 @@ class T5Config:
   attention_kernel: str = 'auto'
   # 'auto' | 'xla' | 'pallas' (see MLP_KERNELS).
   mlp_kernel: str = 'auto'
+  # 'auto' | 'xla' | 'pallas' (see DECODE_ATTENTION_KERNELS).
+  decode_attention_kernel: str = 'auto'
 
   def __post_init__(self):
     if isinstance(self.dtype, str):
@@ -96,6 +106,9 @@ class T5Config:
     if self.mlp_kernel not in MLP_KERNELS:
       raise ValueError(f'T5Config.mlp_kernel must be one of {MLP_KERNELS}, '
                        f'got {self.mlp_kernel!r}')
+    if self.decode_attention_kernel not in DECODE_ATTENTION_KERNELS:
+      raise ValueError(f'T5Config.decode_attention_kernel must be one of '
+                       f'{DECODE_ATTENTION_KERNELS}, got {self.decode_attention_kernel!r}')
     kv = self.kv_heads
     if kv < 1 or self.num_heads % kv:
       raise ValueError(

@@ -21,6 +21,8 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
+# Kernels compared forward only: they have no gradient (a decoding step's).
+FORWARD_ONLY = ('decode_attention',)
 # Largest error relative to the largest XLA value, per dtype: float32
 # reorders sums (~1e-6); bfloat16 rounds each product's inputs and the
 # kernels keep float32 accumulators where XLA's fusions may round between
@@ -35,6 +37,10 @@ EDGE_KS = (77, 171)
 # (megacore), here unevenly.
 MEGACORE_BATCH = 3
 DISTANCE_LENGTH = 256
+# The decoding step's cross-attention with its keys in 128-key blocks (the
+# online softmax of long inputs), over this many keys at least: three blocks,
+# the last one partial.
+DECODE_KEY_BLOCKS_LENGTH = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +79,7 @@ class Result:
     if self.skipped is not None:
       return True
     return (self.error is None and self.forward <= self.tolerance['forward']
-            and self.gradient <= self.tolerance['gradient'])
+            and (self.gradient is None or self.gradient <= self.tolerance['gradient']))
 
   def as_dict(self) -> Dict[str, Any]:
     return {'kernel': self.case.kernel, 'case': self.case.label, 'dtype': self.case.dtype,
@@ -151,6 +157,14 @@ def cases(kernels: Sequence[str], config, coda, length: int, ks: Sequence[int],
     elif kernel == 'soft_topk':
       for k in routed or [max(1, length // 3)]:
         add(kernel, f'k = {k} of {length}', length=length, k=k)
+    elif kernel == 'decode_attention':
+      add(kernel, f'one step over n = {length}', keys=length)
+      if edges:
+        for n in EDGE_KS:
+          add(kernel, f'one step over n = {n}{megacore(n)}', edge_batch(n), keys=n)
+        add(kernel, f'one step over n = {length}, multi-query heads', keys=length, kv_heads=1)
+        add(kernel, f'one step over n = {max(length, DECODE_KEY_BLOCKS_LENGTH)}, key blocks',
+            keys=max(length, DECODE_KEY_BLOCKS_LENGTH), key_block=128)
   return out
 
 
@@ -323,12 +337,38 @@ def _soft_topk(case: Case, interpret: bool):
   return kernel, xla, (scores,)
 
 
+def _decode_attention(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax import layers  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import decode_attention  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(6)
+  b, n, h, kvh, d = s['batch'], s['keys'], s['heads'], s['kv_heads'], s['head_dim']
+  query = jnp.asarray(rng.randn(b, h, d), dtype)
+  key = jnp.asarray(rng.randn(b, kvh, d, n), dtype)
+  value = jnp.asarray(rng.randn(b, kvh, n, d), dtype)
+  real = jnp.asarray(_real(b, n))
+
+  def kernel(query, key, value):
+    return decode_attention.decode_attention(query, key, value, real,
+                                             key_block=s.get('key_block'), interpret=interpret)
+
+  def xla(query, key, value):
+    bias = jnp.where(real, 0., layers.MASK_VALUE).astype(dtype)[:, None, None, :]
+    return layers.dot_product_attention(query[:, None], key, value, bias=bias,
+                                        deterministic=True, dtype=dtype,
+                                        kv_layout='heads_major')[:, 0]
+
+  return kernel, xla, (query, key, value)
+
+
 class _Skip(Exception):
   """A case that does not apply to this chip (said in its row)."""
 
 
 _BUILDERS = {'attention': _attention, 'mlp': _mlp, 'route': _route, 'output': _output,
-             'soft_topk': _soft_topk}
+             'soft_topk': _soft_topk, 'decode_attention': _decode_attention}
 
 
 def _vmem_bytes() -> int:
@@ -379,6 +419,8 @@ def run_case(case: Case, interpret: bool, timing: bool = False) -> Result:
 
   def value_and_grad(fn):
     def run(*args):
+      if case.kernel in FORWARD_ONLY:
+        return fn(*args), None
       out, vjp = jax.vjp(fn, *args)
       keys = jax.random.split(jax.random.PRNGKey(5), len(jax.tree.leaves(out)))
       cotangent = jax.tree.unflatten(jax.tree.structure(out), [
@@ -399,7 +441,8 @@ def run_case(case: Case, interpret: bool, timing: bool = False) -> Result:
   try:
     got, got_grads = value_and_grad(kernel)(*args)
     result.forward = _relative_error(got, want)
-    result.gradient = _relative_error(got_grads, want_grads)
+    if case.kernel not in FORWARD_ONLY:
+      result.gradient = _relative_error(got_grads, want_grads)
     if timing:
       result.kernel_ms = _timed(jax.jit(kernel), args)
       result.xla_ms = _timed(jax.jit(xla), args)

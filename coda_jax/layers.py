@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax.config import LORA_AXIS
+from coda_jax.kernels import decode_attention as decode_kernel
 from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import relpos_attention as relpos_kernel
 from coda_jax.kernels import tpu_blocks
@@ -216,7 +217,11 @@ class MultiHeadDotProductAttention(nn.Module):
   # 'xla' or 'pallas' (`kernels.relpos_attention`): a plan's choice
   # (`coda_jax.plan`), for calls the kernel serves (`_check_kernel_call`).
   attention_kernel: str = 'xla'
-  # Pallas interpret mode for the kernel (None: when not on a TPU).
+  # 'xla' or 'pallas' (`kernels.decode_attention`): a decoding step's
+  # cross-attention (one query token over the cached keys/values), a
+  # decoder plan's choice (`coda_jax.plan.resolve_decoder`).
+  decode_kernel: str = 'xla'
+  # Pallas interpret mode for the kernels (None: when not on a TPU).
   kernel_interpret: Optional[bool] = None
 
   @property
@@ -294,9 +299,10 @@ class MultiHeadDotProductAttention(nn.Module):
     Returns:
       `[batch, q_len, emb]`.
     """
-    if self.attention_kernel not in _FORMULATIONS:
-      raise ValueError(f'attention_kernel must be one of {_FORMULATIONS} (a plan\'s choice, '
-                       f'`coda_jax.plan`), got {self.attention_kernel!r}')
+    for name in ('attention_kernel', 'decode_kernel'):
+      if getattr(self, name) not in _FORMULATIONS:
+        raise ValueError(f'{name} must be one of {_FORMULATIONS} (a plan\'s choice, '
+                         f'`coda_jax.plan`), got {getattr(self, name)!r}')
     if self.attention_kernel == 'pallas':
       self._check_kernel_call(decode, cache_kv, mask, bias, mask_is_padding, deterministic,
                               query_token_mask, kv_token_mask, inputs_kv.shape[1])
@@ -305,6 +311,9 @@ class MultiHeadDotProductAttention(nn.Module):
                                    deterministic)
     query, key, value, kv_layout = self._project_qkv(
         inputs_q, inputs_kv, cache_kv, query_token_mask, kv_token_mask, deterministic)
+    if kv_layout == 'heads_major' and self.decode_kernel == 'pallas' and query.shape[1] == 1:
+      x = self._decode_attention(query, key, value, mask, bias, kv_token_mask, deterministic)
+      return self._output(x, inputs_q.shape[-1], query_token_mask, deterministic)
     if decode:
       key, value, mask, cur_index = self._update_self_attention_cache(key, value, mask)
       if cur_index is not None and query_positions is None:
@@ -375,6 +384,30 @@ class MultiHeadDotProductAttention(nn.Module):
         interpret=self.kernel_interpret)
     return self._output(x.reshape(b, q_len, heads * dim), inputs_q.shape[-1],
                         query_token_mask, deterministic)
+
+  def _decode_attention(self, query: Array, key: Array, value: Array, mask: Optional[Array],
+                        bias: Optional[Array], kv_token_mask: Optional[Array],
+                        deterministic: bool) -> Array:
+    """A decoding step's cross-attention through `decode_kernel.decode_attention`:
+    `query [b, 1, heads, head_dim]` over the cached 'heads_major' keys and
+    values, masked by the encoder's padding, `kv_token_mask` (`mask` is its
+    attention mask, as `Transformer.decode` makes it while decoding)."""
+    why = []
+    if mask is not None and kv_token_mask is None:
+      why.append('a mask without the encoder\'s token mask (kv_token_mask)')
+    if bias is not None or self.relative_embedding is not None:
+      why.append('a bias')
+    if not deterministic and self.dropout_rate > 0.:
+      why.append('attention dropout')
+    if self.float32_logits:
+      why.append('float32 logits')
+    if why:
+      raise ValueError(f"decode_kernel='pallas' cannot compute this attention: "
+                       f"{', '.join(why)}; use 'xla'")
+    x = decode_kernel.decode_attention(query[:, 0], key, value,
+                                       None if mask is None else kv_token_mask,
+                                       interpret=self.kernel_interpret)
+    return x[:, None]
 
   def _project_qkv(self, inputs_q: Array, inputs_kv: Array, cache_kv: bool,
                    query_token_mask: Optional[Array] = None,

@@ -293,6 +293,9 @@ class DecoderLayer(nn.Module):
   relative_embedding: nn.Module
   coda: Optional[CodaConfig] = None
   acm: Optional[AcmConfig] = None
+  # How a decoding step's cross-attention runs (`coda_jax.plan.DecoderPlan`;
+  # None: XLA).
+  plan: Optional[plan_lib.DecoderPlan] = None
 
   @nn.compact
   def __call__(self, inputs: Array, encoded: Array, decoder_mask: Optional[Array] = None,
@@ -318,7 +321,9 @@ class DecoderLayer(nn.Module):
       x = _adapter(cfg, coda, 'adapter_attention', sequential=True)(x)
     x = x + inputs
     y = layers.RMSNorm(dtype=cfg.dtype, name='pre_cross_attention_layer_norm')(x)
-    y = _attention(cfg, 'encoder_decoder_attention', coda, self.acm, 'decoder')(
+    kernel = {} if self.plan is None else dict(decode_kernel=self.plan.cross_attention,
+                                               kernel_interpret=self.plan.interpret)
+    y = _attention(cfg, 'encoder_decoder_attention', coda, self.acm, 'decoder', **kernel)(
         y, encoded, encoder_decoder_mask, cache_kv=decode and cache_cross_kv,
         deterministic=deterministic, query_token_mask=token_mask,
         kv_token_mask=encoder_token_mask)
@@ -388,14 +393,24 @@ class Decoder(nn.Module):
                deterministic: bool = False, decode: bool = False,
                token_mask: Optional[Array] = None,
                encoder_token_mask: Optional[Array] = None) -> Array:
-    """Returns float32 logits `[batch, length, vocab]`."""
+    """Returns float32 logits `[batch, length, vocab]`.
+
+    While decoding with the cross-attention cache, its plan
+    (`coda_jax.plan.resolve_decoder`: how a step's cross-attention runs) is
+    resolved here, once per traced program, from the config, the chip the
+    program is for (`target.current()`) and the shapes."""
     cfg = self.config
+    plan = None
+    if decode and self.cache_cross_kv:
+      plan = plan_lib.resolve_decoder(cfg, self.acm, target=target.current(),
+                                      length=encoded.shape[1], batch=encoded.shape[0])
+      plan_lib.note(plan)
     rel_emb = _relative_embedding(cfg)
     y = self.shared_embedding(decoder_input_tokens.astype('int32'))
     y = _dropout(cfg)(y, deterministic=deterministic).astype(cfg.dtype)
     for lyr in range(cfg.num_decoder_layers):
       y = DecoderLayer(config=cfg, relative_embedding=rel_emb, coda=self.coda, acm=self.acm,
-                       name=f'layers_{lyr}')(
+                       plan=plan, name=f'layers_{lyr}')(
                            y, encoded, decoder_mask=decoder_mask,
                            encoder_decoder_mask=encoder_decoder_mask,
                            deterministic=deterministic, decode=decode,

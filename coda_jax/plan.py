@@ -39,6 +39,7 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
 import jax.numpy as jnp
 
 from coda_jax.config import PARALLEL, AcmConfig, CodaConfig, T5Config
+from coda_jax.kernels import decode_attention as decode_attention_kernel
 from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import relpos_attention
 from coda_jax.kernels import route_adapter
@@ -47,27 +48,32 @@ from coda_jax.target import Target
 
 XLA, PALLAS = 'xla', 'pallas'
 GATHER, ONE_HOT = 'gather', 'one_hot'
-# The choices a plan makes: `what` of a `Rule`.
-DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK = (
-    'dispatch', 'attention', 'mlp', 'route', 'output', 'soft_topk')
-CHOICES = (DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK)
+# The choices a plan makes: `what` of a `Rule`. DECODE_ATTENTION is the
+# decoder's (a decoding step's cross-attention, `DecoderPlan`), the others
+# the encoder's (`Plan`).
+DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION = (
+    'dispatch', 'attention', 'mlp', 'route', 'output', 'soft_topk', 'decode_attention')
+CHOICES = (DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION)
 # The Pallas kernels among them (`coda-jax selftest` checks each one a plan
 # selects): the formulation that is not XLA's.
-KERNELS = (ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK)
+KERNELS = (ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION)
 # Where the kernels run natively; elsewhere 'pallas' runs in interpret mode.
 NATIVE_PLATFORM = {ATTENTION: 'tpu', MLP: 'tpu', ROUTE: 'tpu', OUTPUT: 'tpu',
-                   SOFT_TOPK: 'gpu'}
+                   SOFT_TOPK: 'gpu', DECODE_ATTENTION: 'tpu'}
 # A chip with no row gets these: XLA's fusions, tokens moved by gathers.
 DEFAULTS = {DISPATCH: GATHER, ATTENTION: XLA, MLP: XLA, ROUTE: XLA, OUTPUT: XLA,
-            SOFT_TOPK: XLA}
+            SOFT_TOPK: XLA, DECODE_ATTENTION: XLA}
 _ALTERNATIVE = {DISPATCH: ONE_HOT, ATTENTION: PALLAS, MLP: PALLAS, ROUTE: PALLAS,
-                OUTPUT: PALLAS, SOFT_TOPK: PALLAS}
+                OUTPUT: PALLAS, SOFT_TOPK: PALLAS, DECODE_ATTENTION: PALLAS}
 # The config field that asks for each choice, for messages.
 SETTING = {DISPATCH: 'CodaConfig.dispatch', ATTENTION: 'T5Config.attention_kernel',
            MLP: 'T5Config.mlp_kernel', ROUTE: 'CodaConfig.route_kernel',
-           OUTPUT: 'CodaConfig.unroute_kernel', SOFT_TOPK: 'SoftTopKConfig.impl'}
+           OUTPUT: 'CodaConfig.unroute_kernel', SOFT_TOPK: 'SoftTopKConfig.impl',
+           DECODE_ATTENTION: 'T5Config.decode_attention_kernel'}
 
 _BASE = 'benchmarks/plan/base_b128_n384_{}.json'
+# A rule's input lengths when it holds for any.
+ANY_LENGTH = 2 ** 31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +84,12 @@ class Rule:
     what: one of `CHOICES`.
     chip: a `compile.chips.CHIPS` generation ('v4', 'v5e', ...).
     choice: `_ALTERNATIVE[what]` (the kernel, one-hot dispatch) or
-      `DEFAULTS[what]`, where measured to move fewer bytes.
+      `DEFAULTS[what]`, where measured to be the faster of the two.
     attention: the CoDA attention variant it was measured for ('k_to_all',
       'k_to_k'), or None: any (dense layers included).
     fractions: the routed fractions k / n it holds for, `lo < k / n <= hi`
       (dense layers: k / n = 1).
+    lengths: the input lengths n it holds for, `lo < n <= hi`.
     evidence: the committed benchmark file (JSON) that measured it:
       `tests/test_plan.py` checks the row against it.
   """
@@ -91,14 +98,39 @@ class Rule:
   choice: str
   attention: Optional[str] = None
   fractions: Tuple[float, float] = (0.0, 1.0)
+  lengths: Tuple[int, int] = (0, ANY_LENGTH)
   evidence: str = ''
 
   def matches(self, what: str, chip: Optional[str], attention: Optional[str],
-              fraction: float) -> bool:
+              fraction: float, length: int) -> bool:
     lo, hi = self.fractions
     return (self.what == what and self.chip == chip and lo < fraction <= hi
+            and self.lengths[0] < length <= self.lengths[1]
             and (self.attention is None or self.attention == attention))
 
+  def span(self) -> str:
+    """Where the row holds, for a plan's reasons: ', 0 < k/n <= 0.34, n <= 768'."""
+    lo, hi = self.fractions
+    out = '' if (lo, hi) == (0.0, 1.0) else f', {lo:g} < k/n <= {hi:g}'
+    lo, hi = self.lengths
+    if lo > 0:
+      out += f', n > {lo}'
+    if hi < ANY_LENGTH:
+      out += f', n <= {hi}'
+    return out
+
+
+# The decoder's rows: `tools/decode_plan_evidence.py` (T5 v1.1 base and the
+# §6 text base and XL models, batch 128, n = 384, 512 and 1664 with 8, 32
+# and 64 decoding steps, bf16), each decoding step compiled with both
+# cross-attention formulations, by the roofline at its HBM traffic. Where
+# the two are within DECODE_TIE of each other (T5 v1.1 base, multi-head,
+# whose step reads the same bytes either way) the row gives the kernel: the
+# TPU compiler lowers XLA's one-query attention to VPU multiplies with
+# float32 converts, 1.1-1.3 times the step's flops, and the kernel to the
+# MXU.
+DECODE_TIE = 0.005
+_DECODE = 'benchmarks/plan/decode/b128_{}.json'
 
 # The rows, first match wins. Measured with `tools/plan_evidence.py` (base,
 # batch 128, n 384, 12 layers, bf16, the encoder's bytes accessed as the TPU
@@ -108,16 +140,24 @@ class Rule:
 # k / n = 0.34, where they were measured.
 _MEASURED = (0.0, 0.34)
 RULES: Tuple[Rule, ...] = (
-    # v4: the attention and MLP kernels; one-hot dispatch; the route kernel
-    # (k-to-k up to k / n = 0.3: above it memory-space assignment copies the
-    # layer input to CMEM around the kernel); no output kernel.
-    Rule(DISPATCH, 'v4', ONE_HOT, evidence=_BASE.format('v4')),
+    # v4 (by the roofline at the HBM traffic): gathers, but one-hot matmuls
+    # for k-to-k above n = 768 (a one-hot dispatch's flops grow with k x n;
+    # its bytes stay below a gather's tiles, whose read grows with k); the
+    # attention and MLP kernels; the route kernel (it needs the one-hot
+    # dispatch; k-to-k up to k / n = 0.3: above it memory-space assignment
+    # copies the layer input to CMEM around the kernel); no output kernel.
+    Rule(DISPATCH, 'v4', GATHER, attention='k_to_all', evidence=_BASE.format('v4')),
+    Rule(DISPATCH, 'v4', GATHER, attention='k_to_k', lengths=(0, 768),
+         evidence=_BASE.format('v4')),
+    Rule(DISPATCH, 'v4', ONE_HOT, attention='k_to_k', lengths=(768, ANY_LENGTH),
+         evidence='benchmarks/plan/dispatch_base_b128_n1664_v4.json'),
     Rule(ATTENTION, 'v4', PALLAS, evidence=_BASE.format('v4')),
     Rule(MLP, 'v4', PALLAS, evidence=_BASE.format('v4')),
     Rule(ROUTE, 'v4', PALLAS, attention='k_to_all', fractions=_MEASURED,
          evidence=_BASE.format('v4')),
     Rule(ROUTE, 'v4', PALLAS, attention='k_to_k', fractions=(0.0, 0.3),
          evidence=_BASE.format('v4')),
+    Rule(DECODE_ATTENTION, 'v4', PALLAS, evidence=_DECODE.format('v4')),
     # v5e: the same, the route kernel for both variants, and for k-to-k up to
     # k / n = 0.3 the output kernel instead (it computes the adapter).
     Rule(DISPATCH, 'v5e', ONE_HOT, evidence=_BASE.format('v5e')),
@@ -126,17 +166,37 @@ RULES: Tuple[Rule, ...] = (
     Rule(OUTPUT, 'v5e', PALLAS, attention='k_to_k', fractions=(0.0, 0.3),
          evidence=_BASE.format('v5e')),
     Rule(ROUTE, 'v5e', PALLAS, fractions=_MEASURED, evidence=_BASE.format('v5e')),
+    Rule(DECODE_ATTENTION, 'v5e', PALLAS, evidence=_DECODE.format('v5e')),
     # v5p: attention and MLP kernels, one-hot dispatch, the output kernel.
     Rule(DISPATCH, 'v5p', ONE_HOT, evidence=_BASE.format('v5p')),
     Rule(ATTENTION, 'v5p', PALLAS, evidence=_BASE.format('v5p')),
     Rule(MLP, 'v5p', PALLAS, evidence=_BASE.format('v5p')),
     Rule(OUTPUT, 'v5p', PALLAS, fractions=_MEASURED, evidence=_BASE.format('v5p')),
+    Rule(DECODE_ATTENTION, 'v5p', PALLAS, evidence=_DECODE.format('v5p')),
     # v6e: the same as v5p.
     Rule(DISPATCH, 'v6e', ONE_HOT, evidence=_BASE.format('v6e')),
     Rule(ATTENTION, 'v6e', PALLAS, evidence=_BASE.format('v6e')),
     Rule(MLP, 'v6e', PALLAS, evidence=_BASE.format('v6e')),
     Rule(OUTPUT, 'v6e', PALLAS, fractions=_MEASURED, evidence=_BASE.format('v6e')),
+    Rule(DECODE_ATTENTION, 'v6e', PALLAS, evidence=_DECODE.format('v6e')),
 )
+
+
+def rules_table() -> str:
+  """`RULES` as the Markdown table of docs/kernels.md (a test keeps it there)."""
+  lines = ['| chip | choice | formulation | attention variant | k / n | n | evidence |',
+           '|---|---|---|---|---|---|---|']
+  for rule in RULES:
+    lo, hi = rule.fractions
+    fractions = 'any' if (lo, hi) == (0.0, 1.0) else f'{lo:g} < k/n <= {hi:g}'
+    lo, hi = rule.lengths
+    lengths = ' and '.join(([f'> {lo}'] if lo > 0 else []) +
+                           ([f'<= {hi}'] if hi < ANY_LENGTH else [])) or 'any'
+    name = rule.evidence.split('/')[-1]
+    link = f'[{"/".join(rule.evidence.split("/")[2:])}](../{rule.evidence})' if name else '-'
+    lines.append(f'| {rule.chip} | {rule.what} | {rule.choice} | '
+                 f'{rule.attention or "both"} | {fractions} | {lengths} | {link} |')
+  return '\n'.join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +252,9 @@ class Plan:
   def kernels(self) -> Tuple[str, ...]:
     """The Pallas kernels this program runs (`KERNELS` order)."""
     out = []
+    layers = [p for p in (self.dense, self.routed) if p is not None]
     for name in KERNELS:
-      layers = [p for p in (self.dense, self.routed) if p is not None]
-      if any(getattr(p, name) == PALLAS for p in layers):
+      if any(getattr(p, name, XLA) == PALLAS for p in layers):
         out.append(name)
     return tuple(out)
 
@@ -234,24 +294,24 @@ class Plan:
 class _Resolver:
   """The rules applied to one program (`resolve`)."""
 
-  def __init__(self, target: Target, attention: Optional[str], fraction: float):
+  def __init__(self, target: Target, attention: Optional[str], fraction: float, length: int):
     self.target, self.attention, self.fraction = target, attention, fraction
+    self.length = length
 
   def auto(self, what: str, fraction: Optional[float] = None) -> Tuple[str, str]:
     """The rules' choice for `what` and the reason."""
     fraction = self.fraction if fraction is None else fraction
     chip = self.target.name
     for rule in RULES:
-      if rule.matches(what, chip, self.attention, fraction):
+      if rule.matches(what, chip, self.attention, fraction, self.length):
         where = '' if rule.attention is None else f' {rule.attention}'
-        lo, hi = rule.fractions
-        span = '' if (lo, hi) == (0.0, 1.0) else f', {lo:g} < k/n <= {hi:g}'
-        return rule.choice, f'auto: measured on {chip}{where}{span} ({rule.evidence})'
+        return rule.choice, f'auto: measured on {chip}{where}{rule.span()} ({rule.evidence})'
     default = DEFAULTS[what]
     if chip is None:
       return default, f'auto: {self.target.describe()} has no measured rule (default)'
     if any(rule.what == what and rule.chip == chip for rule in RULES):
-      return default, f'auto: no rule for {chip} at k/n = {fraction:.2f} (default)'
+      return default, (f'auto: no rule for {chip} at k/n = {fraction:.2f}, n = {self.length} '
+                       '(default)')
     return default, f'auto: no rule for {chip} (default)'
 
   def choose(self, what: str, setting: str, blockers: List[str],
@@ -323,7 +383,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
   k = coda.num_selected(n) if routes else n
   variant = coda.attention if routes else None
   fraction = k / n if n else 1.0
-  rules = _Resolver(target, variant, fraction)
+  rules = _Resolver(target, variant, fraction, n)
   reasons: List[Tuple[str, str]] = []
   chip = target.chip
   common = dict(interpret=target.platform != 'tpu',
@@ -370,6 +430,66 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
                      factored_norm=factored, dispatch=dispatch, soft_topk=soft_topk, k=k,
                      **common)
   return Plan(target, n, k, variant, dense, routed, tuple(reasons))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderPlan:
+  """How a program's decoding step runs its cross-attention, with why.
+
+  Attributes:
+    target: the chip.
+    length: n, the encoder positions the step attends to.
+    batch: the decoder rows (batch x beams).
+    cross_attention: XLA or PALLAS (`kernels.decode_attention`): the
+      cross-attention of a step with one query token per row.
+    interpret: run the kernel in Pallas interpret mode (not on a TPU).
+    reasons: `{choice: why}`, one line each.
+  """
+  target: Target
+  length: int
+  batch: int
+  cross_attention: str
+  interpret: bool
+  reasons: Tuple[Tuple[str, str], ...]
+
+  def kernels(self) -> Tuple[str, ...]:
+    return (DECODE_ATTENTION,) if self.cross_attention == PALLAS else ()
+
+  def as_dict(self) -> Dict[str, Any]:
+    return {'target': self.target.describe(), 'device_kind': self.target.device_kind,
+            'program': 'decoder', 'length': self.length, 'batch': self.batch,
+            'cross_attention': self.cross_attention, 'kernels': list(self.kernels()),
+            'reasons': dict(self.reasons)}
+
+  def summary(self) -> str:
+    """'tpu v4: decoder cross-attention pallas'."""
+    return f'{self.target.describe()}: decoder cross-attention {self.cross_attention}'
+
+  def describe(self) -> str:
+    lines = [f'decoder plan for {self.target.describe()}, n = {self.length}, '
+             f'{self.batch} rows:']
+    lines += [f'  {name}  {why}' for name, why in self.reasons]
+    return '\n'.join(lines)
+
+
+def resolve_decoder(config: T5Config, acm: Optional[AcmConfig] = None, *, target: Target,
+                    length: int, batch: int) -> DecoderPlan:
+  """The plan of a decoding step compiled for `target` over `length` encoder
+  positions and `batch` decoder rows (`network.Decoder` resolves it while
+  decoding with the cross-attention cache)."""
+  n, rows = int(length), int(batch)
+  rules = _Resolver(target, None, 1.0, n)
+  blockers = []
+  if config.float32_attention_logits:
+    blockers.append('float32 attention logits')
+  if acm is not None and acm.replaces('attention', 'decoder'):
+    blockers.append('an ACM attention')
+  if not decode_attention_kernel.supported(rows, config.num_heads, config.kv_heads,
+                                           config.head_dim, n, config.dtype):
+    blockers.append(f'its blocks do not fit {tpu_blocks.VMEM_BUDGET} B of VMEM')
+  choice, why = rules.choose(DECODE_ATTENTION, config.decode_attention_kernel, blockers)
+  return DecoderPlan(target, n, rows, choice, target.platform != 'tpu',
+                     ((DECODE_ATTENTION, f'{choice}: {why}'),))
 
 
 def _output_and_route(rules: _Resolver, config: T5Config, coda: CodaConfig, n: int, k: int,
@@ -419,7 +539,7 @@ def soft_topk_impl(config, target: Target) -> str:
   if config.impl == 'auto':
     if config.method != 'iterative' or config.b_init != 'colt5':
       return XLA
-    return _Resolver(target, None, 1.0).auto(SOFT_TOPK)[0]
+    return _Resolver(target, None, 1.0, ANY_LENGTH).auto(SOFT_TOPK)[0]
   return PALLAS if config.impl == 'pallas' else XLA
 
 
@@ -431,9 +551,10 @@ _RECORDED = threading.local()
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[List[Plan]]:
+def recording() -> Iterator[List[Any]]:
   """Collects the plans `note`d while tracing inside (a program's encoder
-  notes one per trace): `with recording() as plans: lowered = ...`."""
+  notes its `Plan` per trace, a decoding step its `DecoderPlan`):
+  `with recording() as plans: lowered = ...`."""
   stack = _RECORDED.__dict__.setdefault('stack', [])
   plans: List[Plan] = []
   stack.append(plans)
@@ -443,7 +564,7 @@ def recording() -> Iterator[List[Plan]]:
     stack.pop()
 
 
-def note(plan: Plan) -> None:
+def note(plan: Any) -> None:
   """Records `plan` in every enclosing `recording`."""
   for plans in getattr(_RECORDED, 'stack', []):
     if plan not in plans:

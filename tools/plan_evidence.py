@@ -5,13 +5,21 @@ model; CoDA at each reduction factor and attention variant) as the plan
 (`coda_jax.plan.resolve`) runs it, and once more with each of its choices
 flipped to the other formulation (one config setting forced: the token
 dispatch, the attention, MLP, route and output kernels), and records the
-compiled bytes accessed and flops of each program with its plan. A rule is
-right where no flip moves fewer bytes than the plan: `tests/test_plan.py`
-holds `RULES` to the committed file of each chip.
+compiled bytes accessed, HBM traffic (`hlo_costs.hbm_bytes`) and flops of
+each program with its plan. A rule is right where no flip is faster than the
+plan by the file's `measure`: `tests/test_plan.py` holds `RULES` to the
+committed file of each chip.
 
   python tools/plan_evidence.py --chip v5p [--model base] [--batch_size 128]
       [--length 384] [--layers 12] [--reduction_factors 3,5] [--search]
+      [--flips dispatch,route] [--measure traffic_roofline_seconds]
       [--out benchmarks/plan/base_b128_n384_v5p.json [--update]]
+
+`--measure`: what a flip must lower to be better. 'bytes_accessed' (the
+default, the compiler's own count, which the n = 384 files used) or
+'traffic_roofline_seconds': max(flops / peak, HBM traffic / bandwidth), the
+chip model of `coda-jax benchmark --chip`, which prices a one-hot dispatch's
+flops where the encoder is bound by them (long inputs).
 
 `--search` (for a chip without rules): from XLA everywhere, flips the choice
 that saves the most bytes, again and again until no flip saves more than
@@ -49,6 +57,9 @@ SETTINGS = {
     plan_lib.ROUTE: ('coda', 'route_kernel', {'xla': 'pallas', 'pallas': 'xla'}),
     plan_lib.OUTPUT: ('coda', 'unroute_kernel', {'xla': 'pallas', 'pallas': 'xla'}),
 }
+# What a better flip lowers: the compiler's bytes accessed, or the roofline
+# at the program's HBM traffic.
+MEASURES = ('bytes_accessed', 'traffic_roofline_seconds')
 # Everything XLA's: where `--search` starts.
 XLA_SETTINGS = {plan_lib.DISPATCH: 'gather', plan_lib.ATTENTION: 'xla', plan_lib.MLP: 'xla',
                 plan_lib.ROUTE: 'xla', plan_lib.OUTPUT: 'xla'}
@@ -71,6 +82,11 @@ def parse_args(argv):
   p.add_argument('--attentions', type=flags.distinct(
       flags.one_of_each(ATTENTION_VARIANTS, False), 'attention'),
                  default=list(ATTENTION_VARIANTS))
+  p.add_argument('--flips', type=flags.distinct(
+      flags.one_of_each(tuple(SETTINGS), False), 'choice'), default=list(SETTINGS),
+                 help='the choices to flip (default: all)')
+  p.add_argument('--measure', default='bytes_accessed', choices=MEASURES,
+                 help='what a flip must lower to be better (and --search minimises)')
   p.add_argument('--search', action='store_true',
                  help='search each variant\'s best settings from XLA everywhere')
   p.add_argument('--min_saving', type=float, default=0.005,
@@ -117,9 +133,14 @@ class Measurer:
                                       jnp.bfloat16)
       self.seen[key] = {'settings': dict(settings), 'choices': _choices_of(row.plan),
                         'bytes_accessed': row.bytes_accessed, 'flops': row.flops,
-                        'roofline_seconds': row.roofline_seconds, 'plan': row.plan}
+                        'roofline_seconds': row.roofline_seconds,
+                        'hbm_traffic': row.hbm_traffic,
+                        'traffic_roofline_seconds': row.traffic_roofline_seconds,
+                        'plan': row.plan}
       self.log(f'{self.args.chip} {v.name} {settings or "plan"}: '
-               f'{row.bytes_accessed / 1e9:.3f} GB ({time.perf_counter() - start:.0f} s)')
+               f'{row.bytes_accessed / 1e9:.3f} GB, traffic {row.hbm_traffic / 1e9:.3f} GB, '
+               f'{row.flops / 1e12:.2f} TFLOP, {row.traffic_roofline_seconds * 1e3:.2f} ms '
+               f'({time.perf_counter() - start:.0f} s)')
     return self.seen[key]
 
 
@@ -139,6 +160,8 @@ def flips(measurer: Measurer, variant: models.Variant,
   first = measurer.measure(variant, base)
   out = [dict(first, flipped=None)]
   for what, choice in first['choices'].items():
+    if what not in measurer.args.flips:
+      continue
     settings = dict(base, **{what: SETTINGS[what][2][choice]})
     program = measurer.measure(variant, settings)
     if program['choices'] != first['choices']:
@@ -148,16 +171,17 @@ def flips(measurer: Measurer, variant: models.Variant,
 
 def search(measurer: Measurer, variant: models.Variant, min_saving: float
            ) -> List[Dict[str, Any]]:
-  """From XLA everywhere, the best single flip while it saves `min_saving`."""
+  """From XLA everywhere, the best single flip while it saves `min_saving`
+  of the measure."""
+  measure = measurer.args.measure
   settings = dict(XLA_SETTINGS)
   steps = []
   while True:
     programs = flips(measurer, variant, settings)
-    current, best = programs[0], min(programs, key=lambda p: p['bytes_accessed'])
+    current, best = programs[0], min(programs, key=lambda p: p[measure])
     steps.append({'settings': dict(settings), 'bytes_accessed': current['bytes_accessed'],
-                  'flips': programs[1:]})
-    if best['flipped'] is None or (
-        best['bytes_accessed'] > (1 - min_saving) * current['bytes_accessed']):
+                  measure: current[measure], 'flips': programs[1:]})
+    if best['flipped'] is None or best[measure] > (1 - min_saving) * current[measure]:
       return steps
     settings = dict(best['settings'])
 
@@ -189,18 +213,20 @@ def main(argv=None) -> int:
     else:
       entry['programs'] = flips(measurer, variant, {})
       plan, rest = entry['programs'][0], entry['programs'][1:]
-      log(f'{args.chip} {variant.name}: plan {plan["bytes_accessed"] / 1e9:.3f} GB; flips ' +
-          ', '.join(f'{p["flipped"]} {p["bytes_accessed"] / 1e9:.3f}' for p in rest))
+      log(f'{args.chip} {variant.name}: plan {plan[args.measure]:.4g}; flips ' +
+          ', '.join(f'{p["flipped"]} {p[args.measure]:.4g}' for p in rest))
     results.append(entry)
   out = {'command': 'python tools/plan_evidence.py ' + ' '.join(argv),
          'device': 'the TPU compiler\'s cost model (compile only, no TPU)',
          'versions': topology.versions(), 'chip': args.chip, 'model': args.model,
          'batch_size': args.batch_size, 'length': args.length, 'layers': args.layers,
-         'dtype': 'bfloat16', 'search': args.search, 'variants': results}
+         'dtype': 'bfloat16', 'search': args.search, 'measure': args.measure,
+         'flips': sorted(args.flips), 'variants': results}
   if args.update:
     with open(args.out) as f:
       old = json.load(f)
-    for key in ('chip', 'model', 'batch_size', 'length', 'layers', 'search'):
+    old.setdefault('measure', 'bytes_accessed')     # files from before --measure
+    for key in ('chip', 'model', 'batch_size', 'length', 'layers', 'search', 'measure'):
       if old[key] != out[key]:
         print(f'error: --update: {args.out} has {key} {old[key]!r}, this run {out[key]!r}',
               file=sys.stderr)

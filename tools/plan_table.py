@@ -2,11 +2,12 @@
 
   python tools/plan_table.py benchmarks/plan/*.json
 
-One row per chip and variant of each `tools/plan_evidence.py` file: the
-kernels and dispatch the plan runs, the encoder's bytes accessed with them
-(the TPU compiler's count, GB) and, for each choice flipped to its other
-formulation, how many more bytes that program moved (a negative number
-would be a flip that moves fewer: `tests/test_plan.py` allows none).
+One row per chip, input length and variant of each `tools/plan_evidence.py`
+file: the kernels and dispatch the plan runs, the encoder's measure with
+them (the file's `measure`: the TPU compiler's bytes accessed, GB, or the
+roofline at the HBM traffic, ms) and, for each choice flipped to its other
+formulation, how much more of it that program had (a negative number would
+be a faster flip: `tests/test_plan.py` allows none).
 `benchmarks/plan/README.md` holds this table; a test checks it matches.
 """
 from __future__ import annotations
@@ -25,23 +26,30 @@ def _plan_of(program) -> str:
   return f'{layer["dispatch"]}; {kernels}' if plan['routed'] else kernels
 
 
+# How each measure shows: its scale and unit.
+UNITS = {'bytes_accessed': (1e-9, 'GB'), 'traffic_roofline_seconds': (1e3, 'ms')}
+
+
 def rows(evidence) -> List[str]:
   """The table's rows of one evidence file."""
+  measure = evidence.get('measure', 'bytes_accessed')
+  scale, unit = UNITS[measure]
   out = []
   for variant in evidence['variants']:
     planned = variant['programs'][0]
-    base = planned['bytes_accessed']
-    flips = {p['flipped']: p['bytes_accessed'] for p in variant['programs'][1:]}
+    base = planned[measure]
+    flips = {p['flipped']: p[measure] for p in variant['programs'][1:]}
     cells = [f'{100 * (flips[c] / base - 1):+.1f}%' if c in flips else ''
              for c in CHOICES]
     out.append('| ' + ' | '.join([
-        evidence['chip'], variant['variant'], f'{variant["k"] / variant["length"]:.2f}',
-        _plan_of(planned), f'{base / 1e9:.3f}'] + cells) + ' |')
+        evidence['chip'], str(variant['length']), variant['variant'],
+        f'{variant["k"] / variant["length"]:.2f}', _plan_of(planned),
+        f'{base * scale:.3f} {unit}'] + cells) + ' |')
   return out
 
 
 def table(paths: Iterable[str]) -> str:
-  header = ['chip', 'variant', 'k / n', 'plan: dispatch; kernels', 'GB'] + [
+  header = ['chip', 'n', 'variant', 'k / n', 'plan: dispatch; kernels', 'measure'] + [
       f'{c} flipped' for c in CHOICES]
   lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
   for path in paths:

@@ -125,6 +125,7 @@ def measure_task(config: T5Config, coda_template: CodaConfig, chip: str, batch_s
           'step_over_floor': step.hbm_traffic / step.floor_bytes['total'],
           'step_compiler_bytes_over_floor': step.bytes_accessed / step.floor_bytes['total'],
           'step_flops_over_analytic': step.flops / step.model_flops,
+          'step_plan': step.plan,
           'programs': [p.as_dict() for p in programs]}
 
 
@@ -165,7 +166,9 @@ def format_table(result: Dict[str, Any]) -> str:
           + (f'{100 * row["soft_topk_share"]:6.2f}' if row['attention'] else f'{"-":>6}')
           + f' {gb["encoder"]:7.2f} {gb["prefill"]:6.2f} {gb["step"]:7.3f}')
     floor = task['step_floor']
-    lines.append(f'decoding step: HBM traffic {task["step_over_floor"]:.2f}x its byte floor '
+    plan = task.get('step_plan') or {}
+    cross = f' (cross-attention {plan["cross_attention"]})' if plan else ''
+    lines.append(f'decoding step{cross}: HBM traffic {task["step_over_floor"]:.2f}x its byte floor '
                  f'(the compiler\'s bytes accessed {task["step_compiler_bytes_over_floor"]:.2f}x) '
                  f'({floor["total"] / 1e9:.3f} GB: weights {floor["weights"] / 1e9:.3f}, '
                  f'cross K/V {floor["cross_kv"] / 1e9:.3f}, cache '

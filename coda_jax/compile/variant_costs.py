@@ -160,9 +160,12 @@ def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, le
   """One step of the decoding loop (a cache of `decode_steps` positions, the
   cache donated as the loop carries it), with the bytes it must move."""
   p = predictor(variant, pod, decode_steps)
-  lowered = p.lower_decode_step(batch_size, length, param_dtype=dtype)
+  with plan_lib.recording() as plans:
+    lowered = p.lower_decode_step(batch_size, length, param_dtype=dtype)
   step = programs.decode_step_flops(variant.model, batch_size, length, decode_steps)
-  row = _compiled_row(DECODE_STEP, lowered, p.mesh, pod, variant, length, step)
+  [plan] = [q for q in plans if isinstance(q, plan_lib.DecoderPlan)
+            and q.target.platform == 'tpu']                    # the step's, on the chip
+  row = _compiled_row(DECODE_STEP, lowered, p.mesh, pod, variant, length, step, plan=plan)
   row.floor_bytes = programs.decode_step_floor(variant.model, batch_size, length, decode_steps,
                                                param_dtype=dtype)
   return row

@@ -15,6 +15,9 @@ tested against that reference in Pallas interpret mode on CPU:
 * `coda_jax.kernels.route_adapter` -- a routed layer's route and its parallel
   adapter's down projection from one read of its input, on TPU
   (`CodaConfig.route_kernel`).
+* `coda_jax.kernels.decode_attention` -- a decoding step's cross-attention
+  over the cached encoder keys/values on TPU, its logits kept in VMEM
+  (`T5Config.decode_attention_kernel`).
 
 `coda_jax.kernels.tpu_blocks` holds what the TPU kernels share: their VMEM
 budget, each chip's VMEM, row blocks and mesh axes.
