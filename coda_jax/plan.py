@@ -140,17 +140,19 @@ _DECODE = 'benchmarks/plan/decode/b128_{}.json'
 # k / n = 0.34, where they were measured.
 _MEASURED = (0.0, 0.34)
 RULES: Tuple[Rule, ...] = (
-    # v4 (by the roofline at the HBM traffic): gathers, but one-hot matmuls
-    # for k-to-k above n = 768 (a one-hot dispatch's flops grow with k x n;
-    # its bytes stay below a gather's tiles, whose read grows with k); the
-    # attention and MLP kernels; the route kernel (it needs the one-hot
-    # dispatch; k-to-k up to k / n = 0.3: above it memory-space assignment
-    # copies the layer input to CMEM around the kernel); no output kernel.
-    Rule(DISPATCH, 'v4', GATHER, attention='k_to_all', evidence=_BASE.format('v4')),
-    Rule(DISPATCH, 'v4', GATHER, attention='k_to_k', lengths=(0, 768),
-         evidence=_BASE.format('v4')),
-    Rule(DISPATCH, 'v4', ONE_HOT, attention='k_to_k', lengths=(768, ANY_LENGTH),
+    # v4: the attention and MLP kernels; one-hot dispatch, but row gathers
+    # above n = 384 for k-to-all, and for k-to-k up to n = 768 at k / n
+    # above 0.25 (measured by the roofline at the HBM traffic at n = 768 and
+    # 1664: a one-hot dispatch's flops grow with k x n, and a long input's
+    # encoder is bound by its flops; k-to-k at r = 5, or n = 1664, is faster
+    # with one-hot matmuls); the route kernel (it needs the one-hot dispatch;
+    # k-to-k up to k / n = 0.3: above it memory-space assignment copies the
+    # layer input to CMEM around the kernel); no output kernel.
+    Rule(DISPATCH, 'v4', GATHER, attention='k_to_all', lengths=(384, ANY_LENGTH),
          evidence='benchmarks/plan/dispatch_base_b128_n1664_v4.json'),
+    Rule(DISPATCH, 'v4', GATHER, attention='k_to_k', fractions=(0.25, 1.0),
+         lengths=(384, 768), evidence='benchmarks/plan/dispatch_base_b128_n768_v4.json'),
+    Rule(DISPATCH, 'v4', ONE_HOT, evidence=_BASE.format('v4')),
     Rule(ATTENTION, 'v4', PALLAS, evidence=_BASE.format('v4')),
     Rule(MLP, 'v4', PALLAS, evidence=_BASE.format('v4')),
     Rule(ROUTE, 'v4', PALLAS, attention='k_to_all', fractions=_MEASURED,

@@ -54,10 +54,14 @@ def pytest_unconfigure(config):
 # order: starting the long files first leaves short ones to fill the end,
 # instead of one worker running a long file while the other has finished.
 LONGEST_FIRST = (
-    'test_multiprocess.py', 'test_acm.py', 'test_compile.py', 'test_routed_cost.py',
-    'test_selftest.py', 'test_train_run.py', 'test_coda.py', 'test_acm_conversion.py',
-    'test_infer.py', 'test_sharding.py', 'test_acm_infer.py', 'test_router_ablation.py',
-    'test_bench_decoding.py', 'test_benchmark.py')
+    'test_multiprocess.py', 'test_coda.py', 'test_acm.py', 'test_compile.py',
+    'test_selftest.py', 'test_network.py', 'test_routed_cost.py', 'test_train_run.py',
+    'test_soft_topk.py', 'test_infer.py', 'test_routing_hlo.py', 'test_bench_decoding.py',
+    'test_acm_conversion.py', 'test_acm_infer.py', 'test_router_ablation.py',
+    'test_decode_attention.py', 'test_relpos_attention.py', 'test_mlp_kernel.py',
+    'test_sharding.py', 'test_benchmark.py', 'test_pretrain.py', 'test_route_adapter.py',
+    'test_readme.py', 'test_t5x_bridge.py', 'test_kernels_soft_topk.py', 'test_chip_model.py',
+    'test_kernel_estimates.py')
 
 
 def pytest_collection_modifyitems(config, items):

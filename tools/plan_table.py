@@ -6,8 +6,8 @@ One row per chip, input length and variant of each `tools/plan_evidence.py`
 file: the kernels and dispatch the plan runs, the encoder's measure with
 them (the file's `measure`: the TPU compiler's bytes accessed, GB, or the
 roofline at the HBM traffic, ms) and, for each choice flipped to its other
-formulation, how much more of it that program had (a negative number would
-be a faster flip: `tests/test_plan.py` allows none).
+formulation, how much more of it that program had (a negative number is a
+faster flip: `tests/test_plan.py` allows one only where a rule runs it).
 `benchmarks/plan/README.md` holds this table; a test checks it matches.
 """
 from __future__ import annotations
