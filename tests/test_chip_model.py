@@ -90,7 +90,8 @@ def test_the_table_says_what_it_is(run):
   lines = chip_model.format_table(result).splitlines()
   assert lines[0].startswith('model tiny  chip v5e (TPU compiler cost model, not a timing)')
   assert any(line.startswith('coda_k_to_k_r3 ') for line in lines)
-  assert any(line.startswith('decoding step: ') and 'its byte floor' in line for line in lines)
+  assert any(line.startswith('decoding step (cross-attention ') and 'its byte floor' in line
+             for line in lines)
 
 
 @pytest.mark.parametrize('extra,message', [

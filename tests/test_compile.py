@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+from coda_jax import plan as plan_lib
 from coda_jax.compile import chips
 from coda_jax.compile import hlo_costs
 from coda_jax.training import k_annealing
@@ -199,8 +200,8 @@ V5E_QUICKSTART = ('tpu v5e: attention pallas, mlp pallas, dispatch one_hot, rout
 
 @needs_libtpu
 def test_each_program_s_plan_is_printed_and_recorded(data_parallel_run):
-  """Under the table, a line per program with an encoder gives its plan as
-  the encoder resolved it while lowered; the JSON row holds it in full."""
+  """Under the table, a line per program gives its plans as its encoder and
+  decoding step resolved them while lowered; the JSON row holds them in full."""
   code, out, err, report = data_parallel_run
   assert code == 0, err
   rows = {p['name']: p for p in report['programs']}
@@ -218,16 +219,25 @@ def test_each_program_s_plan_is_printed_and_recorded(data_parallel_run):
   assert 'measured on v5e' in plan['reasons']['routed attention']
   assert 'no rule for v5e at k/n = 0.' in plan['reasons']['route']
   assert 'plan: resolved' not in ' '.join(train['notes'])
-  # The decoding program and its encoder: the same encoder, not training.
+  # The decoding program and its encoder: the same encoder, not training;
+  # the decoding program and its step: the decoder's plan (v5e's row: the
+  # cross-attention kernel).
   for name in ('infer', 'encode'):
-    [p] = rows[name]['plan']
+    p = rows[name]['plan'][0]
     assert p['kernels'] == ['attention', 'mlp'] and p['k'] == 24
-  assert rows['decode step']['plan'] == []  # no encoder
+  for name in ('infer', 'decode step'):
+    p = rows[name]['plan'][-1]
+    assert p['program'] == 'decoder' and p['cross_attention'] == 'pallas', p
+    assert p['kernels'] == ['decode_attention'] and p['length'] == 48
+  assert len(rows['encode']['plan']) == 1 and len(rows['decode step']['plan']) == 1
   lines = out[out.index('plans (coda_jax.plan'):].splitlines()[1:]
   by_name = {line.split('  ')[1].strip(): line for line in lines if line.strip()}
-  assert set(by_name) == set(rows) - {'decode step'}
+  assert set(by_name) == set(rows)
+  decoder = 'tpu v5e: decoder cross-attention pallas'
   for name in by_name:
-    assert by_name[name].endswith('  ' + V5E_QUICKSTART), by_name[name]
+    want = {'infer': f'{V5E_QUICKSTART} | {decoder}', 'decode step': decoder}.get(
+        name, V5E_QUICKSTART)
+    assert by_name[name].endswith('  ' + want), by_name[name]
 
 
 @needs_libtpu
@@ -337,15 +347,20 @@ def test_program_arguments_are_what_each_program_is_lowered_for():
     given = jax.tree.leaves(program.arguments())
     assert [(a.shape, a.dtype) for a in lowered] == [(g.shape, g.dtype) for g in given], (
         program.name)
-    # The plan `coda-jax compile` gives a program it does not lower, resolved
-    # from the configs, is the one its encoder resolves while lowered (here
-    # with the MLP split over the model axis: XLA's MLP); none for one
-    # decoding step (an `eval_shape` of the encoder for this CPU is left out).
-    resolved = program.plan()
-    assert plans == ([] if resolved is None else [resolved]), program.name
-    if resolved is not None:
-      assert resolved.routed.mlp == 'xla' and 'mlp split over devices' in dict(
-          resolved.reasons)['routed mlp']
+    # The plans `coda-jax compile` gives a program it does not lower, resolved
+    # from the configs, are those its encoder and decoding step resolve while
+    # lowered (here with the MLP split over the model axis: XLA's MLP; an
+    # `eval_shape` of the encoder for this CPU is left out).
+    assert plans == program.plans(), program.name
+    for resolved in plans:
+      if isinstance(resolved, plan_lib.Plan):
+        assert resolved.routed.mlp == 'xla' and 'mlp split over devices' in dict(
+            resolved.reasons)['routed mlp']
+      else:
+        assert resolved.cross_attention == 'pallas'                # v5e's decoder row
+    assert [type(p).__name__ for p in plans] == {
+        'train': ['Plan'], 'infer': ['Plan', 'DecoderPlan'], 'encode': ['Plan'],
+        'decode_step': ['DecoderPlan']}[program.kind]
 
 
 def test_arguments_alone_over_the_hbm_do_not_fit_before_compiling():

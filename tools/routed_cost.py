@@ -133,7 +133,7 @@ def plan_lines(rows, plans) -> str:
   row's is the one whose `as_dict` it holds."""
   found = {}
   for r in rows:
-    if r.plan is None:
+    if r.plan is None or r.program != variant_costs.ENCODER:   # the encoders' plans
       continue
     plan = next((p for p in plans if p.as_dict() == r.plan), None)
     summary = plan.summary() if plan is not None else (

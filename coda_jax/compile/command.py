@@ -386,24 +386,24 @@ def _failed_row(program, error, pod) -> Dict[str, Any]:
 
 
 def _plans(program, traced) -> Tuple[List[Any], bool]:
-  """The plans of `program`'s encoder: `traced` (those it resolved while it
-  was lowered), or, where it was not lowered (None), the plan resolved from
-  its configs (`Program.plan`); and whether they were resolved so."""
+  """The plans of `program` (its encoder's, its decoding step's): `traced`
+  (those it resolved while it was lowered), or, where it was not lowered
+  (None), those resolved from its configs (`Program.plans`); and whether
+  they were resolved so."""
   if traced is not None:
     return list(traced), False
-  plan = program.plan()
-  return ([] if plan is None else [plan]), True
+  return list(program.plans()), True
 
 
 def plan_lines(named_plans: Sequence[Tuple[str, Sequence[Any], bool]]) -> List[str]:
-  """A line per program with an encoder: its name and its plan
-  (`Plan.summary`; plans that differ, one after the other), from `named_plans`
+  """A line per program with a plan: its name and its plans (`summary`, one
+  after the other: the encoder's, the decoding step's), from `named_plans`
   (name, plans, whether they were resolved from the configs: `_plans`)."""
   named_plans = [entry for entry in named_plans if entry[1]]
   if not named_plans:
     return []
   width = max(len(name) for name, _, _ in named_plans)
-  return ['plans (coda_jax.plan: how each encoder runs on the chip):'] + [
+  return ['plans (coda_jax.plan: how each encoder and decoding step runs on the chip):'] + [
       f'  {name:<{width}}  ' + ' | '.join(p.summary() for p in plans)
       + ('  (from the configs: not lowered)' if resolved else '')
       for name, plans, resolved in named_plans]

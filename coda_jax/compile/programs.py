@@ -22,11 +22,12 @@ the model FLOPs utilisation, and its arguments as the sharded
 chip (`argument_bytes`) say, before anything compiles, whether its
 parameters, optimizer state and batch alone fit a chip's HBM.
 
-Its encoder's plan (`coda_jax.plan`: which formulation and kernel each step
-of its layers runs on the pod's chip) is recorded while it is lowered
-(`lower_with_plans`); for a program that is not lowered (its arguments alone
-do not fit), `Program.plan` resolves it from the same configs, length, chip
-and mesh the encoder would (tests/test_compile.py holds the two equal).
+Its encoder's plan and its decoding step's (`coda_jax.plan`: which
+formulation and kernel each step of its layers runs on the pod's chip) are
+recorded while it is lowered (`lower_with_plans`); for a program that is not
+lowered (its arguments alone do not fit), `Program.plans` resolves them from
+the same configs, lengths, chip and mesh the program would
+(tests/test_compile.py holds the two equal).
 """
 from __future__ import annotations
 
@@ -80,10 +81,11 @@ class Program:
       (params, tokens [batch, n]) for the decoding program and its encoder;
       (params, encoded [rows, n, d], tokens [rows, n], token [rows, 1],
       cache) for one decoding step (rows: batch x beams).
-    plan: `() ->` the `coda_jax.plan.Plan` its encoder resolves, from the
-      configs without tracing (`resolved_plan`), or None: no encoder (one
-      decoding step). For a program that is not lowered; a lowered one's
-      own are recorded while it is traced (`lower_with_plans`).
+    plans: `() ->` the plans it resolves, from the configs without tracing:
+      its encoder's `coda_jax.plan.Plan` (`resolved_plan`), its decoding
+      step's `DecoderPlan` (`resolved_decoder_plan`), either or both. For a
+      program that is not lowered; a lowered one's own are recorded while it
+      is traced (`lower_with_plans`).
   """
   name: str
   kind: str
@@ -92,7 +94,7 @@ class Program:
   model_flops: Optional[float]
   details: Dict[str, Any]
   arguments: Callable[[], Tuple[Any, ...]]
-  plan: Callable[[], Optional[plan_lib.Plan]] = lambda: None
+  plans: Callable[[], List[Any]] = lambda: []
 
 
 @dataclasses.dataclass
@@ -223,9 +225,10 @@ def platform(program: Program) -> Optional[str]:
   return target_lib.platform_of(program.mesh.devices.flat)
 
 
-def lower_with_plans(program: Program) -> Tuple[Any, List[plan_lib.Plan]]:
-  """`program.lower()`, and the plans its encoder resolved while it was
-  traced (`plan.recording`): those for the program's platform only (a
+def lower_with_plans(program: Program) -> Tuple[Any, List[Any]]:
+  """`program.lower()`, and the plans its encoder (and decoding step)
+  resolved while it was traced (`plan.recording`): those for the program's
+  platform only (a
   `jax.eval_shape` traced outside the program's target, e.g. of the encoder
   output's shape for one decoding step, notes one for this machine's)."""
   with plan_lib.recording() as plans:
@@ -246,6 +249,17 @@ def resolved_plan(model, mesh, rules, length: int, training: bool,
       model.config, model.coda, getattr(model, 'acm', None),
       target=target_lib.Target(target_lib.platform_of(devices), target_lib.kind_of(devices)),
       length=length, training=training, packed=packed, sharded=sharded)
+
+
+def resolved_decoder_plan(model, mesh, length: int, rows: int) -> plan_lib.DecoderPlan:
+  """The plan `network.Decoder` resolves for `model`'s decoding step over
+  `length` encoder positions and `rows` decoder rows in a program on `mesh`,
+  without tracing anything."""
+  devices = list(mesh.devices.flat)
+  return plan_lib.resolve_decoder(
+      model.config, getattr(model, 'acm', None),
+      target=target_lib.Target(target_lib.platform_of(devices), target_lib.kind_of(devices)),
+      length=length, batch=rows)
 
 
 def check_mesh(name: str, mesh_shape: Sequence[int], pod: Pod) -> tuple:
@@ -344,9 +358,9 @@ def _train_programs(model, args: Dict[str, Any], train_cfg, lengths, devices,
         {'batch_size': train_cfg.batch_size, 'lengths': dict(lengths), 'k': k,
          'rung': rung, 'rungs': rungs},
         lambda: (trainer.abstract_state(), trainer.abstract_batch(batch)),
-        lambda m=rung_model: resolved_plan(m, mesh, trainer.rules, lengths['inputs'],
-                                           training=True,
-                                           packed='encoder_segment_ids' in batch)))
+        lambda m=rung_model: [resolved_plan(m, mesh, trainer.rules, lengths['inputs'],
+                                            training=True,
+                                            packed='encoder_segment_ids' in batch)]))
   return out
 
 
@@ -369,15 +383,16 @@ def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Prog
              'num_beams': args['num_beams'] if args['decoding'] == 'beam' else 1}
   tokens = lambda: (predictor.abstract_params(),
                     predictor._rows((batch, n), jnp.int32))  # pylint: disable=protected-access
-  plan = lambda: resolved_plan(predictor.model, mesh, predictor.trainer.rules, n,
-                               training=False, packed=False)
+  encoder = lambda: resolved_plan(predictor.model, mesh, predictor.trainer.rules, n,
+                                  training=False, packed=False)
+  decoder = lambda: resolved_decoder_plan(predictor.model, mesh, n, rows)
   return [
       Program('infer', INFER, lambda: predictor.lower(batch, n), mesh,
               None if costs is None else per_chip('encoder') + steps * per_chip('step'),
-              details, tokens, plan),
+              details, tokens, lambda: [encoder(), decoder()]),
       Program('encode', ENCODE, lambda: predictor.lower_encode(batch, n), mesh,
-              per_chip('encoder'), details, tokens, plan),
+              per_chip('encoder'), details, tokens, lambda: [encoder()]),
       Program('decode step', DECODE_STEP, lambda: predictor.lower_decode_step(batch, n),
               mesh, per_chip('step'), {**details, 'rows': rows},
-              lambda: predictor.decode_step_arguments(batch, n)),
+              lambda: predictor.decode_step_arguments(batch, n), lambda: [decoder()]),
   ]
