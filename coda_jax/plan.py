@@ -5,26 +5,31 @@ A CoDA encoder has several formulations with the same results (which
 move (row gathers or one-hot matmuls), and TPU Pallas kernels for the
 encoder's attention, its pre-MLP norm and MLP, a routed layer's route (with
 its adapter's down projection) and its output (with the adapter), the soft
-top-k's solver kernel, and the routed MLP's factored norm. Which one runs is
-decided here, and only here, from
+top-k's solver kernel, and the routed MLP's factored norm; a decoding step's
+cross-attention has XLA's and a TPU kernel's. Which one runs is decided here,
+and only here, from
 
 * the configs' settings (`T5Config.attention_kernel`, `mlp_kernel`,
-  `CodaConfig.dispatch`, `route_kernel`, `unroute_kernel`,
-  `SoftTopKConfig.impl`: 'xla' / 'gather' and 'pallas' / 'one_hot' are
-  obeyed where the formulation serves the layer, 'auto' asks the rules);
+  `decode_attention_kernel`, `CodaConfig.dispatch`, `route_kernel`,
+  `unroute_kernel`, `SoftTopKConfig.impl`: 'xla' / 'gather' and 'pallas' /
+  'one_hot' are obeyed where the formulation serves the layer, 'auto' asks
+  the rules);
 * the chip the program is compiled for (`Target`: the platform and JAX's
-  `device_kind`, read once per program by `network.Encoder`);
-* the program's shapes: the input length n and the routed tokens k.
+  `device_kind`, read once per program by `network.Encoder` and, for a
+  decoding step, `network.Decoder`);
+* the program's shapes: the input length n, the routed tokens k, a
+  decoding step's rows.
 
 `RULES` are the measurements behind 'auto', one data row each: on which
-chip, for which attention variant and which routed fractions k / n a
-formulation was measured to move fewer bytes (the TPU compiler's cost
-model), and the committed benchmark file that measured it. A chip with no
-row for a choice gets `DEFAULTS` (XLA, gathers): what was measured on one
+chip, for which attention variant, routed fractions k / n and input lengths
+n a formulation was measured to be faster (the TPU compiler's cost model: by
+the bytes it counts, or the roofline at the HBM traffic, as each evidence
+file says), and the committed benchmark file that measured it. A chip with
+no row for a choice gets `DEFAULTS` (XLA, gathers): what was measured on one
 chip is not assumed on another.
 
-`resolve` gives a frozen `Plan`; layers receive its plain choices
-(`LayerPlan`). `coda-jax compile`, `coda-jax benchmark` and
+`resolve` gives an encoder's frozen `Plan`, `resolve_decoder` a decoding
+step's `DecoderPlan`; layers receive their plain choices (`LayerPlan`). `coda-jax compile`, `coda-jax benchmark` and
 `tools/routed_cost.py` print each program's plan (`Plan.describe`) and keep
 it in their JSON (`Plan.as_dict`); `recording` collects the plans a traced
 program resolved. No flax here.
@@ -137,7 +142,9 @@ _DECODE = 'benchmarks/plan/decode/b128_{}.json'
 # compiler counts them, each choice flipped against the plan these rows give;
 # jax 0.10.2, libtpu 0.0.42.1) at r = 3 and 5 (k / n = 0.33, 0.2) and for
 # the Parallel Adapter model (k / n = 1): the routed layers' rows hold up to
-# k / n = 0.34, where they were measured.
+# k / n = 0.34, where they were measured. v4's dispatch rows above n = 384
+# were measured at n = 768 and 1664 by the roofline at the HBM traffic
+# (`--flips dispatch --measure traffic_roofline_seconds`).
 _MEASURED = (0.0, 0.34)
 RULES: Tuple[Rule, ...] = (
     # v4: the attention and MLP kernels; one-hot dispatch, but row gathers

@@ -9,7 +9,6 @@ import gin
 import pytest
 
 _CACHE_ENV = 'JAX_COMPILATION_CACHE_DIR'
-_CACHE_MIN_COMPILE_SECONDS = 0.5
 
 
 def pytest_configure(config):
@@ -22,11 +21,7 @@ def pytest_configure(config):
   - many tests compile the same small programs (the quickstart model's train
     step, a tiny encoder): one persistent compilation cache for the run
     compiles each once. Removed at the end. A cache the environment already
-    names is used as it is. Programs that compile in under
-    `_CACHE_MIN_COMPILE_SECONDS` are not written to it: the op-by-op
-    programs of eager code (thousands, milliseconds each) cost more to
-    serialise and write than to compile again (a test of eager gradients ran
-    9% slower with them cached).
+    names is used as it is.
   """
   if hasattr(config, 'workerinput'):
     return
@@ -37,7 +32,7 @@ def pytest_configure(config):
     return
   cache = tempfile.mkdtemp(prefix='coda_jax_tests_compilation_cache_')
   os.environ[_CACHE_ENV] = cache
-  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = str(_CACHE_MIN_COMPILE_SECONDS)
+  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
   os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
   config.coda_jax_test_cache = cache
 

@@ -417,7 +417,10 @@ def test_xxl_on_a_v5e_4_exits_1_before_compiling_anything(tmp_path):
   [plan] = train['plan']
   assert plan['target'] == 'tpu v5e' and plan['k'] == 352 and plan['routed'] is not None
   assert 'plan: resolved from the configs (the program was not lowered)' in train['notes']
-  assert [p['name'] for p in report['programs'] if not p['plan']] == ['decode step']
+  # Every program's plans, the decoding step's its decoder's.
+  assert all(p['plan'] for p in report['programs'])
+  [step] = [p for p in report['programs'] if p['name'] == 'decode step']
+  assert [plan['program'] for plan in step['plan']] == ['decoder']
   assert 'plans (coda_jax.plan' in proc.stdout
   assert any(line.startswith('  train k=352  tpu v5e: ')
              and line.endswith('  (from the configs: not lowered)')
