@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from coda_jax import plan as plan_lib
 from coda_jax import target as target_lib
-from coda_jax.bench import flags, models
+from coda_jax.bench import flags, models, report
 from coda_jax.compile import chips, topology, variant_costs
 from coda_jax.config import CodaConfig
 
@@ -152,10 +152,8 @@ def main(argv=None) -> int:
          'versions': topology.versions(), 'program': 'decode_step', 'chip': args.chip,
          'batch_size': args.batch_size, 'dtype': 'bfloat16', 'measure': MEASURE,
          'points': points}
-  text = json.dumps(out, indent=1)
+  text = report.write_json(out, args.out)
   if args.out:
-    with open(args.out, 'w') as f:
-      f.write(text + '\n')
     log(f'wrote {args.out}')
   else:
     print(text)
