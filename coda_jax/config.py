@@ -434,7 +434,7 @@ def _acm_module_hint(name) -> Optional[str]:
                                     list(ACM_MODULES) + list(_ACM_MODULE_ALIASES), 1, 0.6)
   return _ACM_MODULE_ALIASES.get(close[0], close[0]) if close else None
 ACM_PHASES = ('distill', 'gate', 'finetune')
-ACM_INFERENCE = ('masked', 'gather')
+ACM_INFERENCE = ('masked', 'gather', 'auto')
 
 
 @gin.configurable
@@ -471,9 +471,12 @@ class AcmConfig:
   # Gate labels (phase 'gate'): the smallest k after which one more learner
   # improves the error by less than this factor.
   label_error_factor: float = 1.2
-  # Inference: 'masked' (every learner on every token, masked: exact) or
+  # Inference: 'masked' (every learner on every token, masked: exact),
   # 'gather' (learner n runs only on the tokens that chose k >= n, at most a
-  # static capacity of them: real savings).
+  # static capacity of them: real savings where there are enough tokens) or
+  # 'auto' ('gather' or 'masked' as `coda_jax.plan`'s measured rows say for
+  # the chip and the tokens of each call: a CPU decoding step's few tokens
+  # read every learner's weights either way, and run faster masked).
   inference: str = 'masked'
   # 'gather' capacity of learner n: ceil(tokens * min(1, capacity_factor * u_n))
   # with u_n = learner_usage[n], the fraction of tokens that ran learner n as
@@ -575,9 +578,10 @@ class AcmInferenceConfig:
   ``gin_configs/runs/infer.gin`` (and ``eval.gin``) bind it from the macros
   ACM_INFERENCE and ACM_CAPACITY_FACTOR, e.g. ``--gin.ACM_INFERENCE="'gather'"``.
   """
-  # 'masked' (every learner on every token: exact, the trainer's evaluation)
-  # or 'gather' (learner n only on the tokens that chose k >= n, at most the
-  # capacity the run's recorded learner usage gives: `AcmConfig.capacities`).
+  # 'masked' (every learner on every token: exact, the trainer's evaluation),
+  # 'gather' (learner n only on the tokens that chose k >= n, at most the
+  # capacity the run's recorded learner usage gives: `AcmConfig.capacities`)
+  # or 'auto' (either, as `coda_jax.plan` decides per call).
   inference: Optional[str] = None
   capacity_factor: Optional[float] = None
 

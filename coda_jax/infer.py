@@ -104,9 +104,9 @@ def acm_config(recorded: Optional[Dict[str, Any]],
   acm = config_lib.from_dict(config_lib.AcmConfig, recorded)
   if changes:
     acm = overrides.apply(acm)
-  if acm.inference == 'gather' and acm.learner_usage is None:
+  if acm.inference in ('gather', 'auto') and acm.learner_usage is None:
     raise train_lib.ConfigError(
-        f"'gather' inference sizes its capacities from the learner usage that phase "
+        f"{acm.inference!r} inference sizes its capacities from the learner usage that phase "
         f"'finetune' records (run_config.json's acm_config.learner_usage); {path} "
         f"(phase {acm.phase!r}) recorded none: use ACM_INFERENCE='masked'")
   return acm

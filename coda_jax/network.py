@@ -359,20 +359,21 @@ class Encoder(nn.Module):
     cfg = self.config
     plan = plan_lib.resolve(cfg, self.coda, self.acm, target=target.current(),
                             length=encoder_input_tokens.shape[1],
+                            batch=encoder_input_tokens.shape[0],
                             training=not deterministic, packed=not mask_is_padding,
                             sharded=tpu_blocks.split_axes('mlp', 'embed'))
     plan_lib.note(plan)
+    acm = plan_lib.with_acm_inference(self.acm, plan.acm)
     rel_emb = _relative_embedding(cfg)
     x = self.shared_embedding(encoder_input_tokens.astype('int32'))
     x = _dropout(cfg)(x, deterministic=deterministic).astype(cfg.dtype)
     input_mask = layers.real_token_mask(encoder_input_tokens)
     for lyr in range(cfg.num_encoder_layers):
       if self.coda is not None and self.coda.is_routed(lyr, cfg.num_encoder_layers):
-        layer = RoutedEncoderLayer(cfg, rel_emb, plan.routed, self.coda, self.acm,
+        layer = RoutedEncoderLayer(cfg, rel_emb, plan.routed, self.coda, acm,
                                    name=f'layers_{lyr}')
       else:
-        layer = EncoderLayer(cfg, rel_emb, plan.dense, self.coda, self.acm,
-                             name=f'layers_{lyr}')
+        layer = EncoderLayer(cfg, rel_emb, plan.dense, self.coda, acm, name=f'layers_{lyr}')
       x = layer(x, encoder_mask, deterministic, input_mask)
     x = layers.RMSNorm(dtype=cfg.dtype, name='encoder_norm')(x)
     return _dropout(cfg)(x, deterministic=deterministic)
@@ -396,20 +397,26 @@ class Decoder(nn.Module):
     """Returns float32 logits `[batch, length, vocab]`.
 
     While decoding with the cross-attention cache, its plan
-    (`coda_jax.plan.resolve_decoder`: how a step's cross-attention runs) is
-    resolved here, once per traced program, from the config, the chip the
-    program is for (`target.current()`) and the shapes."""
+    (`coda_jax.plan.resolve_decoder`: how a step's cross-attention and its
+    ACMs run) is resolved here, once per traced program, from the config,
+    the chip the program is for (`target.current()`) and the shapes; other
+    programs resolve how their ACMs run (`plan.resolve_acm`)."""
     cfg = self.config
     plan = None
     if decode and self.cache_cross_kv:
       plan = plan_lib.resolve_decoder(cfg, self.acm, target=target.current(),
                                       length=encoded.shape[1], batch=encoded.shape[0])
       plan_lib.note(plan)
+      acm = plan_lib.with_acm_inference(self.acm, plan.acm)
+    else:
+      acm = plan_lib.with_acm_inference(self.acm, plan_lib.resolve_acm(
+          self.acm, target.current(), decoder_input_tokens.size, 'decoder',
+          training=not deterministic)[0])
     rel_emb = _relative_embedding(cfg)
     y = self.shared_embedding(decoder_input_tokens.astype('int32'))
     y = _dropout(cfg)(y, deterministic=deterministic).astype(cfg.dtype)
     for lyr in range(cfg.num_decoder_layers):
-      y = DecoderLayer(config=cfg, relative_embedding=rel_emb, coda=self.coda, acm=self.acm,
+      y = DecoderLayer(config=cfg, relative_embedding=rel_emb, coda=self.coda, acm=acm,
                        plan=plan, name=f'layers_{lyr}')(
                            y, encoded, decoder_mask=decoder_mask,
                            encoder_decoder_mask=encoder_decoder_mask,

@@ -52,13 +52,16 @@ from coda_jax.kernels import tpu_blocks
 from coda_jax.target import Target
 
 XLA, PALLAS = 'xla', 'pallas'
-GATHER, ONE_HOT = 'gather', 'one_hot'
+GATHER, ONE_HOT, MASKED = 'gather', 'one_hot', 'masked'
 # The choices a plan makes: `what` of a `Rule`. DECODE_ATTENTION is the
-# decoder's (a decoding step's cross-attention, `DecoderPlan`), the others
-# the encoder's (`Plan`).
-DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION = (
-    'dispatch', 'attention', 'mlp', 'route', 'output', 'soft_topk', 'decode_attention')
-CHOICES = (DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION)
+# decoder's (a decoding step's cross-attention, `DecoderPlan`), ACM both
+# stacks' (how an ACM with `AcmConfig.inference='auto'` runs its learners:
+# 'gather' or 'masked', by the tokens of the call), the others the
+# encoder's (`Plan`).
+DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION, ACM = (
+    'dispatch', 'attention', 'mlp', 'route', 'output', 'soft_topk', 'decode_attention',
+    'acm')
+CHOICES = (DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION, ACM)
 # The Pallas kernels among them (`coda-jax selftest` checks each one a plan
 # selects): the formulation that is not XLA's.
 KERNELS = (ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION)
@@ -67,14 +70,14 @@ NATIVE_PLATFORM = {ATTENTION: 'tpu', MLP: 'tpu', ROUTE: 'tpu', OUTPUT: 'tpu',
                    SOFT_TOPK: 'gpu', DECODE_ATTENTION: 'tpu'}
 # A chip with no row gets these: XLA's fusions, tokens moved by gathers.
 DEFAULTS = {DISPATCH: GATHER, ATTENTION: XLA, MLP: XLA, ROUTE: XLA, OUTPUT: XLA,
-            SOFT_TOPK: XLA, DECODE_ATTENTION: XLA}
+            SOFT_TOPK: XLA, DECODE_ATTENTION: XLA, ACM: GATHER}
 _ALTERNATIVE = {DISPATCH: ONE_HOT, ATTENTION: PALLAS, MLP: PALLAS, ROUTE: PALLAS,
-                OUTPUT: PALLAS, SOFT_TOPK: PALLAS, DECODE_ATTENTION: PALLAS}
+                OUTPUT: PALLAS, SOFT_TOPK: PALLAS, DECODE_ATTENTION: PALLAS, ACM: MASKED}
 # The config field that asks for each choice, for messages.
 SETTING = {DISPATCH: 'CodaConfig.dispatch', ATTENTION: 'T5Config.attention_kernel',
            MLP: 'T5Config.mlp_kernel', ROUTE: 'CodaConfig.route_kernel',
            OUTPUT: 'CodaConfig.unroute_kernel', SOFT_TOPK: 'SoftTopKConfig.impl',
-           DECODE_ATTENTION: 'T5Config.decode_attention_kernel'}
+           DECODE_ATTENTION: 'T5Config.decode_attention_kernel', ACM: 'AcmConfig.inference'}
 
 _BASE = 'benchmarks/plan/base_b128_n384_{}.json'
 # A rule's input lengths when it holds for any.
@@ -87,14 +90,18 @@ class Rule:
 
   Attributes:
     what: one of `CHOICES`.
-    chip: a `compile.chips.CHIPS` generation ('v4', 'v5e', ...).
+    chip: a `compile.chips.CHIPS` generation ('v4', 'v5e', ...), or 'cpu'.
     choice: `_ALTERNATIVE[what]` (the kernel, one-hot dispatch) or
       `DEFAULTS[what]`, where measured to be the faster of the two.
     attention: the CoDA attention variant it was measured for ('k_to_all',
       'k_to_k'), or None: any (dense layers included).
     fractions: the routed fractions k / n it holds for, `lo < k / n <= hi`
-      (dense layers: k / n = 1).
+      (dense layers: k / n = 1); for `ACM`, the learner work its
+      capacities keep, sum_n C_n / (N x tokens) (1: every learner on every
+      token).
     lengths: the input lengths n it holds for, `lo < n <= hi`.
+    tokens: the tokens of one call it holds for (batch x length: a
+      decoding step's rows), `lo < tokens <= hi`.
     evidence: the committed benchmark file (JSON) that measured it:
       `tests/test_plan.py` checks the row against it.
   """
@@ -104,24 +111,31 @@ class Rule:
   attention: Optional[str] = None
   fractions: Tuple[float, float] = (0.0, 1.0)
   lengths: Tuple[int, int] = (0, ANY_LENGTH)
+  tokens: Tuple[int, int] = (0, ANY_LENGTH)
   evidence: str = ''
 
   def matches(self, what: str, chip: Optional[str], attention: Optional[str],
-              fraction: float, length: int) -> bool:
+              fraction: float, length: int, tokens: int = 1) -> bool:
     lo, hi = self.fractions
     return (self.what == what and self.chip == chip and lo < fraction <= hi
             and self.lengths[0] < length <= self.lengths[1]
+            and self.tokens[0] < tokens <= self.tokens[1]
             and (self.attention is None or self.attention == attention))
 
   def span(self) -> str:
     """Where the row holds, for a plan's reasons: ', 0 < k/n <= 0.34, n <= 768'."""
     lo, hi = self.fractions
-    out = '' if (lo, hi) == (0.0, 1.0) else f', {lo:g} < k/n <= {hi:g}'
+    out = '' if (lo, hi) == (0.0, 1.0) else f', {lo:g} < {_fraction_name(self.what)} <= {hi:g}'
     lo, hi = self.lengths
     if lo > 0:
       out += f', n > {lo}'
     if hi < ANY_LENGTH:
       out += f', n <= {hi}'
+    lo, hi = self.tokens
+    if lo > 0:
+      out += f', tokens > {lo}'
+    if hi < ANY_LENGTH:
+      out += f', tokens <= {hi}'
     return out
 
 
@@ -136,6 +150,12 @@ class Rule:
 # MXU.
 DECODE_TIE = 0.005
 _DECODE = 'benchmarks/plan/decode/b128_{}.json'
+# The ACM rows are timings on a shared machine (`tools/acm_plan_evidence.py`,
+# the fastest of 15 round-robin calls; two runs of it differed by up to 3%
+# at a point): a row's formulation may be up to ACM_TIE slower than the other
+# at a point of its evidence.
+ACM_TIE = 0.08
+_ACM = 'benchmarks/plan/acm/{}_small.json'
 
 # The rows, first match wins. Measured with `tools/plan_evidence.py` (base,
 # batch 128, n 384, 12 layers, bf16, the encoder's bytes accessed as the TPU
@@ -188,23 +208,41 @@ RULES: Tuple[Rule, ...] = (
     Rule(MLP, 'v6e', PALLAS, evidence=_BASE.format('v6e')),
     Rule(OUTPUT, 'v6e', PALLAS, fractions=_MEASURED, evidence=_BASE.format('v6e')),
     Rule(DECODE_ATTENTION, 'v6e', PALLAS, evidence=_DECODE.format('v6e')),
+    # A CPU's ACMs (`tools/acm_plan_evidence.py`: one FFN ACM of T5 v1.1
+    # small, 4 to 1536 tokens a call, the quickstart conversion's learner
+    # usage at budgets 0.25, 0.5 and 0.75, timed on 2 cores): 'masked' on a
+    # call of at most 64 tokens (a decoding step reads every learner's
+    # weights either way, and the order and gathers cost more than the
+    # skipped multiply-adds) and where the capacities keep more than 80% of
+    # the learner work; 'gather' elsewhere (the default).
+    Rule(ACM, 'cpu', MASKED, tokens=(0, 64), evidence=_ACM.format('cpu')),
+    Rule(ACM, 'cpu', MASKED, fractions=(0.8, 1.0), evidence=_ACM.format('cpu')),
 )
+
+
+def _fraction_name(what: str) -> str:
+  """What a rule's `fractions` measure: k/n, or an ACM's learner work."""
+  return 'learner work' if what == ACM else 'k/n'
 
 
 def rules_table() -> str:
   """`RULES` as the Markdown table of docs/kernels.md (a test keeps it there)."""
-  lines = ['| chip | choice | formulation | attention variant | k / n | n | evidence |',
-           '|---|---|---|---|---|---|---|']
+  lines = ['| chip | choice | formulation | attention variant | k / n | n | tokens a call '
+           '| evidence |', '|---|---|---|---|---|---|---|---|']
+
+  def interval(lo, hi):
+    return ' and '.join(([f'> {lo}'] if lo > 0 else []) +
+                        ([f'<= {hi}'] if hi < ANY_LENGTH else [])) or 'any'
+
   for rule in RULES:
     lo, hi = rule.fractions
-    fractions = 'any' if (lo, hi) == (0.0, 1.0) else f'{lo:g} < k/n <= {hi:g}'
-    lo, hi = rule.lengths
-    lengths = ' and '.join(([f'> {lo}'] if lo > 0 else []) +
-                           ([f'<= {hi}'] if hi < ANY_LENGTH else [])) or 'any'
+    fractions = ('any' if (lo, hi) == (0.0, 1.0)
+                 else f'{lo:g} < {_fraction_name(rule.what)} <= {hi:g}')
     name = rule.evidence.split('/')[-1]
     link = f'[{"/".join(rule.evidence.split("/")[2:])}](../{rule.evidence})' if name else '-'
     lines.append(f'| {rule.chip} | {rule.what} | {rule.choice} | '
-                 f'{rule.attention or "both"} | {fractions} | {lengths} | {link} |')
+                 f'{rule.attention or "both"} | {fractions} | {interval(*rule.lengths)} | '
+                 f'{interval(*rule.tokens)} | {link} |')
   return '\n'.join(lines)
 
 
@@ -249,6 +287,7 @@ class Plan:
     dense: how its dense layers run (None: every layer routes).
     routed: how its routed layers run (None: none routes).
     reasons: `{choice: why}`, one line each.
+    acm: how its ACMs run their learners (`MASKED`, `GATHER`; None: no ACM).
   """
   target: Target
   length: int
@@ -257,6 +296,7 @@ class Plan:
   dense: Optional[LayerPlan]
   routed: Optional[LayerPlan]
   reasons: Tuple[Tuple[str, str], ...]
+  acm: Optional[str] = None
 
   def kernels(self) -> Tuple[str, ...]:
     """The Pallas kernels this program runs (`KERNELS` order)."""
@@ -271,7 +311,7 @@ class Plan:
     layer = lambda p: None if p is None else dataclasses.asdict(p)
     return {'target': self.target.describe(), 'device_kind': self.target.device_kind,
             'length': self.length, 'k': self.k, 'attention': self.attention_variant,
-            'dense': layer(self.dense), 'routed': layer(self.routed),
+            'dense': layer(self.dense), 'routed': layer(self.routed), 'acm': self.acm,
             'kernels': list(self.kernels()), 'reasons': dict(self.reasons)}
 
   def summary(self) -> str:
@@ -287,6 +327,8 @@ class Plan:
       r = self.routed
       parts += [f'dispatch {r.dispatch}', f'route {r.route}', f'output {r.output}',
                 f'soft_topk {r.soft_topk}'] + (['factored norm'] if r.factored_norm else [])
+    if self.acm is not None:
+      parts.append(f'acm {self.acm}')
     return f'{self.target.describe()}: ' + ', '.join(parts)
 
   def describe(self) -> str:
@@ -303,24 +345,26 @@ class Plan:
 class _Resolver:
   """The rules applied to one program (`resolve`)."""
 
-  def __init__(self, target: Target, attention: Optional[str], fraction: float, length: int):
+  def __init__(self, target: Target, attention: Optional[str], fraction: float, length: int,
+               tokens: int = 1):
     self.target, self.attention, self.fraction = target, attention, fraction
-    self.length = length
+    self.length, self.tokens = length, tokens
 
   def auto(self, what: str, fraction: Optional[float] = None) -> Tuple[str, str]:
     """The rules' choice for `what` and the reason."""
     fraction = self.fraction if fraction is None else fraction
-    chip = self.target.name
+    chip = self.target.name or ('cpu' if self.target.platform == 'cpu' else None)
     for rule in RULES:
-      if rule.matches(what, chip, self.attention, fraction, self.length):
+      if rule.matches(what, chip, self.attention, fraction, self.length, self.tokens):
         where = '' if rule.attention is None else f' {rule.attention}'
         return rule.choice, f'auto: measured on {chip}{where}{rule.span()} ({rule.evidence})'
     default = DEFAULTS[what]
     if chip is None:
       return default, f'auto: {self.target.describe()} has no measured rule (default)'
     if any(rule.what == what and rule.chip == chip for rule in RULES):
-      return default, (f'auto: no rule for {chip} at k/n = {fraction:.2f}, n = {self.length} '
-                       '(default)')
+      at = (f'{self.tokens} tokens a call' if what == ACM
+            else f'k/n = {fraction:.2f}, n = {self.length}')
+      return default, f'auto: no rule for {chip} at {at} (default)'
     return default, f'auto: no rule for {chip} (default)'
 
   def choose(self, what: str, setting: str, blockers: List[str],
@@ -372,7 +416,7 @@ def _mlp_blockers(config: T5Config, coda: Optional[CodaConfig], acm: Optional[Ac
 
 def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
             acm: Optional[AcmConfig] = None, *, target: Target, length: int,
-            training: bool = False, packed: bool = False,
+            batch: int = 1, training: bool = False, packed: bool = False,
             sharded: FrozenSet[str] = frozenset()) -> Plan:
   """The plan of an encoder over `length` tokens compiled for `target`.
 
@@ -381,6 +425,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
       adapters; `acm` None: no ACM).
     target: the chip the program is for.
     length: n, the encoder input length.
+    batch: its rows (an ACM's calls run batch x n tokens).
     training: the program runs with dropout (a train step).
     packed: the inputs are packed (segment masks: no kernel attention).
     sharded: logical axes the mesh splits over more than one device
@@ -394,6 +439,9 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
   fraction = k / n if n else 1.0
   rules = _Resolver(target, variant, fraction, n)
   reasons: List[Tuple[str, str]] = []
+  acm_inference, why = resolve_acm(acm, target, int(batch) * n, 'encoder', training)
+  if acm_inference is not None:
+    reasons.append((ACM, why))
   chip = target.chip
   common = dict(interpret=target.platform != 'tpu',
                 vmem_bytes=chip.vmem_bytes if chip is not None else tpu_blocks.SMALLEST_VMEM)
@@ -413,7 +461,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
     att, mlp = attention_and_mlp(n, n, 1.0, 'dense ' if routes else '')
     dense = LayerPlan(attention=att, mlp=mlp, k=n, **common)
   if not routes:
-    return Plan(target, n, n, None, dense, None, tuple(reasons))
+    return Plan(target, n, n, None, dense, None, tuple(reasons), acm_inference)
 
   dispatch, why = rules.choose(DISPATCH, coda.dispatch, [])
   reasons.append((DISPATCH, f'{dispatch}: {why}'))
@@ -438,7 +486,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
   routed = LayerPlan(attention=att, mlp=mlp, route=route, output=output,
                      factored_norm=factored, dispatch=dispatch, soft_topk=soft_topk, k=k,
                      **common)
-  return Plan(target, n, k, variant, dense, routed, tuple(reasons))
+  return Plan(target, n, k, variant, dense, routed, tuple(reasons), acm_inference)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,6 +501,8 @@ class DecoderPlan:
       cross-attention of a step with one query token per row.
     interpret: run the kernel in Pallas interpret mode (not on a TPU).
     reasons: `{choice: why}`, one line each.
+    acm: how its ACMs run their learners on a step's `batch` tokens
+      (`MASKED`, `GATHER`; None: no ACM).
   """
   target: Target
   length: int
@@ -460,6 +510,7 @@ class DecoderPlan:
   cross_attention: str
   interpret: bool
   reasons: Tuple[Tuple[str, str], ...]
+  acm: Optional[str] = None
 
   def kernels(self) -> Tuple[str, ...]:
     return (DECODE_ATTENTION,) if self.cross_attention == PALLAS else ()
@@ -467,12 +518,13 @@ class DecoderPlan:
   def as_dict(self) -> Dict[str, Any]:
     return {'target': self.target.describe(), 'device_kind': self.target.device_kind,
             'program': 'decoder', 'length': self.length, 'batch': self.batch,
-            'cross_attention': self.cross_attention, 'kernels': list(self.kernels()),
-            'reasons': dict(self.reasons)}
+            'cross_attention': self.cross_attention, 'acm': self.acm,
+            'kernels': list(self.kernels()), 'reasons': dict(self.reasons)}
 
   def summary(self) -> str:
     """'tpu v4: decoder cross-attention pallas'."""
-    return f'{self.target.describe()}: decoder cross-attention {self.cross_attention}'
+    acm = '' if self.acm is None else f', acm {self.acm}'
+    return f'{self.target.describe()}: decoder cross-attention {self.cross_attention}{acm}'
 
   def describe(self) -> str:
     lines = [f'decoder plan for {self.target.describe()}, n = {self.length}, '
@@ -497,8 +549,46 @@ def resolve_decoder(config: T5Config, acm: Optional[AcmConfig] = None, *, target
                                            config.head_dim, n, config.dtype):
     blockers.append(f'its blocks do not fit {tpu_blocks.VMEM_BUDGET} B of VMEM')
   choice, why = rules.choose(DECODE_ATTENTION, config.decode_attention_kernel, blockers)
-  return DecoderPlan(target, n, rows, choice, target.platform != 'tpu',
-                     ((DECODE_ATTENTION, f'{choice}: {why}'),))
+  reasons = [(DECODE_ATTENTION, f'{choice}: {why}')]
+  acm_inference, why = resolve_acm(acm, target, rows, 'decoder')
+  if acm_inference is not None:
+    reasons.append((ACM, why))
+  return DecoderPlan(target, n, rows, choice, target.platform != 'tpu', tuple(reasons),
+                     acm_inference)
+
+
+def resolve_acm(acm: Optional[AcmConfig], target: Target, tokens: int,
+                stack: str = 'encoder', training: bool = False
+                ) -> Tuple[Optional[str], Optional[str]]:
+  """How the ACMs of one `stack` ('encoder' | 'decoder') run their learners
+  in a program compiled for `target` whose calls have `tokens` tokens (batch
+  x length; a decoding step: its rows): (`GATHER` or `MASKED`, why), or
+  (None, None) without an ACM there. `AcmConfig.inference` 'gather' and
+  'masked' are obeyed; 'auto' asks the rules, and is 'masked' where the
+  capacities of 'gather' cannot be sized (no `learner_usage`) or the program
+  trains (only evaluation gathers)."""
+  if acm is None or not any(acm.replaces(m, stack) for m in acm.modules):
+    return None, None
+  setting = acm.inference
+  if setting != 'auto':
+    return setting, f'{setting}: {SETTING[ACM]} = {setting!r}'
+  if training:
+    return MASKED, 'masked: auto, and a training program runs every learner (masked)'
+  if acm.learner_usage is None:
+    return MASKED, ('masked: auto, and no AcmConfig.learner_usage to size the capacities '
+                    "of 'gather'")
+  tokens = int(tokens)
+  work = sum(acm.capacities(tokens)) / (acm.num_learners * tokens)
+  choice, why = _Resolver(target, None, work, ANY_LENGTH, tokens).auto(ACM)
+  return choice, f'{choice}: {why} ({tokens} tokens a call, learner work {work:.2f})'
+
+
+def with_acm_inference(acm: Optional[AcmConfig], inference: Optional[str]
+                       ) -> Optional[AcmConfig]:
+  """`acm` with the inference a plan resolved (`resolve_acm`) in place of 'auto'."""
+  if acm is None or inference is None or acm.inference == inference:
+    return acm
+  return dataclasses.replace(acm, inference=inference)
 
 
 def _output_and_route(rules: _Resolver, config: T5Config, coda: CodaConfig, n: int, k: int,

@@ -14,6 +14,7 @@ from coda_jax import decoding
 from coda_jax import flops
 from coda_jax import params as params_lib
 from coda_jax import partitioning
+from coda_jax import plan as plan_lib
 from coda_jax import trainable
 from coda_jax.training import optimizer as optimizer_lib
 from coda_jax.training import trainer as trainer_lib
@@ -150,6 +151,52 @@ def test_gather_capacity_keeps_the_tokens_with_the_most_learners():
   for t in range(8):
     np.testing.assert_allclose(np.asarray(out[0, t]),
                                np.asarray(_dense_partial(params, z[0, t], kept[t])), atol=1e-5)
+
+
+def test_gather_with_capacities_that_do_not_fall_with_n():
+  """Learner n runs on the first C_n tokens of the order by k (larger first,
+  then position) that have k >= n, whatever the other learners' capacities:
+  here C = (4, 6, 2, 4) of 8 tokens, a usage that does not fall with n."""
+  ks = np.array([[1, 4, 2, 0, 3, 2, 4, 1]])
+  mlp, params, z, cfg = _one_mlp(ks, 'gather', capacity_factor=1.0,
+                                 usage=(0.5, 0.75, 0.25, 0.5))
+  capacities = cfg.capacities(8)
+  assert capacities == (4, 6, 2, 4)
+  out, _ = mlp.apply({'params': params}, z, deterministic=True, learners=jnp.asarray(ks),
+                     mutable=['intermediates'])
+  order = sorted(range(8), key=lambda t: (-ks[0, t], t))
+  for t in range(8):
+    place = order.index(t)
+    expected = sum(_dense_partial(params, z[0, t], n + 1) - _dense_partial(params, z[0, t], n)
+                   for n in range(N) if place < capacities[n] and ks[0, t] > n)
+    np.testing.assert_allclose(np.asarray(out[0, t]), np.asarray(expected), atol=1e-5,
+                               err_msg=f'token {t}, k={ks[0, t]}, place {place}')
+
+
+def test_auto_inference_runs_what_the_plan_says():
+  """'auto' on this CPU: a decoding step of 2 rows masked, an encoder of
+  2 x 48 tokens whose capacities keep half the learner work gathered; each
+  the same numbers as that formulation asked for by name."""
+  _, _, model, params = _acmized()
+  usage = (1.0, 0.4, 0.2, 0.1)
+  auto = model.clone(acm=dataclasses.replace(model.acm, inference='auto', learner_usage=usage))
+  enc = jax.random.randint(jax.random.PRNGKey(5), (2, 48), 2, tiny_config().vocab_size)
+  encode = lambda m: m.apply({'params': params}, enc, enable_dropout=False, method=m.encode)
+  with plan_lib.recording() as plans:
+    out = encode(auto)
+  (plan,) = plans
+  assert plan.acm == 'gather' and 'no rule for cpu at 96 tokens' in dict(plan.reasons)['acm']
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(encode(auto.clone(
+      acm=dataclasses.replace(auto.acm, inference='gather')))))
+  decode = lambda m: decoding.predict_batch(m, params, enc, max_decode_length=3, eos_id=-1,
+                                            encoded=out)
+  with plan_lib.recording() as plans:
+    decoded = decode(auto)
+  (step,) = [p for p in plans if isinstance(p, plan_lib.DecoderPlan)]
+  assert step.acm == 'masked' and step.batch == 2
+  expected = decode(auto.clone(acm=dataclasses.replace(auto.acm, inference='masked')))
+  for a, b in zip(jax.tree.leaves(decoded), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_capacities_refuse_without_a_learner_usage():

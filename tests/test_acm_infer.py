@@ -136,7 +136,7 @@ def test_what_cannot_run_gather_is_refused_in_one_line(scenario):
   assert gate['rc'] == 2 and gate['err'].count('\n') == 1
   assert "acm_config.learner_usage" in gate['err'] and "(phase 'gate')" in gate['err']
   assert unknown['rc'] == 2 and unknown['err'].count('\n') == 1
-  assert "ACM_INFERENCE must be None or one of ('masked', 'gather'), got 'sideways'" in (
+  assert "ACM_INFERENCE must be None or one of ('masked', 'gather', 'auto'), got 'sideways'" in (
       unknown['err'])
   assert dense['rc'] == 2 and dense['err'].count('\n') == 1
   assert dense['err'].startswith(

@@ -21,6 +21,8 @@ from coda_jax import decoding
 from coda_jax import flops
 from coda_jax import config as config_lib
 from coda_jax import network
+from coda_jax import plan as plan_lib
+from coda_jax import target
 from coda_jax.bench import acm_usage
 from coda_jax.bench import decoding_latency
 from coda_jax.bench import models
@@ -259,7 +261,13 @@ def test_acm_rows_next_to_the_dense_model(acm_task):
   recorded = _recorded_usage()
   for row, budget in ((b25, 0.25), (b50, 0.5)):
     a = row['acm']
-    assert row['budget'] == budget and a['inference'] == 'gather'
+    assert row['budget'] == budget and a['inference'] == 'auto'
+    # 'auto' as the plan resolves it on this CPU: a decoding step's BATCH
+    # tokens masked, the encoder's as the rows say for BATCH x N_IN tokens.
+    acm_config = profile.config(profile.template(), budget)
+    assert row['decoder_plan']['acm'] == plan_lib.MASKED
+    assert row['plan']['acm'] == plan_lib.resolve_acm(acm_config, target.Target('cpu'),
+                                                      BATCH * N_IN)[0]
     # The usage the conversion's fine-tuning run recorded at β, capacity
     # factor 1.25 (the conversion's): ceil(1.25 u_n T) per learner, in the
     # encoder (batch · input_length tokens) and at each decoding step (batch).
@@ -395,7 +403,7 @@ def test_acm_rows_from_the_command_line(tmp_path, capsys):
     result = json.load(f)
   meta = result['meta']
   assert meta['acm_budgets'] == [0.5] and meta['acm']['num_learners'] == 2
-  assert meta['acm']['inference'] == 'gather' and meta['acm']['capacity_factor'] == 1.0
+  assert meta['acm']['inference'] == 'auto' and meta['acm']['capacity_factor'] == 1.0
   assert meta['acm']['params']['source'] == 'random_init'
   assert meta['acm']['usage_profile'] == {'path': run, 'kind': 'model_dir',
                                           'learner_usage': {'0.5': [1.0, 0.25]}}

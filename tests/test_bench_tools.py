@@ -59,3 +59,25 @@ def test_bench_acm_reports_the_bound_of_each_budget():
               ['--usage', '/nonexistent']):
     with pytest.raises(SystemExit):
       _tool('bench_acm').main(bad)
+
+
+def test_acm_plan_evidence_times_both_formulations_and_the_plan(tmp_path):
+  """tools/acm_plan_evidence.py (the ACM rows' evidence): per token count and
+  budget, both formulations and the dense FFN timed, the faster one named,
+  and what 'auto' plans there on this CPU."""
+  out = tmp_path / 'acm.json'
+  report = _tool('acm_plan_evidence').main(['--model', 'tiny', '--tokens', '4,96',
+                                            '--repeats', '2', '--out', str(out)])
+  assert json.loads(out.read_text()) == report
+  assert report['chip'] == 'cpu' and report['program'] == 'acm_ffn'
+  points = report['points']
+  assert [(p['tokens'], p['budget']) for p in points] == [
+      (t, b) for t in (4, 96) for b in (0.25, 0.5, 0.75)]
+  for p in points:
+    assert set(p['seconds']) == {'gather', 'masked'} and min(p['seconds'].values()) > 0
+    assert p['faster'] == min(p['seconds'], key=p['seconds'].get)
+    assert p['dense_seconds'] > 0 and len(p['capacities']) == report['num_learners']
+  # A decoding step's 4 tokens run masked on a CPU, whatever the budget.
+  assert {p['plan'] for p in points if p['tokens'] == 4} == {'masked'}
+  with pytest.raises(SystemExit):
+    _tool('acm_plan_evidence').main(['--tokens', '0'])

@@ -10,8 +10,8 @@ import pytest
 from coda_jax import plan as plan_lib
 from coda_jax import target
 from coda_jax.compile import chips
-from coda_jax.config import (CodaConfig, SoftTopKConfig, parallel_adapter_baseline, preset,
-                             t5_1_1)
+from coda_jax.config import (AcmConfig, CodaConfig, SoftTopKConfig, parallel_adapter_baseline,
+                             preset, t5_1_1)
 from coda_jax.network import Transformer
 from coda_jax.target import Target
 
@@ -85,10 +85,10 @@ def test_chip_variant_and_k_give_the_plan(chip, attention, r, expected):
   if attention is not None:
     assert plan.k == -(-N // r) and plan.attention_variant == attention
     assert plan.dense is None                       # every layer routes
-  if chip in ('unknown tpu', 'cpu'):
+  if chip == 'unknown tpu':
     assert 'has no measured rule (default)' in plan.describe()
-  if chip == 'gpu':
-    assert 'no rule for gpu (default)' in plan.describe()
+  if chip in ('gpu', 'cpu'):
+    assert f'no rule for {chip} (default)' in plan.describe()
 
 
 @pytest.mark.parametrize('attention,r,n,dispatch', [
@@ -265,7 +265,7 @@ def test_the_encoder_resolves_one_plan_per_program_from_its_target():
 
 def test_rules_name_known_chips_and_choices():
   for rule in plan_lib.RULES:
-    assert rule.what in plan_lib.CHOICES and rule.chip in list(chips.CHIPS) + ['gpu']
+    assert rule.what in plan_lib.CHOICES and rule.chip in list(chips.CHIPS) + ['gpu', 'cpu']
     assert rule.choice in (plan_lib.DEFAULTS[rule.what], plan_lib._ALTERNATIVE[rule.what])
     lo, hi = rule.fractions
     assert 0 <= lo < hi <= 1
@@ -300,6 +300,28 @@ def _decoder_evidence_agrees(evidence):
   return len(evidence['points'])
 
 
+def _acm_evidence_agrees(evidence):
+  """A `tools/acm_plan_evidence.py` file (an FFN ACM timed 'gather' and
+  'masked' at each token count and budget): at every point, 'auto' runs the
+  faster formulation, or one within `plan.ACM_TIE` of it; and the file's
+  points cover both choices."""
+  cpu = target.Target('cpu')
+  chosen = set()
+  for point in evidence['points']:
+    acm = AcmConfig(num_learners=evidence['num_learners'], inference='auto',
+                    learner_usage=evidence['usage_profile']['learner_usage'][
+                        str(point['budget'])],
+                    capacity_factor=evidence['capacity_factor'])
+    assert list(acm.capacities(point['tokens'])) == point['capacities'], point
+    choice, why = plan_lib.resolve_acm(acm, cpu, point['tokens'])
+    seconds = point['seconds']
+    assert seconds[choice] <= (1 + plan_lib.ACM_TIE) * min(seconds.values()), (
+        point['tokens'], point['budget'], seconds, why)
+    chosen.add(choice)
+  assert chosen == {plan_lib.GATHER, plan_lib.MASKED}
+  return len(evidence['points'])
+
+
 @pytest.mark.parametrize('path', _evidence_files())
 def test_rules_agree_with_their_evidence(path):
   """In each committed measurement (`tools/plan_evidence.py`: a plan and its
@@ -311,6 +333,9 @@ def test_rules_agree_with_their_evidence(path):
     evidence = json.load(f)
   if evidence.get('program') == 'decode_step':
     assert _decoder_evidence_agrees(evidence) >= 6
+    return
+  if evidence.get('program') == 'acm_ffn':
+    assert evidence['chip'] == 'cpu' and _acm_evidence_agrees(evidence) >= 10
     return
   assert not evidence['search']
   measure = evidence.get('measure', 'bytes_accessed')
@@ -382,3 +407,33 @@ def test_the_kernels_page_shows_the_rules():
   with open(os.path.join(ROOT, 'docs', 'kernels.md')) as f:
     page = f.read()
   assert plan_lib.rules_table() in page, 'paste plan.rules_table() into docs/kernels.md'
+
+
+@pytest.mark.parametrize('platform,kind,tokens,usage,inference,training,expected,why', [
+    # A CPU's decoding step of a few rows: masked.
+    ('cpu', None, 4, (0.9, 0.4, 0.15, 0.05), 'auto', False, 'masked', 'tokens <= 64'),
+    # An encoder's 1536 tokens that keep 0.46 of the learner work: gathered.
+    ('cpu', None, 1536, (0.9, 0.4, 0.15, 0.05), 'auto', False, 'gather', 'no rule for cpu'),
+    # ... and 0.89 of it: masked.
+    ('cpu', None, 1536, (0.98, 0.87, 0.76, 0.48), 'auto', False, 'masked',
+     '0.8 < learner work <= 1'),
+    # A chip with no ACM row gets the default, gathers.
+    ('tpu', 'v4', 4, (0.9, 0.4, 0.15, 0.05), 'auto', False, 'gather', 'no rule for v4'),
+    # Training, or no recorded usage: masked; a setting by name is obeyed.
+    ('cpu', None, 1536, (0.9, 0.4, 0.15, 0.05), 'auto', True, 'masked', 'training'),
+    ('cpu', None, 1536, None, 'auto', False, 'masked', 'no AcmConfig.learner_usage'),
+    ('cpu', None, 4, (0.9, 0.4, 0.15, 0.05), 'gather', False, 'gather',
+     "AcmConfig.inference = 'gather'"),
+])
+def test_acm_inference_from_the_rows(platform, kind, tokens, usage, inference, training,
+                                     expected, why):
+  acm = AcmConfig(num_learners=4, inference=inference, learner_usage=usage)
+  where = Target(platform, KIND[kind] if kind else None)
+  choice, reason = plan_lib.resolve_acm(acm, where, tokens, training=training)
+  assert choice == expected and why in reason, reason
+  assert plan_lib.resolve_acm(None, where, tokens) == (None, None)
+  assert plan_lib.resolve_acm(dataclasses.replace(acm, decoder=False), where, tokens,
+                              'decoder') == (None, None)
+  plan = plan_lib.resolve(tiny_config(), acm=acm, target=where, length=tokens,
+                          training=training)
+  assert plan.acm == expected and f'acm {expected}' in plan.summary()

@@ -1,7 +1,8 @@
 """Encoder forward time of an ACM model against the dense T5, next to the FLOP bound.
 
 The encoder of a T5 v1.1 preset whose FFNs are Adaptive Computation Modules
-(`coda_jax.acm`) runs with 'gather' inference as a trained model runs it:
+(`coda_jax.acm`) runs with 'auto' inference as a trained model runs it
+('gather' where `coda_jax.plan` says it pays, the row's `plan`):
 learner n processes a static capacity of ceil(capacity_factor · u_n · tokens)
 tokens (`AcmConfig.capacities`), u_n = P(k >= n) the learner usage that a
 fine-tuning run at budget β recorded. --usage names it: a fine-tuned ACM
@@ -95,7 +96,7 @@ def main(argv=None) -> dict:
     row = {'variant': name, 'inference': acm.inference,
            'budget': None if acm.inference == 'masked' else acm.budget,
            'compile_s': timed[name].compile_s, **timing.summary(times[name], times['dense'])}
-    if acm.inference == 'gather':
+    if acm.inference != 'masked':
       fraction = flops.acm_ffn_fraction(acm, n)
       row.update({'capacities_from': profile.source(acm.budget),
                   'learner_usage': list(acm.learner_usage),

@@ -67,9 +67,13 @@ token and masks (exact; the training path), 'gather' runs learner n only on
 the tokens that chose k >= n: tokens are ordered by k once, and learner n
 takes the first C_n of that order (`AcmConfig.capacities`, static, from the
 recorded learner usage), moved by
-gathers both ways (`routing.gather_tokens` / `ungather_tokens`). Both serve
-FFN and attention learners alike (`_learners_forward`); while decoding,
-'gather' applies the capacities to the batch's one token per row.
+gathers both ways (`routing.gather_tokens` / `ungather_tokens`: one gather
+in, each learner on its prefix, one gather out). Both serve FFN and
+attention learners alike (`_learners_forward`); while decoding, 'gather'
+applies the capacities to the batch's one token per row. 'auto' is either,
+per program, as `coda_jax.plan` decides from the chip, the tokens of a call
+and the learner work the capacities keep (`plan.resolve_acm`; on a CPU a
+decoding step's few rows run masked).
 
 Modules (each imports only those above it in this list; none imports this one):
 ``base`` (parameter names, logical axes), ``gate`` (`Gate`, `gumbel_softmax`,

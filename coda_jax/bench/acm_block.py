@@ -2,9 +2,11 @@
 
 Adaptive Computation Modules (`coda_jax.acm`) are timed next to the dense T5
 of the same backbone, in their own block of rows of each task (speed-ups over
-``dense``): every FFN an ACM with 'gather' inference, learner n on a static
-capacity of ceil(capacity_factor · u_n · tokens) tokens, u_n the learner
-usage a fine-tuning run at budget β recorded (`acm_usage`). Here:
+``dense``): every FFN an ACM with 'auto' inference: 'gather' (learner n on
+a static capacity of ceil(capacity_factor · u_n · tokens) tokens, u_n the
+learner usage a fine-tuning run at budget β recorded, `acm_usage`) where
+`coda_jax.plan` says it pays for the call's tokens, else 'masked' (on a CPU,
+a decoding step's few tokens). Here:
 
 * `acm_profile`: where that usage comes from (--acm_usage, else a fine-tuned
   ACM --checkpoint, else the committed quickstart conversion) and the
@@ -15,7 +17,7 @@ usage a fine-tuning run at budget β recorded (`acm_usage`). Here:
 * `acm_row`: one row (the dense model's or a budget's): times and speed-ups
   over dense, capacities, where the usage came from, the FLOP bounds at the
   FFN work those same capacities give (`flops.acm_decoding_speedup_bounds`),
-  and its encoder's plan (`coda_jax.plan`).
+  and its encoder's and decoding step's plans (`coda_jax.plan`).
 
 Each model of the block has its own encoder and decoder, compiled and timed
 with the task's variants (`latency_task`).
@@ -42,7 +44,7 @@ DENSE = 'dense'
 @dataclasses.dataclass(frozen=True)
 class AcmBlock:
   """The ACM rows of a task: `budgets` β, the ACMs they time (`template`: learners,
-  gate, 'gather' inference, capacity factor), the `params` every budget shares
+  gate, 'auto' inference, capacity factor), the `params` every budget shares
   (`models.acm_params`; the dense model takes its pretrained leaves) and the
   `profile` whose recorded learner usage sizes each budget's capacities."""
   budgets: Sequence[float]
@@ -140,4 +142,5 @@ def acm_row(config: T5Config, compiled: Mapping[str, Tuple[timing.Timed, timing.
     row['flop_bound'] = {t: bounds[t] for t in TIMED}
   row['fraction_of_bound'] = {t: row['speedup'][t] / row['flop_bound'][t] for t in TIMED}
   row['plan'] = models.plan_of(enc)
+  row['decoder_plan'] = models.plan_of(dec)
   return row

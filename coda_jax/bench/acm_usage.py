@@ -1,8 +1,9 @@
 """Where an ACM benchmark's 'gather' capacities come from: a recorded learner usage.
 
-'gather' inference runs learner n on C_n = ceil(capacity_factor · u_n · T) of
-T tokens (`AcmConfig.capacities`), u_n = P(k >= n) the fraction of tokens a
-trained model's gates send to learner n. The usage falls with n and averages
+'gather' inference (which 'auto' picks where it pays) runs learner n on
+C_n = ceil(capacity_factor · u_n · T) of T tokens (`AcmConfig.capacities`),
+u_n = P(k >= n) the fraction of tokens a trained model's gates send to
+learner n. The usage falls with n and averages
 the budget β, but learner 1 runs on most tokens: capacities from β alone
 (u_n = β) would time a model that cannot work. So the ACM rows of
 `coda-jax benchmark` and `tools/bench_acm.py` size their capacities from a
@@ -84,14 +85,15 @@ class UsageProfile:
   def template(self, capacity_factor: Optional[float] = None) -> AcmConfig:
     """The ACMs the rows time: the run's `AcmConfig` (a MODEL_DIR) or
     `AcmConfig` with the profile's N, at `capacity_factor` if given (else
-    the run's, or the default 1.25), 'gather' inference, phase 'finetune'."""
+    the run's, or the default 1.25), 'auto' inference ('gather' or 'masked' per
+    call, as `coda_jax.plan` decides), phase 'finetune'."""
     if self.run_acm:
       base = config_lib.from_dict(AcmConfig, {**self.run_acm, 'learner_usage': None})
     else:
       base = AcmConfig(num_learners=self.num_learners)
     if capacity_factor is not None:
       base = dataclasses.replace(base, capacity_factor=float(capacity_factor))
-    return dataclasses.replace(base, inference='gather', phase='finetune', force_learners=None)
+    return dataclasses.replace(base, inference='auto', phase='finetune', force_learners=None)
 
   def config(self, template: AcmConfig, budget: float) -> AcmConfig:
     """`template` at budget β with the usage recorded there."""

@@ -39,7 +39,10 @@ the dense T5 of the same backbone, in their own block of rows (speed-ups over
 
   * ``dense`` -- the plain T5 (no adapters, no routing);
   * ``acm_b<β>`` -- every FFN of the encoder and the decoder an ACM with
-    'gather' inference, as a trained model runs: learner n runs on a static
+    'auto' inference, as a trained model runs: 'gather' where
+    `coda_jax.plan`'s rows say it pays for the call's tokens (else 'masked':
+    every learner on every token, as on a CPU's decoding step of a few
+    rows, whose weights are read either way), learner n on a static
     capacity of ceil(capacity_factor · u_n · tokens) tokens
     (`AcmConfig.capacities`) per encoder call and per decoding step, u_n =
     P(k >= n) the learner usage a fine-tuning run at budget β recorded

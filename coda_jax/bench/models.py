@@ -215,6 +215,17 @@ def compile_encoder(model: network.Transformer, params: Mapping[str, Any],
   return timed
 
 
+def compile_decoder(decode_fn, *args) -> timing.Timed:
+  """A jitted decoder (`decoding_programs.make_decode_fn`) on `args`, compiled
+  ahead of time; `Timed.plans`: the decoding step's plan
+  (`plan.DecoderPlan`) for the default device's platform."""
+  with plan_lib.recording() as plans:
+    timed = timing.compile_call(decode_fn, *args)
+  platform = jax.default_backend()
+  timed.plans = [p for p in plans if p.target.platform == platform]
+  return timed
+
+
 def plan_of(timed: timing.Timed) -> Optional[Dict[str, Any]]:
   """What a result row keeps of a compiled encoder's plan: `Plan.as_dict`
   and, under 'summary', `Plan.summary` (the table's line); None without one."""

@@ -37,14 +37,15 @@ def cross_kv_explanation(cross: Mapping[str, Any]) -> str:
           f"once per sequence, ours, vs at every step, t5x's; {reading})")
 
 
-def plan_lines(rows: Sequence[Mapping[str, Any]]) -> List[str]:
-  """A line per row with a plan: the variant's name and its encoder's plan
-  (the row's ``plan['summary']``); none for rows without one."""
+def plan_lines(rows: Sequence[Mapping[str, Any]],
+               title: str = 'plans (coda_jax.plan: how each encoder runs):') -> List[str]:
+  """A line per row with a plan: the variant's name and its plan (the
+  row's ``plan['summary']``), under `title`; none for rows without one."""
   plans = [(row['name'], row['plan']['summary']) for row in rows if row.get('plan')]
   if not plans:
     return []
   width = max(len(name) for name, _ in plans)
-  return ['plans (coda_jax.plan: how each encoder runs):'] + [
+  return [title] + [
       f'  {name:<{width}}  {summary}' for name, summary in plans]
 
 
@@ -55,8 +56,8 @@ def _acm_lines(task: Mapping[str, Any]) -> list:
           f'{"e2e ms":>9s} {"enc x (bound)":>15s} {"dec x (bound)":>15s} '
           f'{"e2e x (bound)":>15s} {"e2e/bnd":>7s} {"comp s":>7s}')
   lines = ['', f'ACM ({task["task"]}): speed-ups over {acm["baseline"]}; each model its own '
-           "encoder and decoder; 'gather' inference, capacities from a recorded learner "
-           'usage', head, '-' * len(head)]
+           "encoder and decoder; 'auto' inference (gather or masked, as the plans "
+           "below say), capacities from a recorded learner usage", head, '-' * len(head)]
   for row in acm['variants']:
     med, sp, bd = row['median_ms'], row['speedup'], row['flop_bound']
     a = row['acm']
@@ -71,7 +72,10 @@ def _acm_lines(task: Mapping[str, Any]) -> list:
         f'{row["compile_s"]["end_to_end"]:7.1f}')
   lines += [f'  {row["name"]}: {row["acm"]["capacities_from"]}' for row in acm['variants']
             if row['acm']]
-  return lines + plan_lines(acm['variants'])
+  decoders = [{'name': row['name'], 'plan': row.get('decoder_plan')}
+              for row in acm['variants']]
+  return (lines + plan_lines(acm['variants'])
+          + plan_lines(decoders, 'plans of a decoding step (coda_jax.plan):'))
 
 
 def format_table(result: Mapping[str, Any]) -> str:
