@@ -124,7 +124,7 @@ def expand_to_beams(tree: Any, num_beams: int) -> Any:
   return jax.tree_util.tree_map(expand, tree)
 
 
-class _Beams(NamedTuple):
+class Beams(NamedTuple):
   """Beam search's loop state after step `i`. Sequences hold rows 0..length,
   row 0 the decoder start token; `live_*` are the k best hypotheses that have
   not ended, `finished_*` the k best that have (flags False on empty slots)."""
@@ -137,12 +137,13 @@ class _Beams(NamedTuple):
   cache: Cache
 
 
-def _initial_beams(cache: Cache, b: int, k: int, length: int,
-                   decoder_start_id: int) -> _Beams:
-  """One live hypothesis per example (the decoder start; the other k - 1
-  beams at -inf), nothing finished."""
+def initial_beams(cache: Cache, b: int, k: int, length: int,
+                  decoder_start_id: int = DECODER_START_ID) -> Beams:
+  """`beam_search`'s loop state before its first step: one live hypothesis
+  per example (the decoder start; the other k - 1 beams at -inf), nothing
+  finished."""
   live_seqs = jnp.full((b, k, length + 1), decoder_start_id, jnp.int32)
-  return _Beams(
+  return Beams(
       i=jnp.array(0, jnp.int32), live_seqs=live_seqs.at[:, :, 1:].set(0),
       live_logprobs=jnp.tile(jnp.array([0.0] + [NEG_INF] * (k - 1), jnp.float32), (b, 1)),
       finished_seqs=jnp.zeros((b, k, length + 1), jnp.int32),
@@ -150,7 +151,7 @@ def _initial_beams(cache: Cache, b: int, k: int, length: int,
       finished_flags=jnp.zeros((b, k), jnp.bool_), cache=cache)
 
 
-def _merge_finished(beams: _Beams, top_seqs: Array, top_logprobs: Array, is_eos: Array,
+def _merge_finished(beams: Beams, top_seqs: Array, top_logprobs: Array, is_eos: Array,
                     alpha: float) -> Tuple[Array, Array, Array]:
   """The k best of the finished set and the step's 2k candidates
   (`top_seqs [b, 2k, length + 1]`, best first) that ended; as in HF's beam
@@ -167,21 +168,29 @@ def _merge_finished(beams: _Beams, top_seqs: Array, top_logprobs: Array, is_eos:
           jnp.take_along_axis(all_flags, best, axis=1))
 
 
-def _beam_step(beams: _Beams, tokens_to_logits: TokensToLogits, alpha: float,
-               eos_id: int) -> _Beams:
-  """Step `i`: every live beam's 2k best one-token extensions; the k best that
-  did not end stay live (their cache rows follow them), those that ended
-  merge into the finished set."""
+def beam_step(beams: Beams, tokens_to_logits: TokensToLogits, alpha: float,
+              eos_id: int) -> Beams:
+  """Step `i` of `beam_search`'s loop: every live beam's 2k best one-token
+  extensions; the k best that did not end stay live (their cache rows follow
+  them), those that ended merge into the finished set."""
   b, k, _ = beams.live_seqs.shape
   i = beams.i
   tokens = lax.dynamic_slice_in_dim(beams.live_seqs, i, 1, axis=2).reshape(b * k, 1)
   logits, cache = tokens_to_logits(tokens, beams.cache)
-  vocab = logits.shape[-1]
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(b, k, vocab)
-  candidates = (beams.live_logprobs[..., None] + log_probs).reshape(b, k * vocab)
-  top_logprobs, top_idx = lax.top_k(candidates, 2 * k)
-  top_beam = top_idx // vocab
-  top_token = (top_idx % vocab).astype(jnp.int32)
+  # The 2k best extensions of all beams are among each beam's own 2k best:
+  # a top-k per row of the logits (log-softmax keeps a row's order), then
+  # over the k x 2k candidates, instead of a top-k over k x vocab log-probs
+  # written out in float32. Their log-probabilities as log_softmax computes
+  # them: (logit - max) - log(sum(exp(logits - max))).
+  logits = logits.astype(jnp.float32)
+  peak = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  normalizer = jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))
+  row_top, row_token = lax.top_k(logits, 2 * k)                        # [b k, 2k]
+  candidates = beams.live_logprobs.reshape(b * k, 1) + ((row_top - peak) - normalizer)
+  top_logprobs, top_idx = lax.top_k(candidates.reshape(b, k * 2 * k), 2 * k)
+  top_beam = top_idx // (2 * k)
+  top_token = jnp.take_along_axis(row_token.reshape(b, k * 2 * k), top_idx,
+                                  axis=1).astype(jnp.int32)
   top_seqs = jnp.take_along_axis(beams.live_seqs, top_beam[..., None], axis=1)
   top_seqs = lax.dynamic_update_slice(top_seqs, top_token[..., None], (0, 0, i + 1))
   is_eos = top_token == eos_id
@@ -189,11 +198,11 @@ def _beam_step(beams: _Beams, tokens_to_logits: TokensToLogits, alpha: float,
   live_logprobs, keep = lax.top_k(jnp.where(is_eos, NEG_INF, top_logprobs), k)
   cache = _gather_beams(cache, jnp.take_along_axis(top_beam, keep, axis=1), b, k, k)
   finished = _merge_finished(beams, top_seqs, top_logprobs, is_eos, alpha)
-  return _Beams(i + 1, jnp.take_along_axis(top_seqs, keep[..., None], axis=1),
+  return Beams(i + 1, jnp.take_along_axis(top_seqs, keep[..., None], axis=1),
                 live_logprobs, *finished, cache)
 
 
-def _ranked_hypotheses(beams: _Beams, min_penalty: float) -> Tuple[Array, Array]:
+def _ranked_hypotheses(beams: Beams, min_penalty: float) -> Tuple[Array, Array]:
   """The finished hypotheses best first (an example with none: its live
   beams, scored with the longest length's penalty), without row 0."""
   live_scores = beams.live_logprobs / min_penalty
@@ -232,7 +241,7 @@ def beam_search(cache: Cache,
   length = max_decode_len
   min_penalty = brevity_penalty(alpha, length)
 
-  def searching(beams: _Beams) -> Array:
+  def searching(beams: Beams) -> Array:
     # Stop once no live beam can beat the worst of k finished hypotheses.
     best_live = jnp.max(beams.live_logprobs, axis=1) / min_penalty
     worst_finished = jnp.where(jnp.all(beams.finished_flags, axis=1),
@@ -240,8 +249,8 @@ def beam_search(cache: Cache,
     return (beams.i < length) & ~jnp.all(worst_finished > best_live)
 
   beams = lax.while_loop(
-      searching, lambda beams: _beam_step(beams, tokens_to_logits, alpha, eos_id),
-      _initial_beams(cache, batch_size, k, length, decoder_start_id))
+      searching, lambda beams: beam_step(beams, tokens_to_logits, alpha, eos_id),
+      initial_beams(cache, batch_size, k, length, decoder_start_id))
   return _ranked_hypotheses(beams, min_penalty)
 
 

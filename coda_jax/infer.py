@@ -300,8 +300,8 @@ class Predictor:
     (`decoding.init_decode_cache`): every decoder layer's cross-attention
     keys/values of the encoder output `[rows, n, emb]`, once per sequence,
     and the empty self-attention cache."""
-    params, encoded, tokens, _, _ = self.decode_step_arguments(batch_size, input_length,
-                                                               param_dtype)
+    params, encoded, tokens, *_ = self.decode_step_arguments(batch_size, input_length,
+                                                             param_dtype)
     jitted = partitioning.on_mesh(jax.jit(self._prefill_fn), self.mesh)
     return jitted.lower(params, encoded, tokens)
 
@@ -311,12 +311,21 @@ class Predictor:
                                                 self.max_decode_length)
       return step(token, cache)
 
+  def _beam_step_fn(self, params, encoded, tokens, beams):
+    with partitioning.axis_rules(self.trainer.rules):
+      step = decoding_lib.make_tokens_to_logits(self.model, params, encoded, tokens,
+                                                self.max_decode_length)
+      return decoding_lib.beam_step(beams, step, self.alpha, decoding_lib.EOS_ID)
+
   def decode_step_arguments(self, batch_size: int, input_length: int,
                             param_dtype: Any = None) -> Tuple[Any, ...]:
     """What one decoding step takes, as sharded shapes: params, the encoder
-    output [rows, n, emb], its tokens [rows, n], the token [rows, 1] and the
-    decoder cache, rows (batch x beams with beam search) split over `data`."""
-    rows = batch_size * (self.num_beams if self.method == 'beam' else 1)
+    output [rows, n, emb], its tokens [rows, n], then the loop's state:
+    greedy, the token [rows, 1] and the decoder cache; beam search, its
+    `decoding.Beams` (the hypotheses [batch, beams, ...] and the cache).
+    Rows (batch x beams with beam search) split over `data`."""
+    beams = self.num_beams if self.method == 'beam' else 1
+    rows = batch_size * beams
     tokens = jax.ShapeDtypeStruct((rows, input_length), jnp.int32)
     params = self.trainer.param_shapes
     encoded = jax.eval_shape(self._encode_fn, params, tokens)
@@ -325,17 +334,26 @@ class Predictor:
                                                        self.max_decode_length),
         params, encoded, tokens)
     as_rows = lambda s: self._rows(s.shape, s.dtype)
-    return (self.abstract_params(param_dtype), as_rows(encoded), as_rows(tokens),
-            self._rows((rows, 1), jnp.int32), jax.tree.map(as_rows, cache))
+    head = (self.abstract_params(param_dtype), as_rows(encoded), as_rows(tokens))
+    if self.method == 'beam':
+      state = jax.eval_shape(lambda c: decoding_lib.initial_beams(
+          c, batch_size, beams, self.max_decode_length), cache)
+      return head + (jax.tree.map(as_rows, state),)
+    return head + (self._rows((rows, 1), jnp.int32), jax.tree.map(as_rows, cache))
 
   def lower_decode_step(self, batch_size: int, input_length: int, param_dtype: Any = None):
-    """One step of the decoding loop (`decoding.make_tokens_to_logits`) on its
-    own: the decoder for one token of every row (`num_beams` rows per example
-    with beam search), with the cache and encoder output as inputs. The cache
-    is donated, as the loop carries it: the step writes its new keys/values
-    in place and passes the rest (the cross-attention keys/values) through
-    uncopied, so its costs are those of the step in the loop."""
-    jitted = partitioning.on_mesh(jax.jit(self._decode_step_fn, donate_argnums=4), self.mesh)
+    """One step of the decoding loop on its own: the decoder for one token of
+    every row (`decoding.make_tokens_to_logits`), with the cache and encoder
+    output as inputs; with beam search the whole step of its loop
+    (`decoding.beam_step`: `num_beams` rows per example, the top-k over their
+    extensions, the cache rows reordered to follow the surviving beams). The
+    loop's state is donated, as the loop carries it: the step writes its new
+    keys/values in place and passes the rest (the cross-attention
+    keys/values) through uncopied, so its costs are those of the step in the
+    loop."""
+    fn, state = ((self._beam_step_fn, 3) if self.method == 'beam'
+                 else (self._decode_step_fn, 4))
+    jitted = partitioning.on_mesh(jax.jit(fn, donate_argnums=state), self.mesh)
     return jitted.lower(*self.decode_step_arguments(batch_size, input_length, param_dtype))
 
 

@@ -239,6 +239,44 @@ def _greedy_reference(model, variables, enc, steps):
   return out
 
 
+def test_beam_step_takes_the_best_extensions_of_all_beams():
+  """`decoding.beam_step` (a top-k per beam, then over the k x 2k) keeps the
+  hypotheses the direct formulation does: log-softmax of every row, the 2k
+  best of all k x vocab extensions; two steps, EOS among the candidates."""
+  b, k, vocab, length = 3, 4, 37, 4
+  rng = np.random.RandomState(0)
+  tables = [jnp.asarray(rng.standard_normal((b * k, vocab)) * 3, jnp.float32)
+            for _ in range(2)]
+  tables[1] = tables[1].at[:, decoding.EOS_ID].add(4.0)
+  cache = {'rows': jnp.arange(b * k, dtype=jnp.float32)[:, None]}
+
+  def tokens_to_logits(tokens, cache):
+    del tokens
+    return tables[int(step_index[0])], cache
+
+  beams = decoding.initial_beams(cache, b, k, length)
+  expected = beams
+  for step_index in ([0], [1]):
+    beams = decoding.beam_step(beams, tokens_to_logits, 0.6, decoding.EOS_ID)
+    # The direct formulation on the same state.
+    log_probs = jax.nn.log_softmax(tables[step_index[0]]).reshape(b, k, vocab)
+    candidates = (expected.live_logprobs[..., None] + log_probs).reshape(b, k * vocab)
+    top_logprobs, top_idx = jax.lax.top_k(candidates, 2 * k)
+    top_beam, top_token = top_idx // vocab, top_idx % vocab
+    top_seqs = jnp.take_along_axis(expected.live_seqs, top_beam[..., None], axis=1)
+    top_seqs = top_seqs.at[:, :, int(expected.i) + 1].set(top_token)
+    is_eos = top_token == decoding.EOS_ID
+    live, keep = jax.lax.top_k(jnp.where(is_eos, decoding.NEG_INF, top_logprobs), k)
+    rows = jnp.take_along_axis(top_beam, keep, axis=1) + k * jnp.arange(b)[:, None]
+    expected = decoding.Beams(
+        expected.i + 1, jnp.take_along_axis(top_seqs, keep[..., None], axis=1), live,
+        *decoding._merge_finished(expected, top_seqs, top_logprobs, is_eos, 0.6),  # pylint: disable=protected-access
+        {'rows': expected.cache['rows'][rows.reshape(-1)]})
+    for got, want in zip(jax.tree.leaves(beams), jax.tree.leaves(expected)):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+  assert bool(jnp.any(beams.finished_flags))         # some hypotheses ended at EOS
+
+
 def test_greedy_beam_and_sampling():
   model = Transformer(tiny_config())
   for seed in range(2):

@@ -10,9 +10,11 @@ model, CoDA at each r and attention variant; `--model`, `--tasks`,
   encoder   the variant's `Transformer.encode` on [batch, n] tokens;
   prefill   the decoder cache the loop starts from: every decoder layer's
             cross-attention keys/values of the encoder output, once;
-  step      one step of the decoding loop, its cache donated as the loop
+  step      one step of the decoding loop, its state donated as the loop
             carries it, with the byte floor it is held to
-            (`programs.decode_step_floor`);
+            (`programs.decode_step_floor`); with --decoding beam a step of
+            beam search (`decoding.beam_step`: batch x beams rows, the top-k
+            over their extensions, the cache reordered to follow them);
 
 each priced at its roofline, max(flops / peak, HBM traffic / HBM bandwidth)
 at the chip's published figures (`compile.chips`), and end to end
@@ -60,7 +62,8 @@ def _ms(seconds: float) -> float:
 
 def variant_rows(encoders: Sequence[variant_costs.Row], prefill: variant_costs.Row,
                  step: variant_costs.Row, config: T5Config, decode_steps: int,
-                 adapter_dim: int, bandwidth: float) -> List[Dict[str, Any]]:
+                 adapter_dim: int, bandwidth: float, num_beams: int = 1
+                 ) -> List[Dict[str, Any]]:
   """Per variant: the stages' roofline milliseconds and gigabytes, end to end,
   speed-ups over the first (the baseline) next to their FLOP bounds, the soft
   top-k's share of the end-to-end roofline."""
@@ -91,7 +94,7 @@ def variant_rows(encoders: Sequence[variant_costs.Row], prefill: variant_costs.R
                 adapter_dim) if routed else 1.0,
             'end_to_end': flops_lib.end_to_end_speedup_bound(
                 config, enc.length, decode_steps, enc.reduction_factor, enc.attention,
-                adapter_dim) if routed else 1.0},
+                adapter_dim, num_beams=num_beams) if routed else 1.0},
         'soft_topk_share': soft_topk / e2e,
         'plan': enc.plan})
   base = out[0]['roofline_ms']
@@ -103,9 +106,12 @@ def variant_rows(encoders: Sequence[variant_costs.Row], prefill: variant_costs.R
 
 def measure_task(config: T5Config, coda_template: CodaConfig, chip: str, batch_size: int,
                  n: int, decode_steps: int, reduction_factors: Sequence[float],
-                 attentions: Sequence[str], dtype: Any, log) -> Dict[str, Any]:
+                 attentions: Sequence[str], dtype: Any, log, num_beams: int = 1
+                 ) -> Dict[str, Any]:
   """One task shape on one chip: every variant's encoder, the shared prefill
-  and decoding step, compiled; the rows of `variant_rows`."""
+  and decoding step (greedy, or beam search with `num_beams` > 1: batch x
+  beams rows, the step `decoding.beam_step`), compiled; the rows of
+  `variant_rows`."""
   pod = chips.parse_pod(variant_costs.ONE_CHIP[chip])
   variants = models.make_variants(config, coda_template, reduction_factors, attentions)
   programs = []
@@ -115,12 +121,14 @@ def measure_task(config: T5Config, coda_template: CodaConfig, chip: str, batch_s
     log(f'{chip} n={n} {variant.name} encoder: compiled in {time.perf_counter() - start:.1f} s')
   for row in (variant_costs.prefill_row, variant_costs.decode_step_row):
     start = time.perf_counter()
-    programs.append(row(variants[0], pod, batch_size, n, decode_steps, dtype))
+    programs.append(row(variants[0], pod, batch_size, n, decode_steps, dtype, num_beams))
     log(f'{chip} n={n} {programs[-1].program}: compiled in {time.perf_counter() - start:.1f} s')
   *encoders, prefill, step = programs
   return {'input_length': n, 'decode_steps': decode_steps, 'batch_size': batch_size,
+          'num_beams': num_beams,
           'variants': variant_rows(encoders, prefill, step, config, decode_steps,
-                                   coda_template.adapter_dim, pod.chip.hbm_bandwidth),
+                                   coda_template.adapter_dim, pod.chip.hbm_bandwidth,
+                                   num_beams),
           'step_floor': step.floor_bytes,
           'step_over_floor': step.hbm_traffic / step.floor_bytes['total'],
           'step_compiler_bytes_over_floor': step.bytes_accessed / step.floor_bytes['total'],
@@ -143,10 +151,17 @@ def checks(result: Dict[str, Any]) -> List[Dict[str, Any]]:
   return out
 
 
+def _decoding(meta: Dict[str, Any]) -> str:
+  """'greedy', or 'beam x4'."""
+  beams = meta.get('num_beams', 1)
+  return f'beam x{beams}' if meta.get('decoding') == 'beam' and beams > 1 else 'greedy'
+
+
 def format_table(result: Dict[str, Any]) -> str:
   meta = result['meta']
   lines = [f'model {meta["model"]}  chip {meta["chip"]} (TPU compiler cost model, not a '
-           f'timing)  dtype {meta["dtype"]}  batch {meta["batch_size"]}  decoding greedy  '
+           f'timing)  dtype {meta["dtype"]}  batch {meta["batch_size"]}  decoding '
+           f'{_decoding(meta)}  '
            + (f'dispatch {meta["dispatch"]}  ' if meta.get('dispatch', 'auto') != 'auto' else '') +
            f'libtpu {meta["versions"].get("libtpu")}  jax {meta["versions"]["jax"]}']
   head = (f'{"variant":22} {"k":>4} {"enc ms":>8} {"pre ms":>7} {"step ms":>7} '
@@ -172,7 +187,9 @@ def format_table(result: Dict[str, Any]) -> str:
                  f'(the compiler\'s bytes accessed {task["step_compiler_bytes_over_floor"]:.2f}x) '
                  f'({floor["total"] / 1e9:.3f} GB: weights {floor["weights"] / 1e9:.3f}, '
                  f'cross K/V {floor["cross_kv"] / 1e9:.3f}, cache '
-                 f'{floor["self_cache"] / 1e9:.3f}), flops '
+                 f'{floor["self_cache"] / 1e9:.3f}'
+                 + (f', beam reorder {floor["beam_reorder"] / 1e9:.3f}'
+                    if 'beam_reorder' in floor else '') + '), flops '
                  f'{task["step_flops_over_analytic"]:.2f}x the analytic count')
   lines.append('')
   for c in result['checks']:
@@ -186,18 +203,20 @@ def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaCo
   tokens)]; the JSON."""
   topology.check_compiler()
   dtype = jnp.dtype(config.dtype)
+  beams = args.num_beams if args.decoding == 'beam' else 1
   result = {'meta': {
       'tool': 'coda_jax.bench.chip_model', 'command': getattr(args, 'command_line', None),
       'date': datetime.datetime.now().isoformat(timespec='seconds'),
       'device': WHAT.format(chip=args.chip), 'chip': args.chip,
       'versions': topology.versions(), 'model': args.model, 'dtype': dtype.name,
-      'batch_size': batch, 'decoding': 'greedy', 'dispatch': coda_template.dispatch,
+      'batch_size': batch, 'decoding': args.decoding, 'num_beams': beams,
+      'dispatch': coda_template.dispatch,
       'reduction_factors': args.reduction_factors, 'attention': args.attention},
       'tasks': []}
   for name, n, decoded in tasks:
     steps = args.decode_steps or decoded
     task = measure_task(config, coda_template, args.chip, batch, n, steps,
-                        args.reduction_factors, args.attention, dtype, log)
+                        args.reduction_factors, args.attention, dtype, log, beams)
     result['tasks'].append({'task': name, **task})
   result['checks'] = checks(result)
   return result

@@ -197,12 +197,11 @@ def check_args(args: argparse.Namespace) -> None:
 def _check_chip_args(args: argparse.Namespace) -> None:
   """What the chip model does not do (yet), named before anything compiles."""
   refused = [flag for flag, given in (
-      ('--checkpoint', args.checkpoint), ('--decoding beam', args.decoding == 'beam'),
-      ('--acm_budgets', bool(args.acm_budgets)), ('--cross_kv', args.cross_kv)) if given]
+      ('--checkpoint', args.checkpoint), ('--acm_budgets', bool(args.acm_budgets)),
+      ('--cross_kv', args.cross_kv)) if given]
   if refused:
-    raise ValueError(f'--chip models greedy decoding of the CoDA and Parallel Adapter '
-                     f'variants with random weights of --model; not with '
-                     f'{", ".join(refused)}')
+    raise ValueError(f'--chip models the CoDA and Parallel Adapter variants with random '
+                     f'weights of --model; not with {", ".join(refused)}')
 
 
 def _resolve_tasks(args) -> List[Tuple[str, int, int]]:

@@ -172,8 +172,8 @@ def decode_step_flops(model, rows: int, n: int, cache_length: int) -> float:
 _PREFILL_ONLY = ('encoder_decoder_attention/key/', 'encoder_decoder_attention/value/')
 
 
-def decode_step_floor(model, rows: int, n: int, cache_length: int, param_dtype: Any = None
-                      ) -> Dict[str, float]:
+def decode_step_floor(model, rows: int, n: int, cache_length: int, param_dtype: Any = None,
+                      beam_search: bool = False) -> Dict[str, float]:
   """The bytes one decoding step must move, by what they are (and 'total'):
   every decoder parameter and the LM head read once ('weights': not the
   encoder's, not the cross-attention key / value projections, which the
@@ -182,7 +182,10 @@ def decode_step_floor(model, rows: int, n: int, cache_length: int, param_dtype: 
   encoder positions read once ('cross_kv'), the self-attention cache of
   `cache_length` positions read once and the new keys / values written
   ('self_cache'), the logits written ('logits'). Keys, values and logits in
-  the model's dtype."""
+  the model's dtype. A step of `beam_search` (`rows` = batch x beams) keeps
+  its logits (the top-k reads them where they are made: no 'logits') and
+  writes the self-attention cache reordered to follow the surviving beams
+  ('beam_reorder')."""
   config = model.config
   act = jnp.dtype(config.dtype).itemsize
   shapes = params_lib.flatten(params_lib.abstract_params(model))
@@ -196,6 +199,9 @@ def decode_step_floor(model, rows: int, n: int, cache_length: int, param_dtype: 
            'cross_kv': float(rows * n * kv_row),
            'self_cache': float(rows * (cache_length + 1) * kv_row),
            'logits': float(rows * config.vocab_size * act)}
+  if beam_search:
+    del floor['logits']
+    floor['beam_reorder'] = float(rows * cache_length * kv_row)
   floor['total'] = sum(floor.values())
   return floor
 

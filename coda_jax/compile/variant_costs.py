@@ -107,11 +107,15 @@ class Row:
     return dataclasses.asdict(self)
 
 
-def predictor(variant: models.Variant, pod: chips.Pod, decode_steps: int) -> infer_lib.Predictor:
-  """The `coda-jax infer` predictor of `variant` on one chip of `pod`, no params."""
+def predictor(variant: models.Variant, pod: chips.Pod, decode_steps: int,
+              num_beams: int = 1) -> infer_lib.Predictor:
+  """The `coda-jax infer` predictor of `variant` on one chip of `pod`, no
+  params: greedy, or beam search with `num_beams` > 1."""
   devices = topology.devices(pod)
   mesh = train_lib.make_mesh((1, 1), 1, devices[:1])
-  return infer_lib.Predictor(variant.model, None, mesh, None, decode_steps)
+  method = 'beam' if num_beams > 1 else 'greedy'
+  return infer_lib.Predictor(variant.model, None, mesh, None, decode_steps, method,
+                             max(1, int(num_beams)))
 
 
 def _compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Variant,
@@ -146,28 +150,33 @@ def encoder_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length
 
 
 def prefill_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
-                decode_steps: int, dtype: Any) -> Row:
+                decode_steps: int, dtype: Any, num_beams: int = 1) -> Row:
   """The decoder cache the loop starts from (`Predictor.lower_prefill`): the
-  cross-attention keys/values of the encoder output, once per sequence."""
-  p = predictor(variant, pod, decode_steps)
+  cross-attention keys/values of the encoder output, once per sequence (per
+  beam: `decoding.predict_batch` expands the encoder output to the beams)."""
+  p = predictor(variant, pod, decode_steps, num_beams)
   lowered = p.lower_prefill(batch_size, length, param_dtype=dtype)
   macs = flops_lib.cross_kv_macs(variant.model.config, length)
-  return _compiled_row(PREFILL, lowered, p.mesh, pod, variant, length, 2.0 * batch_size * macs)
+  return _compiled_row(PREFILL, lowered, p.mesh, pod, variant, length,
+                       2.0 * batch_size * max(1, num_beams) * macs)
 
 
 def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
-                    decode_steps: int, dtype: Any) -> Row:
+                    decode_steps: int, dtype: Any, num_beams: int = 1) -> Row:
   """One step of the decoding loop (a cache of `decode_steps` positions, the
-  cache donated as the loop carries it), with the bytes it must move."""
-  p = predictor(variant, pod, decode_steps)
+  loop's state donated as the loop carries it; with `num_beams` > 1 a step of
+  beam search, `decoding.beam_step`), with the bytes it must move."""
+  p = predictor(variant, pod, decode_steps, num_beams)
+  rows = batch_size * max(1, num_beams)
   with plan_lib.recording() as plans:
     lowered = p.lower_decode_step(batch_size, length, param_dtype=dtype)
-  step = programs.decode_step_flops(variant.model, batch_size, length, decode_steps)
+  step = programs.decode_step_flops(variant.model, rows, length, decode_steps)
   [plan] = [q for q in plans if isinstance(q, plan_lib.DecoderPlan)
             and q.target.platform == 'tpu']                    # the step's, on the chip
   row = _compiled_row(DECODE_STEP, lowered, p.mesh, pod, variant, length, step, plan=plan)
-  row.floor_bytes = programs.decode_step_floor(variant.model, batch_size, length, decode_steps,
-                                               param_dtype=dtype)
+  row.floor_bytes = programs.decode_step_floor(variant.model, rows, length, decode_steps,
+                                               param_dtype=dtype,
+                                               beam_search=num_beams > 1)
   return row
 
 
