@@ -104,14 +104,18 @@ def _is_beam_invariant(path) -> bool:
 
 def _gather_beams(tree: Any, beam_indices: Array, batch_size: int, old_beams: int,
                   new_beams: int) -> Any:
-  """Reorders `[batch * old_beams, ...]` leaves by `beam_indices [batch, new_beams]`."""
+  """Reorders `[batch * old_beams, ...]` leaves by `beam_indices [batch, new_beams]`.
+
+  One row gather per leaf (row `b * old_beams + beam` of the flat rows): a
+  TPU reads each kept row once, where `take_along_axis` over the beam axis
+  lowers to a select over all `old_beams` rows for every output row.
+  """
+  rows = (beam_indices + old_beams * jnp.arange(batch_size)[:, None]).reshape(-1)
+
   def gather(path, x):
     if x.ndim == 0 or _is_beam_invariant(path):
       return x
-    x = x.reshape((batch_size, old_beams) + x.shape[1:])
-    idx = beam_indices.reshape(beam_indices.shape + (1,) * (x.ndim - 2))
-    x = jnp.take_along_axis(x, idx, axis=1)
-    return x.reshape((batch_size * new_beams,) + x.shape[2:])
+    return jnp.take(x, rows, axis=0, mode='clip')
   return jax.tree_util.tree_map_with_path(gather, tree)
 
 
