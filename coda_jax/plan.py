@@ -151,9 +151,10 @@ class Rule:
 DECODE_TIE = 0.005
 _DECODE = 'benchmarks/plan/decode/b128_{}.json'
 # The ACM rows are timings on a shared machine (`tools/acm_plan_evidence.py`,
-# the fastest of 15 round-robin calls; two runs of it differed by up to 3%
-# at a point): a row's formulation may be up to ACM_TIE slower than the other
-# at a point of its evidence.
+# the fastest of 15 round-robin calls: over three runs a time moved by up to
+# 10%, and gather / masked at 256 tokens, β = 0.5, from 1.00 to 1.05): a
+# row's formulation may be up to ACM_TIE slower than the other at a point of
+# its evidence.
 ACM_TIE = 0.08
 _ACM = 'benchmarks/plan/acm/{}_small.json'
 
