@@ -80,7 +80,7 @@ def compile_task(config: T5Config, params: Mapping[str, Any], *, input_length: i
     enc = models.compile_encoder(model, p, tokens)
     step(f'{name} encoder')
     own_encoded = jax.block_until_ready(enc.call())
-    acm_compiled[name] = (enc, models.compile_decoder(
+    acm_compiled[name] = (enc, models.compile_with_plans(
         make_decode_fn(model, output_length, method, num_beams, alpha), p, tokens,
         own_encoded))
     step(f'{name} decoder')

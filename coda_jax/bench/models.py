@@ -203,27 +203,22 @@ def make_encode_fn(model: network.Transformer):
       {'params': params}, tokens, enable_dropout=False, method=model.encode))
 
 
+def compile_with_plans(jitted, *args) -> timing.Timed:
+  """`jitted` on `args`, compiled ahead of time for the default device;
+  `Timed.plans`: the plans (`coda_jax.plan`) it resolved while traced (an
+  encoder's `Plan`, a decoding step's `DecoderPlan`), for that device's
+  platform."""
+  with plan_lib.recording() as plans:
+    timed = timing.compile_call(jitted, *args)
+  platform = jax.default_backend()
+  timed.plans = [p for p in plans if p.target.platform == platform]
+  return timed
+
+
 def compile_encoder(model: network.Transformer, params: Mapping[str, Any],
                     tokens: jax.Array) -> timing.Timed:
-  """`model`'s `Transformer.encode` on `tokens`, compiled ahead of time for
-  the default device; `Timed.plans`: the plans (`coda_jax.plan`) its encoder
-  resolved while traced, for that device's platform."""
-  with plan_lib.recording() as plans:
-    timed = timing.compile_call(make_encode_fn(model), params, tokens)
-  platform = jax.default_backend()
-  timed.plans = [p for p in plans if p.target.platform == platform]
-  return timed
-
-
-def compile_decoder(decode_fn, *args) -> timing.Timed:
-  """A jitted decoder (`decoding_programs.make_decode_fn`) on `args`, compiled
-  ahead of time; `Timed.plans`: the decoding step's plan
-  (`plan.DecoderPlan`) for the default device's platform."""
-  with plan_lib.recording() as plans:
-    timed = timing.compile_call(decode_fn, *args)
-  platform = jax.default_backend()
-  timed.plans = [p for p in plans if p.target.platform == platform]
-  return timed
+  """`model`'s `Transformer.encode` on `tokens` (`compile_with_plans`)."""
+  return compile_with_plans(make_encode_fn(model), params, tokens)
 
 
 def plan_of(timed: timing.Timed) -> Optional[Dict[str, Any]]:

@@ -115,7 +115,7 @@ def predictor(variant: models.Variant, pod: chips.Pod, decode_steps: int,
   mesh = train_lib.make_mesh((1, 1), 1, devices[:1])
   method = 'beam' if num_beams > 1 else 'greedy'
   return infer_lib.Predictor(variant.model, None, mesh, None, decode_steps, method,
-                             max(1, int(num_beams)))
+                             int(num_beams))
 
 
 def _compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Variant,
@@ -158,7 +158,7 @@ def prefill_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length
   lowered = p.lower_prefill(batch_size, length, param_dtype=dtype)
   macs = flops_lib.cross_kv_macs(variant.model.config, length)
   return _compiled_row(PREFILL, lowered, p.mesh, pod, variant, length,
-                       2.0 * batch_size * max(1, num_beams) * macs)
+                       2.0 * batch_size * num_beams * macs)
 
 
 def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
@@ -167,7 +167,7 @@ def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, le
   loop's state donated as the loop carries it; with `num_beams` > 1 a step of
   beam search, `decoding.beam_step`), with the bytes it must move."""
   p = predictor(variant, pod, decode_steps, num_beams)
-  rows = batch_size * max(1, num_beams)
+  rows = batch_size * num_beams
   with plan_lib.recording() as plans:
     lowered = p.lower_decode_step(batch_size, length, param_dtype=dtype)
   step = programs.decode_step_flops(variant.model, rows, length, decode_steps)
