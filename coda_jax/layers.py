@@ -32,6 +32,8 @@ from coda_jax.kernels import decode_attention as decode_kernel
 from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import relpos_attention as relpos_kernel
 from coda_jax.kernels import tpu_blocks
+from coda_jax.masks import (combine_masks, make_attention_mask, make_causal_mask,  # noqa: F401
+                             make_decoder_mask, real_token_mask)
 from coda_jax.position_bias import RelativePositionBiases, select_by_index  # noqa: F401
 from coda_jax.relpos import MASK_VALUE
 from coda_jax.validation import positive_int
@@ -664,43 +666,3 @@ class Embed(nn.Module):
     """`[..., emb] -> [..., vocab]` logits against the embedding table."""
     dtype = self.attend_dtype if self.attend_dtype is not None else self.dtype
     return jnp.dot(jnp.asarray(query, dtype), jnp.asarray(self.embedding, dtype).T)
-
-
-def real_token_mask(tokens: Array) -> Array:
-  """`[..., length]` token ids -> bool, True at real tokens (id 0 is padding)."""
-  return tokens > 0
-
-
-def make_attention_mask(query_input: Array, key_input: Array,
-                        pairwise_fn: Callable = jnp.multiply,
-                        dtype: DType = jnp.float32) -> Array:
-  """`[batch, q]`, `[batch, k]` -> `[batch, 1, q, k]`."""
-  mask = pairwise_fn(jnp.expand_dims(query_input, -1), jnp.expand_dims(key_input, -2))
-  return jnp.expand_dims(mask, -3).astype(dtype)
-
-
-def make_causal_mask(x: Array, dtype: DType = jnp.float32) -> Array:
-  """`[batch, length]` -> lower-triangular `[batch, 1, length, length]`."""
-  idxs = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
-  return make_attention_mask(idxs, idxs, jnp.greater_equal, dtype=dtype)
-
-
-def combine_masks(*masks: Optional[Array], dtype: DType = jnp.float32) -> Optional[Array]:
-  """Logical AND of the masks that are not None."""
-  masks = [m for m in masks if m is not None]
-  if not masks:
-    return None
-  return functools.reduce(jnp.logical_and, masks).astype(dtype)
-
-
-def make_decoder_mask(decoder_target_tokens: Array,
-                      dtype: DType = jnp.float32,
-                      decoder_segment_ids: Optional[Array] = None) -> Array:
-  """Causal mask over real (non-zero) targets, within segments."""
-  real = real_token_mask(decoder_target_tokens)
-  masks = [make_causal_mask(decoder_target_tokens, dtype),
-           make_attention_mask(real, real, dtype=dtype)]
-  if decoder_segment_ids is not None:
-    masks.append(make_attention_mask(decoder_segment_ids, decoder_segment_ids,
-                                     jnp.equal, dtype=dtype))
-  return combine_masks(*masks, dtype=dtype)

@@ -8,6 +8,8 @@ import coda_jax  # noqa: F401  (first: a libtpu installed without a TPU stays qu
 import gin
 import pytest
 
+import fast_xla
+
 _CACHE_ENV = 'JAX_COMPILATION_CACHE_DIR'
 
 
@@ -15,9 +17,9 @@ def pytest_configure(config):
   """Set here, before the workers start, for them and the processes tests
   start (through the environment):
 
-  - XLA's CPU backend at optimisation level 0: the tests compile many small
-    programs whose run time is negligible next to their compile time (the
-    scripts' tests already ran so);
+  - XLA's CPU backend as `fast_xla` says (optimisation level 0, the older
+    fusion emitters): the tests compile many small programs whose run time
+    is negligible next to their compile time;
   - many tests compile the same small programs (the quickstart model's train
     step, a tiny encoder): one persistent compilation cache for the run
     compiles each once. Removed at the end. A cache the environment already
@@ -25,9 +27,7 @@ def pytest_configure(config):
   """
   if hasattr(config, 'workerinput'):
     return
-  flags = os.environ.get('XLA_FLAGS', '')
-  if '--xla_backend_optimization_level' not in flags:
-    os.environ['XLA_FLAGS'] = (flags + ' --xla_backend_optimization_level=0').strip()
+  os.environ['XLA_FLAGS'] = fast_xla.with_flags(os.environ.get('XLA_FLAGS', ''))
   if os.environ.get(_CACHE_ENV):
     return
   cache = tempfile.mkdtemp(prefix='coda_jax_tests_compilation_cache_')

@@ -1,6 +1,6 @@
 """Command-line scenarios run once per test module: the test file runs itself
-as a script in a subprocess (CPU, XLA at optimisation level 0, so that
-compiling costs less) that calls the commands in-process and writes what
+as a script in a subprocess (CPU, XLA's CPU backend as `fast_xla` says,
+so that compiling costs less) that calls the commands in-process and writes what
 they printed and wrote to a JSON report, which the tests then read."""
 import contextlib
 import io
@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+
+import fast_xla
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,7 +28,7 @@ def run(script: str, work: str, timeout: int) -> dict:
   env = dict(os.environ)
   env.update({
       'JAX_PLATFORMS': 'cpu',
-      'XLA_FLAGS': (env.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0').strip(),
+      'XLA_FLAGS': fast_xla.with_flags(env.get('XLA_FLAGS', '')),
       'TF_CPP_MIN_LOG_LEVEL': '3',
       'PYTHONPATH': os.pathsep.join([REPO] + [p for p in [env.get('PYTHONPATH')] if p]),
   })

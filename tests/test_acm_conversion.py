@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+import fast_xla
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'tools'))
 
@@ -40,7 +42,7 @@ def test_conversion_pipeline_runs_end_to_end(tmp_path):
        '--model_gin', 'config.T5Config.num_decoder_layers=1', '--in_process'],
       capture_output=True, text=True, timeout=300, cwd=REPO,
       env={**os.environ, 'PYTHONPATH': REPO,
-           'XLA_FLAGS': '--xla_backend_optimization_level=0'})
+           'XLA_FLAGS': fast_xla.with_flags()})
   assert proc.returncode == 0, proc.stderr[-3000:]
   # Every phase trained from the previous one's MODEL_DIR.
   for phase in ('dense', 'distill', 'gate', 'finetune_b050'):

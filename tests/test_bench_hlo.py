@@ -4,11 +4,12 @@ from jax import lax
 import jax.numpy as jnp
 
 from coda_jax.bench import hlo
+import fast_xla
 
 
 def _texts(fn, *args):
   lowered = jax.jit(fn).lower(*args)
-  return lowered.as_text(), lowered.compile().as_text()
+  return lowered.as_text(), lowered.compile(fast_xla.DEFAULT_EMITTERS).as_text()
 
 
 def _loop(unroll):

@@ -1,7 +1,7 @@
 """From a trained run to predictions: `coda-jax infer` / `coda-jax eval` on the
 MODEL_DIR the trainer wrote, and on a T5 checkpoint plus its adapter file.
 
-One subprocess (this file run as a script, XLA at optimisation level 0)
+One subprocess (this file run as a script, XLA as `fast_xla` says)
 trains the quickstart model (every parameter, as the quickstart does) for 150
 steps on a small generated task, "copy: w1 w2" -> "w1 w2" (registered there
 with `offline_tasks.offline_task`; it learns fast enough that the accuracy is

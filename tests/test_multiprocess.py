@@ -29,6 +29,8 @@ import time
 import numpy as np
 import pytest
 
+import fast_xla
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = os.path.join(REPO, 'launch', 'local.sh')
 QUICKSTART = os.path.join(REPO, 'gin_configs', 'runs', 'quickstart.gin')
@@ -110,7 +112,7 @@ def _env(work):
   env = dict(os.environ)
   env.update({
       'JAX_PLATFORMS': 'cpu',
-      'XLA_FLAGS': '--xla_backend_optimization_level=0',
+      'XLA_FLAGS': fast_xla.with_flags(),
       'JAX_COMPILATION_CACHE_DIR': os.path.join(work, 'jax_cache'),
       'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
       'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',

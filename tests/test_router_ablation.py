@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+import fast_xla
+
 from coda_jax import config as config_lib
 from coda_jax import offline_tasks
 
@@ -36,7 +38,7 @@ def _tool():
 def ablation(tmp_path_factory):
   out_dir = str(tmp_path_factory.mktemp('ablation'))
   env = dict(os.environ)
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0').strip()
+  env['XLA_FLAGS'] = fast_xla.with_flags(env.get('XLA_FLAGS', ''))
   command = [sys.executable, TOOL, '--steps', '4', '--backbone_steps', '3', '--seeds', '1',
              '--routers', ','.join(ROUTERS), '--reduction_factors', '3',
              '--out_dir', out_dir, '--gin.K_ANNEAL_FRACTION=0',

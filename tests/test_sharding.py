@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import fast_xla
 from jax.sharding import PartitionSpec as P
 
 from coda_jax import partitioning
@@ -140,8 +142,8 @@ def runs(tmp_path_factory):
   env = dict(os.environ)
   env.update({
       'JAX_PLATFORMS': 'cpu',
-      'XLA_FLAGS': (env.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
-                    ' --xla_backend_optimization_level=0').strip(),
+      'XLA_FLAGS': fast_xla.with_flags(env.get('XLA_FLAGS', '')
+                                       + ' --xla_force_host_platform_device_count=8'),
       'TF_CPP_MIN_LOG_LEVEL': '3',
       # Compiling the train steps is most of the runtime; reruns reuse it (the
       # cache key hashes the HLO and flags, so edits cannot hit stale entries).

@@ -2,7 +2,7 @@
 checkpoint written here, the offline task; kill + resume; NaN stop.
 
 The runs happen in one subprocess (this file run as a script) with XLA's CPU
-backend at optimisation level 0 and a compilation cache, so the three runs
+backend as `fast_xla` says and a compilation cache, so the three runs
 that compile the same steps compile them once; the tests read its JSON report
 and the files it left.
 """
@@ -15,6 +15,8 @@ import sys
 
 import numpy as np
 import pytest
+
+import fast_xla
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, 'gin_configs', 'runs', 'quickstart.gin')
@@ -185,7 +187,7 @@ def runs(tmp_path_factory):
   env = dict(os.environ)
   env.update({
       'JAX_PLATFORMS': 'cpu',
-      'XLA_FLAGS': (env.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0').strip(),
+      'XLA_FLAGS': fast_xla.with_flags(env.get('XLA_FLAGS', '')),
       'JAX_COMPILATION_CACHE_DIR': os.path.join(work, 'jax_cache'),
       'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
       'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
