@@ -9,7 +9,7 @@ import fast_xla
 
 def _texts(fn, *args):
   lowered = jax.jit(fn).lower(*args)
-  return lowered.as_text(), lowered.compile(fast_xla.DEFAULT_EMITTERS).as_text()
+  return lowered.as_text(), lowered.compile(fast_xla.default_emitters()).as_text()
 
 
 def _loop(unroll):

@@ -47,7 +47,7 @@ def test_routed_encoder_has_no_device_loop_and_no_token_scatter(attention, metho
   params = params_lib.init_params(model, jax.random.PRNGKey(0))
   lowered = _loss_fn(model, _tokens()).lower(params)
   assert hlo.count_ops(lowered.as_text(), 'stablehlo.while') == 0
-  assert _emb_shaped_scatters(lowered.compile(fast_xla.DEFAULT_EMITTERS).as_text()) == []
+  assert _emb_shaped_scatters(lowered.compile(fast_xla.default_emitters()).as_text()) == []
 
 
 def _scatter_form(monkeypatch):
@@ -65,7 +65,7 @@ def test_the_check_finds_the_scatter_form(monkeypatch):
   model = _model('k_to_all', 'iterative')
   params = params_lib.init_params(model, jax.random.PRNGKey(0))
   compiled = _loss_fn(model, _tokens()).lower(params).compile(
-      fast_xla.DEFAULT_EMITTERS).as_text()
+      fast_xla.default_emitters()).as_text()
   assert _emb_shaped_scatters(compiled), 'the scatter-add un-routing must be visible'
 
 
@@ -146,7 +146,7 @@ def test_ungather_equals_scatter_add_and_gradients_are_gathers():
       np.asarray(jax.grad(lambda v: jnp.sum(gy * routing.gather_tokens(v, idx)))(x)))
   for f in (lambda v: routing.ungather_tokens(v, idx, slots),):
     text = jax.jit(jax.grad(lambda v: jnp.sum(f(v) ** 2))).lower(y).compile(
-        fast_xla.DEFAULT_EMITTERS).as_text()
+        fast_xla.default_emitters()).as_text()
     assert hlo.scatters(text) == []
   with pytest.raises(ValueError, match='ungather_tokens expects'):
     routing.ungather_tokens(y[:, :3], idx, slots)
