@@ -106,16 +106,29 @@ def _gather_beams(tree: Any, beam_indices: Array, batch_size: int, old_beams: in
                   new_beams: int) -> Any:
   """Reorders `[batch * old_beams, ...]` leaves by `beam_indices [batch, new_beams]`.
 
-  One row gather per leaf (row `b * old_beams + beam` of the flat rows): a
-  TPU reads each kept row once, where `take_along_axis` over the beam axis
-  lowers to a select over all `old_beams` rows for every output row.
+  The cached keys and values (floating leaves of rank >= 3, finite): a
+  one-hot matmul over each example's beams, `[new, old] @ [old, ...]`, which
+  reads the cache once and writes it once in whatever layout it has. A TPU
+  keeps the cache batch-minor, where a row gather made the compiler copy it
+  to another layout and back (T5 v1.1 base, 4 beams, on v5e: 1.24 times the
+  step's byte floor; 1.05 with the matmul). The other leaves (tokens,
+  scores that may be -inf, flags): one row gather each (row
+  `b * old_beams + beam`; `take_along_axis` over the beam axis lowers to a
+  select over all `old_beams` rows for every output row).
   """
   rows = (beam_indices + old_beams * jnp.arange(batch_size)[:, None]).reshape(-1)
 
   def gather(path, x):
     if x.ndim == 0 or _is_beam_invariant(path):
       return x
-    return jnp.take(x, rows, axis=0, mode='clip')
+    if x.ndim < 3 or not jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.take(x, rows, axis=0, mode='clip')
+    one_hot = jax.nn.one_hot(beam_indices, old_beams, dtype=x.dtype)    # [b, new, old]
+    per_example = x.reshape((batch_size, old_beams) + x.shape[1:])
+    # HIGHEST: a float32 cache passes through a TPU's MXU unrounded.
+    out = jnp.einsum('bno,bo...->bn...', one_hot, per_example,
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.reshape((batch_size * new_beams,) + x.shape[1:])
   return jax.tree_util.tree_map_with_path(gather, tree)
 
 

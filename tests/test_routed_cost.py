@@ -144,21 +144,31 @@ def test_the_decoding_step_stays_near_its_floor(rows):
 
 # A step of beam search at the paper's batch, 128 sequences x 4 beams (512
 # rows, 8 cached positions; `decoding.beam_step`: a top-k per beam, then over
-# the 4 x 8 candidates) against its floor (the greedy step's without the
+# the 4 x 8 candidates, and the cache reordered by a one-hot matmul over
+# each example's beams) against its floor (the greedy step's without the
 # logits, which a fused top-k never writes, plus the reordered cache's
-# write): 1.143x measured (jax 0.10.2, libtpu 0.0.42.1); a top-k over all
-# 4 x 32128 log-probabilities written out in float32 moved 3.84x.
-MAX_BEAM_STEP_TRAFFIC_OVER_FLOOR = 1.155
+# write), at most these multiples (v5e; jax 0.10.2, libtpu 0.0.42.1):
+# - the small config (n 256): 1.143x measured; a top-k over all 4 x 32128
+#   log-probabilities written out in float32 moved 3.84x;
+# - T5 v1.1 base's widths, 2 decoder layers (n 384): 1.040x measured; the
+#   cache reordered by a row gather moved 1.261x (the TPU keeps the cache
+#   batch-minor, and the gather had it copied to another layout and back).
+BASE_WIDTH = dataclasses.replace(models.make_config('base', jnp.bfloat16),
+                                 num_encoder_layers=1, num_decoder_layers=2)
+MAX_BEAM_STEP_TRAFFIC_OVER_FLOOR = {'small': (CONFIG, LENGTH, 1.155),
+                                    'base_width': (BASE_WIDTH, 384, 1.10)}
 
 
-def test_a_beam_search_step_stays_near_its_floor():
-  [variant] = models.make_variants(CONFIG, CodaConfig(), [], [])
+@pytest.mark.parametrize('case', sorted(MAX_BEAM_STEP_TRAFFIC_OVER_FLOOR))
+def test_a_beam_search_step_stays_near_its_floor(case):
+  config, length, most = MAX_BEAM_STEP_TRAFFIC_OVER_FLOOR[case]
+  [variant] = models.make_variants(config, CodaConfig(), [], [])
   pod = chips.parse_pod(variant_costs.ONE_CHIP['v5e'])
-  step = variant_costs.decode_step_row(variant, pod, 128, LENGTH, 8, jnp.bfloat16,
+  step = variant_costs.decode_step_row(variant, pod, 128, length, 8, jnp.bfloat16,
                                        num_beams=4)
   floor = step.floor_bytes
   assert 'logits' not in floor and floor['beam_reorder'] > 0 and step.loops == 0
-  assert floor['total'] <= step.hbm_traffic <= MAX_BEAM_STEP_TRAFFIC_OVER_FLOOR * floor['total'], (
+  assert floor['total'] <= step.hbm_traffic <= most * floor['total'], (
       step.hbm_traffic / floor['total'])
   assert 1.0 <= step.flops / step.model_flops <= MAX_STEP_FLOPS_OVER_ANALYTIC
 
