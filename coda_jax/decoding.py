@@ -16,6 +16,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from coda_jax import beam_attention
 from coda_jax.validation import positive_int
 
 Array = jax.Array
@@ -30,6 +31,9 @@ EOS_ID = 1
 CROSS_KV_CACHE = ('cached_cross_key', 'cached_cross_value')
 CROSS_KV_READY = 'cross_kv_ready'
 BEAM_INVARIANT_CACHE = CROSS_KV_CACHE + (CROSS_KV_READY,)
+# The self-attention cache: reordered to follow the beams, unless the cache
+# is addressed by slot (`beam_attention.SLOTS`), which it then never is.
+SELF_KV_CACHE = ('cached_key', 'cached_value')
 
 
 def temperature_sample(cache: Cache,
@@ -114,12 +118,20 @@ def _gather_beams(tree: Any, beam_indices: Array, batch_size: int, old_beams: in
   step's byte floor; 1.05 with the matmul). The other leaves (tokens,
   scores that may be -inf, flags): one row gather each (row
   `b * old_beams + beam`; `take_along_axis` over the beam axis lowers to a
-  select over all `old_beams` rows for every output row).
+  select over all `old_beams` rows for every output row). A cache addressed
+  by slot (`beam_attention.SLOTS`, as `init_decode_cache` makes it for beam
+  search) keeps its keys and values where they are: only the slots of the
+  surviving beams are gathered.
   """
   rows = (beam_indices + old_beams * jnp.arange(batch_size)[:, None]).reshape(-1)
+  by_slot = beam_attention.SLOTS in {getattr(path[-1], 'key', None) for path, _ in
+                                     jax.tree_util.tree_flatten_with_path(tree)[0] if path}
 
   def gather(path, x):
-    if x.ndim == 0 or _is_beam_invariant(path):
+    name = getattr(path[-1], 'key', None) if path else None
+    if name == beam_attention.SLOTS:        # [batch, beams, length]: the survivors' rows
+      return jnp.take_along_axis(x, beam_indices[:, :, None], axis=1)
+    if x.ndim == 0 or _is_beam_invariant(path) or (by_slot and name in SELF_KV_CACHE):
       return x
     if x.ndim < 3 or not jnp.issubdtype(x.dtype, jnp.floating):
       return jnp.take(x, rows, axis=0, mode='clip')
@@ -244,9 +256,12 @@ def beam_search(cache: Cache,
                 decoder_start_id: int = DECODER_START_ID) -> Tuple[Array, Array]:
   """Beam search with t5x's length penalty.
 
-  `cache` and `tokens_to_logits` work on `batch * num_beams` rows (use
-  `expand_to_beams`). A hypothesis' score is its log-probability divided by
-  `brevity_penalty(alpha, length)`, EOS included in the length. Candidates
+  `tokens_to_logits` works on `batch * num_beams` rows, the beams of an
+  example adjacent; so does `cache`, but for its cross-attention keys/values
+  (`BEAM_INVARIANT_CACHE`), which may be per example (`init_decode_cache`
+  with `num_beams`) or per row (`expand_to_beams`). A hypothesis' score is
+  its log-probability divided by `brevity_penalty(alpha, length)`, EOS
+  included in the length. Candidates
   that end are kept only when they rank within the best `num_beams` of the
   step (HF's rule), so one beam with `alpha=0` is exactly greedy decoding.
 
@@ -286,31 +301,43 @@ def sequence_score(log_prob: Array, sequences: Array, alpha: float,
 
 
 def init_decode_cache(model, params, encoded: Array, encoder_input_tokens: Array,
-                      max_decode_length: int) -> Cache:
+                      max_decode_length: int, num_beams: int = 1) -> Cache:
   """Decoder cache for `max_decode_length` steps, cross-attention K/V prefilled.
 
-  The self-attention cache is zeros built from shapes only. With the model's
-  `cache_cross_kv` (the default) the cross-attention keys/values of `encoded`
-  are computed here, once, by a one-token pass whose other outputs XLA drops,
-  and stored without the `cross_kv_ready` flag, so the decoding loop only reads
-  them (no branch, no projection inside the loop).
+  The self-attention cache is zeros built from shapes only, `batch *
+  num_beams` rows (beam search's beams of an example adjacent). With the
+  model's `cache_cross_kv` (the default) the cross-attention keys/values of
+  `encoded [batch, n, emb]` are computed here, once per example (not per
+  beam), by a one-token pass whose other outputs XLA drops, and stored without
+  the `cross_kv_ready` flag, so the decoding loop only reads them (no branch,
+  no projection inside the loop).
   """
   batch = encoder_input_tokens.shape[0]
+  beams = positive_int(num_beams, 'num_beams')
 
-  def init(enc, tokens, length):
-    dummy = jnp.ones((batch, length), jnp.int32)
+  def init(enc, tokens, length, rows):
+    dummy = jnp.ones((rows, length), jnp.int32)
     _, variables = model.apply(
         {'params': params}, enc, tokens, dummy, dummy, enable_dropout=False,
         decode=True, max_decode_length=max_decode_length, mutable=['cache'],
         method=model.decode)
     return flax.traverse_util.flatten_dict(flax.core.unfreeze(variables['cache']))
 
-  shapes = jax.eval_shape(functools.partial(init, length=max_decode_length), encoded,
-                          encoder_input_tokens)
+  shapes = jax.eval_shape(functools.partial(init, length=max_decode_length,
+                                            rows=batch * beams),
+                          encoded, encoder_input_tokens)
   cache = {path: jnp.zeros(s.shape, s.dtype) for path, s in shapes.items()
            if path[-1] != CROSS_KV_READY}
+  heads = model.config.num_heads
+  # Beam search addresses the self-attention cache by slot where that moves
+  # fewer bytes than reordering it (`beam_attention.by_slot`).
+  cache.update({path[:-1] + (beam_attention.SLOTS,): jnp.zeros((batch, beams, s.shape[-1]),
+                                                               jnp.int32)
+                for path, s in shapes.items()
+                if path[-1] == 'cached_key' and beams > 1 and beam_attention.by_slot(
+                    beams, heads, s.shape[1], s.shape[2], s.dtype.itemsize)})
   if any(path[-1] == CROSS_KV_READY for path in shapes):
-    prefill = init(encoded, encoder_input_tokens, 1)
+    prefill = init(encoded, encoder_input_tokens, 1, batch)
     cache.update({path: value for path, value in prefill.items()
                   if path[-1] in CROSS_KV_CACHE})
   return flax.traverse_util.unflatten_dict(cache)
@@ -363,9 +390,10 @@ def predict_batch(model, params, encoder_input_tokens: Array, *,
         cache, step, batch_size=batch, max_decode_len=max_decode_length, eos_id=eos_id,
         temperature=0.0 if method == 'greedy' else temperature, topk=topk, rng=rng)
   if method == 'beam':
-    encoded = expand_to_beams(encoded, num_beams)
-    tokens = expand_to_beams(tokens, num_beams)
-    cache = init_decode_cache(model, params, encoded, tokens, max_decode_length)
+    # The beams of an example share its encoder output and cross-attention
+    # keys/values, read once per step for all of them (`layers.
+    # MultiHeadDotProductAttention`: the beams attend as one example's queries).
+    cache = init_decode_cache(model, params, encoded, tokens, max_decode_length, num_beams)
     step = make_tokens_to_logits(model, params, encoded, tokens, max_decode_length)
     return beam_search(cache, step, batch_size=batch, max_decode_len=max_decode_length,
                        num_beams=num_beams, alpha=alpha, eos_id=eos_id)

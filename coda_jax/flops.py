@@ -218,14 +218,14 @@ def end_to_end_speedup_bound(config: T5Config, n_in: int, n_out: int,
                              cross_kv_cached: bool = True, num_beams: int = 1) -> float:
   """MACs(parallel adapter) / MACs(CoDA) of decoding `n_out` tokens.
 
-  Greedy by default; beam search (`num_beams` > 1) runs the decoder and the
-  cross-attention key/value projections on `num_beams` rows per example, the
-  encoder on one, so more beams bring the bound closer to 1.
+  Greedy by default; beam search (`num_beams` > 1) runs the decoder on
+  `num_beams` rows per example, the encoder and the cross-attention
+  key/value projections on one, so more beams bring the bound closer to 1.
   """
   num_beams = positive_int(num_beams, 'num_beams')
 
   def total(macs):
-    return macs['encoder'] + num_beams * (macs['cross_kv'] + macs['decoder'])
+    return macs['encoder'] + macs['cross_kv'] + num_beams * macs['decoder']
 
   coda = end_to_end_macs(config, n_in, n_out, variant=_coda_variant(attention),
                          reduction_factor=reduction_factor, adapter_dim=adapter_dim,
@@ -366,7 +366,8 @@ def acm_decoding_speedup_bounds(config: T5Config, acm: AcmConfig, n_in: int, n_o
   The encoder's FFNs run `acm_ffn_fraction` of the dense work on its
   batch_size · n_in tokens (`acm_encoder_layer_macs`); each decoding
   step's on its batch_size · num_beams tokens; every ACM adds its gate
-  (d·g + g·g + g·(N + 1) per token). Attention, the cross-attention K/V and
+  (d·g + g·g + g·(N + 1) per token). Attention, the cross-attention K/V (once
+  per example) and
   the logits are dense in both. Greedy: num_beams = 1.
 
   Returns:
@@ -390,8 +391,8 @@ def acm_decoding_speedup_bounds(config: T5Config, acm: AcmConfig, n_in: int, n_o
     if acm.replaces('mlp', 'decoder'):
       acm_dec += step['mlp'] * (dec_frac - 1.0) + config.num_decoder_layers * gate
   cross = cross_kv_macs(config, n_in)
-  dense_e2e = dense_enc + beams * (cross + dense_dec)
-  acm_e2e = acm_enc + beams * (cross + acm_dec)
+  dense_e2e = dense_enc + cross + beams * dense_dec
+  acm_e2e = acm_enc + cross + beams * acm_dec
   return {'encoder': dense_enc / acm_enc, 'decoder': dense_dec / acm_dec,
           'end_to_end': dense_e2e / acm_e2e, 'encoder_ffn_fraction': enc_frac,
           'decoder_ffn_fraction': dec_frac}

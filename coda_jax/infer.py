@@ -293,13 +293,13 @@ class Predictor:
   def _prefill_fn(self, params, encoded, tokens):
     with partitioning.axis_rules(self.trainer.rules):
       return decoding_lib.init_decode_cache(self.model, params, encoded, tokens,
-                                            self.max_decode_length)
+                                            self.max_decode_length, self._beams)
 
   def lower_prefill(self, batch_size: int, input_length: int, param_dtype: Any = None):
     """The decoder cache the loop starts from, on its own
     (`decoding.init_decode_cache`): every decoder layer's cross-attention
-    keys/values of the encoder output `[rows, n, emb]`, once per sequence,
-    and the empty self-attention cache."""
+    keys/values of the encoder output `[batch, n, emb]`, once per example,
+    and the empty self-attention cache (batch x beams rows)."""
     params, encoded, tokens, *_ = self.decode_step_arguments(batch_size, input_length,
                                                              param_dtype)
     jitted = partitioning.on_mesh(jax.jit(self._prefill_fn), self.mesh)
@@ -317,21 +317,27 @@ class Predictor:
                                                 self.max_decode_length)
       return decoding_lib.beam_step(beams, step, self.alpha, decoding_lib.EOS_ID)
 
+  @property
+  def _beams(self) -> int:
+    """Decoder rows per example: beam search's beams, else 1."""
+    return self.num_beams if self.method == 'beam' else 1
+
   def decode_step_arguments(self, batch_size: int, input_length: int,
                             param_dtype: Any = None) -> Tuple[Any, ...]:
     """What one decoding step takes, as sharded shapes: params, the encoder
-    output [rows, n, emb], its tokens [rows, n], then the loop's state:
-    greedy, the token [rows, 1] and the decoder cache; beam search, its
-    `decoding.Beams` (the hypotheses [batch, beams, ...] and the cache).
-    Rows (batch x beams with beam search) split over `data`."""
-    beams = self.num_beams if self.method == 'beam' else 1
+    output [batch, n, emb], its tokens [batch, n], then the loop's state:
+    greedy, the token [batch, 1] and the decoder cache; beam search, its
+    `decoding.Beams` (the hypotheses [batch, beams, ...] and the cache: the
+    self-attention's batch x beams rows, the cross-attention keys/values
+    once per example). Rows split over `data`."""
+    beams = self._beams
     rows = batch_size * beams
-    tokens = jax.ShapeDtypeStruct((rows, input_length), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((batch_size, input_length), jnp.int32)
     params = self.trainer.param_shapes
     encoded = jax.eval_shape(self._encode_fn, params, tokens)
     cache = jax.eval_shape(
         lambda p, e, t: decoding_lib.init_decode_cache(self.model, p, e, t,
-                                                       self.max_decode_length),
+                                                       self.max_decode_length, beams),
         params, encoded, tokens)
     as_rows = lambda s: self._rows(s.shape, s.dtype)
     head = (self.abstract_params(param_dtype), as_rows(encoded), as_rows(tokens))

@@ -27,6 +27,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from coda_jax import beam_attention
 from coda_jax.config import LORA_AXIS
 from coda_jax.kernels import decode_attention as decode_kernel
 from coda_jax.kernels import mlp as mlp_kernel
@@ -274,7 +275,9 @@ class MultiHeadDotProductAttention(nn.Module):
                query_token_mask: Optional[Array] = None,
                kv_token_mask: Optional[Array] = None,
                mask_is_padding: bool = False) -> Array:
-    """Attends from `inputs_q [batch, q_len, emb]` to `inputs_kv [batch, kv_len, emb]`.
+    """`inputs_q [batch, q_len, emb]` attending to `inputs_kv [batch, kv_len, emb]`
+    -> `[batch, q_len, emb]` (beam search's cross-attention: `beams` rows of
+    `inputs_q` per row of `inputs_kv`, attending as `beams * q_len` queries).
 
     Four steps: project (queries; keys/values, or the cross-attention cache),
     extend the self-attention cache while decoding, the additive bias (mask,
@@ -297,9 +300,6 @@ class MultiHeadDotProductAttention(nn.Module):
       mask_is_padding: `mask` is `make_attention_mask(query_token_mask,
         kv_token_mask)` (no causal or segment part), so the fused kernel may
         compute it from the token masks (`_check_kernel_call`).
-
-    Returns:
-      `[batch, q_len, emb]`.
     """
     for name in ('attention_kernel', 'decode_kernel'):
       if getattr(self, name) not in _FORMULATIONS:
@@ -313,24 +313,33 @@ class MultiHeadDotProductAttention(nn.Module):
                                    deterministic)
     query, key, value, kv_layout = self._project_qkv(
         inputs_q, inputs_kv, cache_kv, query_token_mask, kv_token_mask, deterministic)
-    if kv_layout == 'heads_major' and self.decode_kernel == 'pallas' and query.shape[1] == 1:
+    rows, q_len = query.shape[:2]
+    if rows != key.shape[0] and not decode:  # beam search's beams, per example
+      query, mask = beam_attention.queries_per_example(query, mask, key.shape[0])
+    if kv_layout == 'heads_major' and self.decode_kernel == 'pallas' and q_len == 1:
       x = self._decode_attention(query, key, value, mask, bias, kv_token_mask, deterministic)
-      return self._output(x, inputs_q.shape[-1], query_token_mask, deterministic)
+      return self._output(beam_attention.rows_per_example(x, rows), inputs_q.shape[-1],
+                          query_token_mask, deterministic)
+    slots = None
     if decode:
-      key, value, mask, cur_index = self._update_self_attention_cache(key, value, mask)
+      key, value, mask, cur_index, slots = self._update_self_attention_cache(key, value, mask)
       if cur_index is not None and query_positions is None:
         query_positions = cur_index[None]
     kv_len = key.shape[-1] if kv_layout == 'heads_major' else key.shape[1]
     attention_bias = self._attention_bias(mask, bias, query_positions, key_positions,
                                           query.shape[1], kv_len)
-    dropout_rng = None
-    if not deterministic and self.dropout_rate > 0.:
-      dropout_rng = self.make_rng('dropout')
-    x = dot_product_attention(
-        query, key, value, bias=attention_bias, dropout_rng=dropout_rng,
-        dropout_rate=self.dropout_rate, deterministic=deterministic,
-        dtype=self.dtype, float32_logits=self.float32_logits, kv_layout=kv_layout)
-    return self._output(x, inputs_q.shape[-1], query_token_mask, deterministic)
+    if slots is not None:  # beam search's cache, addressed by slot
+      x = beam_attention.slot_attention(query, key, value, attention_bias, slots,
+                                        self.dtype, self.float32_logits)
+    else:
+      dropout_rng = (self.make_rng('dropout')
+                     if not deterministic and self.dropout_rate > 0. else None)
+      x = dot_product_attention(
+          query, key, value, bias=attention_bias, dropout_rng=dropout_rng,
+          dropout_rate=self.dropout_rate, deterministic=deterministic,
+          dtype=self.dtype, float32_logits=self.float32_logits, kv_layout=kv_layout)
+    return self._output(beam_attention.rows_per_example(x, rows), inputs_q.shape[-1],
+                        query_token_mask, deterministic)
 
   def _check_kernel_call(self, decode: bool, cache_kv: bool, mask: Optional[Array],
                          bias: Optional[Array], mask_is_padding: bool, deterministic: bool,
@@ -391,9 +400,12 @@ class MultiHeadDotProductAttention(nn.Module):
                         bias: Optional[Array], kv_token_mask: Optional[Array],
                         deterministic: bool) -> Array:
     """A decoding step's cross-attention through `decode_kernel.decode_attention`:
-    `query [b, 1, heads, head_dim]` over the cached 'heads_major' keys and
-    values, masked by the encoder's padding, `kv_token_mask` (`mask` is its
-    attention mask, as `Transformer.decode` makes it while decoding)."""
+    `query [b, beams, heads, head_dim]` (one query per row, `beams` rows per
+    example in beam search) over the cached 'heads_major' keys and values,
+    masked by the encoder's padding, `kv_token_mask` (`mask` is its attention
+    mask, as `Transformer.decode` makes it while decoding). The kernel sees a
+    row of `beams * heads` query heads, kv head k's `beams * groups` of them
+    together."""
     why = []
     if mask is not None and kv_token_mask is None:
       why.append('a mask without the encoder\'s token mask (kv_token_mask)')
@@ -406,10 +418,14 @@ class MultiHeadDotProductAttention(nn.Module):
     if why:
       raise ValueError(f"decode_kernel='pallas' cannot compute this attention: "
                        f"{', '.join(why)}; use 'xla'")
-    x = decode_kernel.decode_attention(query[:, 0], key, value,
+    b, beams, heads, dim = query.shape
+    kv_heads = key.shape[1]
+    query = query.reshape(b, beams, kv_heads, heads // kv_heads, dim).swapaxes(1, 2)
+    x = decode_kernel.decode_attention(query.reshape(b, beams * heads, dim), key, value,
                                        None if mask is None else kv_token_mask,
                                        interpret=self.kernel_interpret)
-    return x[:, None]
+    x = x.reshape(b, kv_heads, beams, heads // kv_heads, dim).swapaxes(1, 2)
+    return x.reshape(b, beams, heads, dim)
 
   def _project_qkv(self, inputs_q: Array, inputs_kv: Array, cache_kv: bool,
                    query_token_mask: Optional[Array] = None,
@@ -509,7 +525,9 @@ class MultiHeadDotProductAttention(nn.Module):
     """Writes one step's key/value into t5x's cache.
 
     Returns the full cached keys/values, the mask extended with causality over
-    the cache, and the index of the step written (None on the init pass).
+    the cache, the index of the step written (None on the init pass) and,
+    where beam search addresses the cache by slot (`beam_attention.SLOTS` in
+    the cache), the slots with this step's written, else None.
     """
     # t5x's TPU-friendly layout: [batch, kv_heads, head_dim, length].
     swap = lambda x: x[:-3] + tuple(x[i] for i in (-2, -1, -3))
@@ -521,7 +539,7 @@ class MultiHeadDotProductAttention(nn.Module):
     if not initialized:
       # The init pass (called with the full decoder length) only creates the
       # cache; attention runs over the inputs as given.
-      return key, value, mask, None
+      return key, value, mask, None, None
     batch, num_kv_heads, head_dim, length = cached_key.value.shape
     if key.shape != (batch, 1, num_kv_heads, head_dim):
       raise ValueError('autoregressive cache expects one token per step, shaped '
@@ -535,12 +553,17 @@ class MultiHeadDotProductAttention(nn.Module):
     cached_value.value = lax.dynamic_update_slice(cached_value.value, one_value,
                                                   (zero, zero, zero, cur_index))
     cache_index.value = cur_index + 1
+    slots = None
+    if self.has_variable('cache', beam_attention.SLOTS):
+      slots = self.variable('cache', beam_attention.SLOTS)
+      slots.value = beam_attention.write_slot(slots.value, cur_index)
+      slots = slots.value
     key = jnp.moveaxis(cached_key.value, -1, 1)
     value = jnp.moveaxis(cached_value.value, -1, 1)
     causal = (jnp.arange(length) <= cur_index)[None, None, None, :]
     causal = jnp.broadcast_to(causal, (batch, 1, 1, length))
     mask = causal if mask is None else jnp.logical_and(mask > 0, causal)
-    return key, value, mask, cur_index
+    return key, value, mask, cur_index, slots
 
 
 class RMSNorm(nn.Module):

@@ -99,6 +99,18 @@ def _adapter(config: T5Config, coda: CodaConfig, name: str, sequential: bool = F
              scale=coda.adapter_scale, dtype=config.dtype, name=name)
 
 
+def _beams(decoder_rows: int, encoder_rows: int, decode: bool) -> int:
+  """Decoder rows per encoder row: 1, or while decoding beam search's beams
+  (`decoding.predict_batch` keeps the encoder output and the cross-attention
+  keys/values per example)."""
+  if decoder_rows == encoder_rows:
+    return 1
+  if not decode or decoder_rows % encoder_rows:
+    raise ValueError(f'{decoder_rows} decoder rows for {encoder_rows} encoder rows: they '
+                     'must be equal, or (decoding with beam search) a multiple')
+  return decoder_rows // encoder_rows
+
+
 def _relative_embedding(config: T5Config) -> layers.RelativePositionBiases:
   return layers.RelativePositionBiases(
       num_buckets=config.relative_attention_num_buckets,
@@ -404,8 +416,10 @@ class Decoder(nn.Module):
     cfg = self.config
     plan = None
     if decode and self.cache_cross_kv:
-      plan = plan_lib.resolve_decoder(cfg, self.acm, target=target.current(),
-                                      length=encoded.shape[1], batch=encoded.shape[0])
+      plan = plan_lib.resolve_decoder(
+          cfg, self.acm, target=target.current(), length=encoded.shape[1],
+          batch=encoded.shape[0],
+          beams=_beams(decoder_input_tokens.shape[0], encoded.shape[0], decode))
       plan_lib.note(plan)
       acm = plan_lib.with_acm_inference(self.acm, plan.acm)
     else:
@@ -509,10 +523,12 @@ class Transformer(nn.Module):
     decoder_target_tokens = decoder_target_tokens.astype(jnp.int32)
     encoder_real = layers.real_token_mask(encoder_input_tokens)
     target_real = layers.real_token_mask(decoder_target_tokens)
+    beams = _beams(decoder_input_tokens.shape[0], encoder_input_tokens.shape[0], decode)
     if decode:
       decoder_mask = None
       encoder_decoder_mask = layers.make_attention_mask(
-          jnp.ones_like(decoder_target_tokens), encoder_real, dtype=cfg.dtype)
+          jnp.ones_like(decoder_target_tokens), jnp.repeat(encoder_real, beams, axis=0),
+          dtype=cfg.dtype)
     else:
       decoder_mask = layers.make_decoder_mask(
           decoder_target_tokens, dtype=cfg.dtype, decoder_segment_ids=decoder_segment_ids)

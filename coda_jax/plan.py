@@ -535,19 +535,21 @@ class DecoderPlan:
 
 
 def resolve_decoder(config: T5Config, acm: Optional[AcmConfig] = None, *, target: Target,
-                    length: int, batch: int) -> DecoderPlan:
+                    length: int, batch: int, beams: int = 1) -> DecoderPlan:
   """The plan of a decoding step compiled for `target` over `length` encoder
-  positions and `batch` decoder rows (`network.Decoder` resolves it while
-  decoding with the cross-attention cache)."""
-  n, rows = int(length), int(batch)
+  positions, `batch` rows of cross-attention keys/values and `beams` decoder
+  rows for each (beam search; the kernel's rows then hold `beams * heads`
+  query heads). `network.Decoder` resolves it while decoding with the
+  cross-attention cache."""
+  n, rows = int(length), int(batch) * int(beams)
   rules = _Resolver(target, None, 1.0, n)
   blockers = []
   if config.float32_attention_logits:
     blockers.append('float32 attention logits')
   if acm is not None and acm.replaces('attention', 'decoder'):
     blockers.append('an ACM attention')
-  if not decode_attention_kernel.supported(rows, config.num_heads, config.kv_heads,
-                                           config.head_dim, n, config.dtype):
+  if not decode_attention_kernel.supported(int(batch), int(beams) * config.num_heads,
+                                           config.kv_heads, config.head_dim, n, config.dtype):
     blockers.append(f'its blocks do not fit {tpu_blocks.VMEM_BUDGET} B of VMEM')
   choice, why = rules.choose(DECODE_ATTENTION, config.decode_attention_kernel, blockers)
   reasons = [(DECODE_ATTENTION, f'{choice}: {why}')]

@@ -194,7 +194,8 @@ FLOP_CONFIG = T5Config(vocab_size=10, emb_dim=4, num_heads=2, num_kv_heads=1, he
 
 def test_beam_bound_by_hand():
   bound = flops.end_to_end_speedup_bound(FLOP_CONFIG, 6, 2, 4, 'k_to_all', 2, num_beams=3)
-  assert bound == (2640 + 3 * (144 + 652)) / (1248 + 3 * (144 + 652))
+  # The beams share their example's cross K/V (144): the decoder (652) runs per beam.
+  assert bound == (2640 + 144 + 3 * 652) / (1248 + 144 + 3 * 652)
   with pytest.raises(ValueError, match='num_beams'):
     flops.end_to_end_speedup_bound(FLOP_CONFIG, 6, 2, 4, 'k_to_all', 2, num_beams=0)
 

@@ -194,3 +194,48 @@ def test_hbm_traffic_of_a_kernel_is_its_declared_bytes_in_the_share_it_has_in_hb
     text = kernel.replace('DECLARED', str(declared)).split(' = ', 1)[1]
     # HBM: a and the result (2 of the 3 arrays), VMEM: b.
     assert hlo_costs.op_hbm_bytes(text, instructions) == expected, declared
+
+
+# A cache updated in place, and a weight prefetched across runs: the
+# cross-program prefetch at the start, and again at the end for the next
+# run (its copy-done read by nothing), as memory-space assignment writes it.
+_IN_PLACE_AND_NEXT_RUN = '''HloModule m, entry_computation_layout={(bf16[64,1024]{1,0}, bf16[64,1]{1,0}, s32[], bf16[256,128]{1,0}, bf16[8,256]{1,0})->(bf16[64,1024]{1,0}, bf16[8,128]{1,0})}
+
+ENTRY %main (cache: bf16[64,1024], new: bf16[64,1], i: s32[], w: bf16[256,128], x: bf16[8,256]) -> (bf16[64,1024], bf16[8,128]) {
+  %cache = bf16[64,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %new = bf16[64,1]{1,0:T(8,128)(2,1)} parameter(1)
+  %i = s32[]{:T(128)} parameter(2)
+  %w = bf16[256,128]{1,0:T(8,128)(2,1)} parameter(3)
+  %x = bf16[8,256]{1,0:T(8,128)(2,1)} parameter(4)
+  %zero = s32[]{:T(128)} constant(0)
+  %copy-start = (bf16[256,128]{1,0:T(8,128)(2,1)S(1)}, bf16[256,128]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%w), cross_program_prefetch_index=0
+  %copy-done = bf16[256,128]{1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start)
+  %dot = bf16[8,128]{1,0:T(8,128)(2,1)} dot(%x, %copy-done), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %dynamic-update-slice = bf16[64,1024]{1,0:T(8,128)(2,1)} dynamic-update-slice(%cache, %new, %zero, %i)
+  %copy-start.1 = (bf16[256,128]{1,0:T(8,128)(2,1)S(1)}, bf16[256,128]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%w)
+  %copy-done.1 = bf16[256,128]{1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start.1)
+  ROOT %tuple = (bf16[64,1024]{1,0:T(8,128)(2,1)}, bf16[8,128]{1,0:T(8,128)(2,1)}) tuple(%dynamic-update-slice, %dot)
+}
+'''
+
+
+def test_hbm_traffic_of_an_in_place_update_and_a_prefetch_for_the_next_run():
+  """A dynamic-update-slice runs in place: the update read and written
+  (tiled: [64, 1] fills 64 x 128 lanes), not the whole cache. The weight is
+  read once per run: the end-of-program prefetch serves the next run, whose
+  own start-of-program prefetch it replaces. The dot reads x from HBM, the
+  weight from VMEM, and writes its result."""
+  from coda_jax.compile import hlo_costs
+  instructions, computations = hlo.parse_hlo(_IN_PLACE_AND_NEXT_RUN)
+  update, weight, x, out = 64 * 128 * 2, 256 * 128 * 2, 8 * 256 * 2, 8 * 128 * 2
+  assert hlo_costs.op_hbm_bytes(instructions['dynamic-update-slice'], instructions,
+                                computations) == 2 * update
+  assert hlo_costs.op_hbm_bytes(instructions['copy-start'], instructions) == weight
+  assert hlo_costs.op_hbm_bytes(instructions['copy-start.1'], instructions) == weight
+  assert hlo_costs.hbm_bytes(_IN_PLACE_AND_NEXT_RUN) == 2 * update + weight + x + out
+  # Read by anything, the second prefetch is a second read.
+  used = _IN_PLACE_AND_NEXT_RUN.replace('tuple(%dynamic-update-slice, %dot)',
+                                        'tuple(%dynamic-update-slice, %copy-done.1)')
+  used = used.replace('bf16[8,128]{1,0:T(8,128)(2,1)}) tuple',
+                      'bf16[256,128]{1,0:T(8,128)(2,1)S(1)}) tuple')
+  assert hlo_costs.hbm_bytes(used) == 2 * update + 2 * weight + x + out

@@ -531,3 +531,11 @@ def test_decode_step_floor_counts_what_one_step_must_move():
                    'cross_kv': float(rows * n * kv), 'self_cache': float(rows * (steps + 1) * kv),
                    'logits': 2.0 * rows * v, 'total': floor['total']}
   assert floor['total'] == sum(v for k, v in floor.items() if k != 'total')
+  # Beam search, 2 beams per example (rows = batch x beams): the beams share
+  # their example's cross K/V; no logits written, no cache reordered.
+  beam = programs.decode_step_floor(Transformer(config), rows, n, steps, np.dtype('bfloat16'),
+                                    num_beams=2)
+  assert beam == {'weights': floor['weights'], 'embeddings': floor['embeddings'],
+                  'cross_kv': float(rows // 2 * n * kv), 'self_cache': floor['self_cache'],
+                  'total': beam['total']}
+  assert beam['total'] == sum(v for k, v in beam.items() if k != 'total')

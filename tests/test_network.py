@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coda_jax import beam_attention
 from coda_jax import decoding
 from coda_jax import layers
 from coda_jax import relpos
@@ -433,3 +434,50 @@ def test_relative_position_bias_per_row_equals_the_shared_one():
   per_row = rel.apply(variables, jnp.stack([q, q]), kv)
   assert shared.shape == (1, 3, 40, 300) and per_row.shape == (2, 3, 40, 300)
   np.testing.assert_array_equal(np.asarray(per_row), np.broadcast_to(shared, per_row.shape))
+
+
+@pytest.mark.parametrize('kv_heads,by_slot', [(4, True), (2, True), (1, False)])
+@pytest.mark.parametrize('cache_cross_kv', [True, False])
+def test_beam_search_shares_what_the_beams_of_an_example_can(kv_heads, by_slot,
+                                                             cache_cross_kv):
+  """`predict_batch`'s beam search keeps one encoder output and one set of
+  cross-attention keys/values per example, the beams attending as its
+  queries, and (where `beam_attention.by_slot`: 4 query heads of 8 over 4
+  or 2 key/value heads, not over 1) never reorders its self-attention
+  cache, attending through each beam's slots instead: the same hypotheses
+  and scores as the per-beam-row form (the encoder output repeated for each
+  beam, as t5x expands it, and the cache reordered at every step); a cache
+  of batch rows for the cross K/V and batch x beams for the self-attention."""
+  model = Transformer(tiny_config(num_kv_heads=kv_heads), cache_cross_kv=cache_cross_kv)
+  enc, dec_in, tgt = batch(1)
+  params = flax.core.unfreeze(init(model, enc, dec_in, tgt, seed=1)['params'])
+  params['decoder']['logits_dense']['kernel'] = (
+      params['decoder']['logits_dense']['kernel'].at[:, decoding.EOS_ID].add(0.3))
+  b, k, length = enc.shape[0], 3, 8
+  encoded = model.apply({'params': params}, enc, enable_dropout=False, method=model.encode)
+  got = decoding.predict_batch_jit(model, params, enc, max_decode_length=length,
+                                   method='beam', num_beams=k)
+  cache = decoding.init_decode_cache(model, params, encoded, enc, length, num_beams=k)
+  shapes = {path[-2:]: v.shape for path, v in flatten_dict(flax.core.unfreeze(cache)).items()}
+  assert shapes[('self_attention', 'cached_key')][0] == b * k
+  assert by_slot == beam_attention.by_slot(k, 4, kv_heads, 8, 4)
+  assert shapes.get(('self_attention', beam_attention.SLOTS)) == ((b, k, length) if by_slot
+                                                                  else None)
+  assert (shapes.get(('encoder_decoder_attention', 'cached_cross_key'), (b,))[0] == b)
+  assert bool(shapes.get(('encoder_decoder_attention', 'cached_cross_key'))) == cache_cross_kv
+
+  @jax.jit
+  def per_row(params, enc, encoded):
+    encoded, enc = decoding.expand_to_beams((encoded, enc), k)
+    cache = decoding.init_decode_cache(model, params, encoded, enc, length)
+    step = decoding.make_tokens_to_logits(model, params, encoded, enc, length)
+    return decoding.beam_search(cache, step, batch_size=b, max_decode_len=length,
+                                num_beams=k)
+  want = per_row(params, enc, encoded)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-5)
+  assert len({tuple(s) for s in np.asarray(got[0]).reshape(-1, length)}) > b  # beams differ
+  with pytest.raises(ValueError, match='6 decoder rows for 4 encoder rows'):
+    model.apply({'params': params, 'cache': cache}, encoded[:1].repeat(4, 0),
+                enc[:1].repeat(4, 0), dec_in[:, :1].repeat(2, 0), dec_in[:, :1].repeat(2, 0),
+                enable_dropout=False, decode=True, mutable=['cache'], method=model.decode)

@@ -111,8 +111,9 @@ def test_routed_encoder_bytes_stay_within_the_committed_ratio(request, attention
 # floor (`programs.decode_step_floor`: the decoder's weights, the cross K/V
 # and the cache read once, the new keys/values and logits written), v5e, its
 # cross-attention the plan's kernel (`kernels.decode_attention`). Its HBM
-# traffic (`hlo_costs.hbm_bytes`): 1.052x measured (jax 0.10.2, libtpu
-# 0.0.42.1), held at 1.15x, the most the step may move. The compiler's own
+# traffic (`hlo_costs.hbm_bytes`): 1.048x measured (jax 0.10.2, libtpu
+# 0.0.42.1; 1.052x before the count took a dynamic-update-slice in place),
+# held at 1.15x, the most the step may move. The compiler's own
 # `bytes accessed`: 3.63x (4.67x before the kernel), bounded with 1% for
 # another libtpu; most of its excess is what it counts for prefetching the
 # weights into VMEM (the async slices' and copies' reads and writes, then the
@@ -144,19 +145,18 @@ def test_the_decoding_step_stays_near_its_floor(rows):
 
 # A step of beam search at the paper's batch, 128 sequences x 4 beams (512
 # rows, 8 cached positions; `decoding.beam_step`: a top-k per beam, then over
-# the 4 x 8 candidates, and the cache reordered by a one-hot matmul over
-# each example's beams) against its floor (the greedy step's without the
-# logits, which a fused top-k never writes, plus the reordered cache's
-# write), at most these multiples (v5e; jax 0.10.2, libtpu 0.0.42.1):
-# - the small config (n 256): 1.143x measured; a top-k over all 4 x 32128
+# the 4 x 8 candidates; the beams of an example sharing its cross K/V, and
+# attending through their slots of a cache that is never reordered,
+# `beam_attention`) against its floor (the greedy step's without the logits,
+# which a fused top-k never writes), at most these multiples (v5e; jax
+# 0.10.2, libtpu 0.0.42.1):
+# - the small config (n 256): 1.098x measured; a top-k over all 4 x 32128
 #   log-probabilities written out in float32 moved 3.84x;
-# - T5 v1.1 base's widths, 2 decoder layers (n 384): 1.040x measured; the
-#   cache reordered by a row gather moved 1.261x (the TPU keeps the cache
-#   batch-minor, and the gather had it copied to another layout and back).
+# - T5 v1.1 base's widths, 2 decoder layers (n 384): 1.067x measured.
 BASE_WIDTH = dataclasses.replace(models.make_config('base', jnp.bfloat16),
                                  num_encoder_layers=1, num_decoder_layers=2)
-MAX_BEAM_STEP_TRAFFIC_OVER_FLOOR = {'small': (CONFIG, LENGTH, 1.155),
-                                    'base_width': (BASE_WIDTH, 384, 1.10)}
+MAX_BEAM_STEP_TRAFFIC_OVER_FLOOR = {'small': (CONFIG, LENGTH, 1.11),
+                                    'base_width': (BASE_WIDTH, 384, 1.08)}
 
 
 @pytest.mark.parametrize('case', sorted(MAX_BEAM_STEP_TRAFFIC_OVER_FLOOR))
@@ -167,7 +167,7 @@ def test_a_beam_search_step_stays_near_its_floor(case):
   step = variant_costs.decode_step_row(variant, pod, 128, length, 8, jnp.bfloat16,
                                        num_beams=4)
   floor = step.floor_bytes
-  assert 'logits' not in floor and floor['beam_reorder'] > 0 and step.loops == 0
+  assert 'logits' not in floor and 'beam_reorder' not in floor and step.loops == 0
   assert floor['total'] <= step.hbm_traffic <= most * floor['total'], (
       step.hbm_traffic / floor['total'])
   assert 1.0 <= step.flops / step.model_flops <= MAX_STEP_FLOPS_OVER_ANALYTIC

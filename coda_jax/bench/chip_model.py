@@ -14,7 +14,8 @@ model, CoDA at each r and attention variant; `--model`, `--tasks`,
             carries it, with the byte floor it is held to
             (`programs.decode_step_floor`); with --decoding beam a step of
             beam search (`decoding.beam_step`: batch x beams rows, the top-k
-            over their extensions, the cache reordered to follow them);
+            over their extensions, the cache reordered to follow them; the
+            beams of an example share its cross-attention keys/values);
 
 each priced at its roofline, max(flops / peak, HBM traffic / HBM bandwidth)
 at the chip's published figures (`compile.chips`), and end to end

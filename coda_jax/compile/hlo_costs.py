@@ -27,7 +27,7 @@ import collections
 import dataclasses
 import math
 import re
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -348,10 +348,16 @@ def op_hbm_bytes(text: str, instructions: Mapping[str, str],
   (`computations` given) as the rows it reads; an async move (a prefetch into
   on-chip memory, an eviction out of it) the bytes it moves, once for each of
   its ends in HBM; a Pallas kernel its declared bytes in the share of its
-  operands and results in HBM."""
+  operands and results in HBM; a dynamic-update-slice, which XLA always runs
+  in place (its operand and result share one buffer), the update it reads
+  and writes into that buffer, as XLA's own `HloCostAnalysis` counts it."""
   op = hlo_lib.opcode(text)
   if _moves_nothing(op, text):
     return 0
+  if op == 'dynamic-update-slice':
+    update = _result_type(instructions.get(_operands(text)[1], ''))
+    written = array_bytes(update) if array_bytes(_result_type(text), hbm_only=True) else 0
+    return array_bytes(update, hbm_only=True) + written
   if op in _ASYNC_MOVES:
     arrays = _async_arrays(text)
     if len(arrays) < 2:
@@ -413,13 +419,41 @@ def stage_bytes(hlo_text: str, stages: Sequence[Tuple[str, str]],
 def _moving_ops(hlo_text: str, instructions: Mapping[str, str],
                 computations: Mapping[str, List[str]]) -> Iterator[str]:
   """The texts of the ops of the program's top-level computations
-  (`_top_level`) that move data (not `_FREE`)."""
+  (`_top_level`) that move data (not `_FREE`, not `_next_run_prefetches`)."""
+  next_run = _next_run_prefetches(hlo_text, instructions)
   for comp in _top_level(hlo_text, instructions, computations):
     for inst in computations[comp]:
       text = instructions[inst]
       op = hlo_lib.opcode(text)
-      if op is not None and op not in _FREE:
+      if op is not None and op not in _FREE and inst not in next_run:
         yield text
+
+
+def _next_run_prefetches(hlo_text: str, instructions: Mapping[str, str]) -> Set[str]:
+  """The copy-starts that prefetch a buffer for the program's next run.
+
+  A cross-program prefetch (a copy-start with `cross_program_prefetch_index`)
+  brings a parameter into on-chip memory at the start; when memory-space
+  assignment frees it after its last use, it prefetches it again at the end
+  of the program (a second copy-start of the same parameter whose copy-done
+  nothing reads), so that the next run finds it there and skips the first.
+  A program run in a loop (a decoding step) reads the parameter once per
+  run: the end-of-program copy is not counted again."""
+  names = {text: name for name, text in instructions.items()}
+  starts = [(name, text) for name, text in instructions.items()
+            if hlo_lib.opcode(text) == 'copy-start']
+  prefetched = {tuple(_operands(text)) for _, text in starts
+                if 'cross_program_prefetch_index' in text}
+  out = set()
+  for name, text in starts:
+    if 'cross_program_prefetch_index' in text or tuple(_operands(text)) not in prefetched:
+      continue
+    done = [names[t] for t in instructions.values()
+            if hlo_lib.opcode(t) == 'copy-done' and _operands(t) == [name]]
+    if len(done) == 1 and len(re.findall(
+        r'%' + re.escape(done[0]) + r'(?![\w.\-])', hlo_text)) == 1:
+      out.add(name)
+  return out
 
 
 def _top_level(hlo_text: str, instructions: Mapping[str, str],

@@ -79,8 +79,9 @@ class Program:
       `ShapeDtypeStruct`s sharded as `partitioning` places them: (state,
       batch) for a train step (the state: params, opt_state, step, rng);
       (params, tokens [batch, n]) for the decoding program and its encoder;
-      (params, encoded [rows, n, d], tokens [rows, n], token [rows, 1],
-      cache) for one decoding step (rows: batch x beams).
+      (params, encoded [batch, n, d], tokens [batch, n], token [batch, 1],
+      cache) for one greedy decoding step; beam search's step takes
+      (params, encoded, tokens, `decoding.Beams`).
     plans: `() ->` the plans it resolves, from the configs without tracing:
       its encoder's `coda_jax.plan.Plan` (`resolved_plan`), its decoding
       step's `DecoderPlan` (`resolved_decoder_plan`), either or both. For a
@@ -141,18 +142,21 @@ def train_flops(model, lengths, batch: int, k: int, trains_backbone: bool) -> Op
   return 2.0 * (3 if trains_backbone else 2) * batch * (encoder_macs(model, n, k) + decoder)
 
 
-def decode_flops(model, n: int, steps: int, rows: int) -> Optional[Dict[str, float]]:
-  """Analytic FLOPs of the encoder (once) and of `steps` decoding steps over
-  `rows` decoder rows (None for an ACM)."""
+def decode_flops(model, n: int, steps: int, batch: int, beams: int = 1
+                 ) -> Optional[Dict[str, float]]:
+  """Analytic FLOPs of decoding `batch` examples (None for an ACM): the
+  encoder of one example ('encoder'), the cross-attention keys/values of all
+  ('prefill', once per example: beams share them) and one of `steps`
+  decoding steps over batch x `beams` decoder rows ('step', their average)."""
   if getattr(model, 'acm', None) is not None:
     return None
   adapter = model.coda.adapter_dim if model.coda is not None else DEFAULT_ADAPTER_DIM
   macs = flops_lib.end_to_end_macs(model.config, n, steps, variant=_variant(model),
                                    adapter_dim=adapter)
-  step = (macs['decoder'] + macs['cross_kv']) / steps
   return {'encoder': 2.0 * encoder_macs(model, n, model.coda.num_selected(n)
                                          if model.coda is not None else n),
-          'step': 2.0 * step * rows}
+          'prefill': 2.0 * macs['cross_kv'] * batch,
+          'step': 2.0 * macs['decoder'] / steps * batch * beams}
 
 
 def decode_step_flops(model, rows: int, n: int, cache_length: int) -> float:
@@ -173,19 +177,20 @@ _PREFILL_ONLY = ('encoder_decoder_attention/key/', 'encoder_decoder_attention/va
 
 
 def decode_step_floor(model, rows: int, n: int, cache_length: int, param_dtype: Any = None,
-                      beam_search: bool = False) -> Dict[str, float]:
+                      num_beams: int = 1) -> Dict[str, float]:
   """The bytes one decoding step must move, by what they are (and 'total'):
   every decoder parameter and the LM head read once ('weights': not the
   encoder's, not the cross-attention key / value projections, which the
   prefill applies; `param_dtype`, default the model's), the `rows` token
   embeddings ('embeddings'), the cross-attention keys / values of the `n`
-  encoder positions read once ('cross_kv'), the self-attention cache of
-  `cache_length` positions read once and the new keys / values written
-  ('self_cache'), the logits written ('logits'). Keys, values and logits in
-  the model's dtype. A step of `beam_search` (`rows` = batch x beams) keeps
-  its logits (the top-k reads them where they are made: no 'logits') and
-  writes the self-attention cache reordered to follow the surviving beams
-  ('beam_reorder')."""
+  encoder positions read once ('cross_kv', per example), the self-attention
+  cache of `cache_length` positions read once and the new keys / values
+  written ('self_cache'), the logits written ('logits'). Keys, values and
+  logits in the model's dtype. A step of beam search (`rows` = batch x
+  `num_beams`; the beams of an example share its cross-attention keys /
+  values) keeps its logits (the top-k reads them where they are made: no
+  'logits'), and its self-attention cache is addressed by beam slot
+  (`beam_attention`): nothing reordered."""
   config = model.config
   act = jnp.dtype(config.dtype).itemsize
   shapes = params_lib.flatten(params_lib.abstract_params(model))
@@ -196,12 +201,11 @@ def decode_step_floor(model, rows: int, n: int, cache_length: int, param_dtype: 
   floor = {'weights': float(weights),
            'embeddings': float(rows * config.emb_dim * jnp.dtype(
                param_dtype or shapes['token_embedder/embedding'].dtype).itemsize),
-           'cross_kv': float(rows * n * kv_row),
+           'cross_kv': float(rows // num_beams * n * kv_row),
            'self_cache': float(rows * (cache_length + 1) * kv_row),
            'logits': float(rows * config.vocab_size * act)}
-  if beam_search:
+  if num_beams > 1:
     del floor['logits']
-    floor['beam_reorder'] = float(rows * cache_length * kv_row)
   floor['total'] = sum(floor.values())
   return floor
 
@@ -257,15 +261,16 @@ def resolved_plan(model, mesh, rules, length: int, training: bool,
       length=length, training=training, packed=packed, sharded=sharded)
 
 
-def resolved_decoder_plan(model, mesh, length: int, rows: int) -> plan_lib.DecoderPlan:
+def resolved_decoder_plan(model, mesh, length: int, batch: int, beams: int = 1
+                          ) -> plan_lib.DecoderPlan:
   """The plan `network.Decoder` resolves for `model`'s decoding step over
-  `length` encoder positions and `rows` decoder rows in a program on `mesh`,
-  without tracing anything."""
+  `length` encoder positions, `batch` examples and `beams` decoder rows each
+  in a program on `mesh`, without tracing anything."""
   devices = list(mesh.devices.flat)
   return plan_lib.resolve_decoder(
       model.config, getattr(model, 'acm', None),
       target=target_lib.Target(target_lib.platform_of(devices), target_lib.kind_of(devices)),
-      length=length, batch=rows)
+      length=length, batch=batch, beams=beams)
 
 
 def check_mesh(name: str, mesh_shape: Sequence[int], pod: Pod) -> tuple:
@@ -381,8 +386,9 @@ def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Prog
                                   lengths['targets'], args['decoding'], args['num_beams'],
                                   args['alpha'])
   n, steps, batch = lengths['inputs'], lengths['targets'], cfg.batch_size
-  rows = batch * (args['num_beams'] if args['decoding'] == 'beam' else 1)
-  costs = decode_flops(model, n, steps, rows)
+  beams = args['num_beams'] if args['decoding'] == 'beam' else 1
+  rows = batch * beams
+  costs = decode_flops(model, n, steps, batch, beams)
   per_chip = lambda key: None if costs is None else (
       costs[key] * (batch if key == 'encoder' else 1) / pod.total_chips)
   details = {'batch_size': batch, 'lengths': dict(lengths), 'decoding': args['decoding'],
@@ -391,10 +397,11 @@ def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Prog
                     predictor._rows((batch, n), jnp.int32))  # pylint: disable=protected-access
   encoder = lambda: resolved_plan(predictor.model, mesh, predictor.trainer.rules, n,
                                   training=False, packed=False)
-  decoder = lambda: resolved_decoder_plan(predictor.model, mesh, n, rows)
+  decoder = lambda: resolved_decoder_plan(predictor.model, mesh, n, batch, beams)
   return [
       Program('infer', INFER, lambda: predictor.lower(batch, n), mesh,
-              None if costs is None else per_chip('encoder') + steps * per_chip('step'),
+              None if costs is None else (per_chip('encoder') + per_chip('prefill')
+                                          + steps * per_chip('step')),
               details, tokens, lambda: [encoder(), decoder()]),
       Program('encode', ENCODE, lambda: predictor.lower_encode(batch, n), mesh,
               per_chip('encoder'), details, tokens, lambda: [encoder()]),

@@ -152,13 +152,13 @@ def encoder_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length
 def prefill_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
                 decode_steps: int, dtype: Any, num_beams: int = 1) -> Row:
   """The decoder cache the loop starts from (`Predictor.lower_prefill`): the
-  cross-attention keys/values of the encoder output, once per sequence (per
-  beam: `decoding.predict_batch` expands the encoder output to the beams)."""
+  cross-attention keys/values of the encoder output, once per example (its
+  beams share them)."""
   p = predictor(variant, pod, decode_steps, num_beams)
   lowered = p.lower_prefill(batch_size, length, param_dtype=dtype)
   macs = flops_lib.cross_kv_macs(variant.model.config, length)
   return _compiled_row(PREFILL, lowered, p.mesh, pod, variant, length,
-                       2.0 * batch_size * num_beams * macs)
+                       2.0 * batch_size * macs)
 
 
 def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
@@ -176,7 +176,7 @@ def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, le
   row = _compiled_row(DECODE_STEP, lowered, p.mesh, pod, variant, length, step, plan=plan)
   row.floor_bytes = programs.decode_step_floor(variant.model, rows, length, decode_steps,
                                                param_dtype=dtype,
-                                               beam_search=num_beams > 1)
+                                               num_beams=num_beams)
   return row
 
 
