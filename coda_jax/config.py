@@ -46,6 +46,14 @@ MLP_KERNELS = ('auto', 'xla', 'pallas')
 # the step's cross-attention without float32 logits or an ACM attention.
 DECODE_ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
 
+# What the encoder reads: 'tokens' (T5: `[batch, length]` ids, 0 padding) or
+# 'patches' (Pix2Struct: `[batch, max_patches, 2 + patch_dim]` rows of
+# `image_patches.extract_patches`, row id 0 padding), embedded by a linear
+# projection of the pixel values plus learned row and column embeddings,
+# with no relative position bias in the encoder.
+TOKENS, PATCHES = 'tokens', 'patches'
+ENCODER_INPUTS = (TOKENS, PATCHES)
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +87,11 @@ class T5Config:
   mlp_kernel: str = 'auto'
   # 'auto' | 'xla' | 'pallas' (see DECODE_ATTENTION_KERNELS).
   decode_attention_kernel: str = 'auto'
+  # 'tokens' | 'patches' (see ENCODER_INPUTS); with patches, the values per
+  # patch (16 x 16 x 3) and the rows (and columns) the position tables hold.
+  encoder_input: str = 'tokens'
+  patch_dim: int = 768
+  patch_positions: int = 4096
 
   def __post_init__(self):
     if isinstance(self.dtype, str):
@@ -86,7 +99,7 @@ class T5Config:
     object.__setattr__(self, 'mlp_activations', tuple(self.mlp_activations))
     for name in ('vocab_size', 'emb_dim', 'num_heads', 'head_dim', 'mlp_dim',
                  'relative_attention_num_buckets',
-                 'relative_attention_max_distance'):
+                 'relative_attention_max_distance', 'patch_dim', 'patch_positions'):
       positive_int(getattr(self, name), f'T5Config.{name}')
     for name in ('num_encoder_layers', 'num_decoder_layers'):
       if int(getattr(self, name)) < 0:
@@ -106,6 +119,9 @@ class T5Config:
     if self.mlp_kernel not in MLP_KERNELS:
       raise ValueError(f'T5Config.mlp_kernel must be one of {MLP_KERNELS}, '
                        f'got {self.mlp_kernel!r}')
+    if self.encoder_input not in ENCODER_INPUTS:
+      raise ValueError(f'T5Config.encoder_input must be one of {ENCODER_INPUTS}, '
+                       f'got {self.encoder_input!r}')
     if self.decode_attention_kernel not in DECODE_ATTENTION_KERNELS:
       raise ValueError(f'T5Config.decode_attention_kernel must be one of '
                        f'{DECODE_ATTENTION_KERNELS}, got {self.decode_attention_kernel!r}')
@@ -253,6 +269,10 @@ ACM_CHOICES_AXIS = 'acm_choices'
 # a [in, rank], b [rank, out]); small beside the model axes, replicated as
 # LoRA's rank is.
 ACM_RANK_AXIS = 'acm_rank'
+# Pix2Struct's patch embedding: the pixel values of a patch, and the rows
+# (columns) of the learned position tables.
+PATCH_AXIS = 'patch'
+PATCH_POSITION_AXIS = 'patch_positions'
 
 
 def check_adapter_type(name: str) -> str:

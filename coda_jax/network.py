@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from coda_jax import acm as acm_lib
 from coda_jax import adapters
 from coda_jax import layers
+from coda_jax import patch_embed
 from coda_jax import plan as plan_lib
 from coda_jax import routing
 from coda_jax import soft_topk
@@ -24,9 +25,9 @@ from coda_jax import target
 from coda_jax.kernels import route_adapter
 from coda_jax.kernels import tpu_blocks
 from coda_jax.kernels import unroute_combine
-from coda_jax.config import (NO_ADAPTER, PARALLEL, SEQUENTIAL_ADAPTERS, SEQUENTIAL_HOULSBY,
-                             AcmConfig, CodaConfig, T5Config, parallel_adapter_baseline,
-                             t5_1_1)  # noqa: F401
+from coda_jax.config import (NO_ADAPTER, PARALLEL, PATCHES, SEQUENTIAL_ADAPTERS,
+                             SEQUENTIAL_HOULSBY, AcmConfig, CodaConfig, T5Config,
+                             parallel_adapter_baseline, t5_1_1)  # noqa: F401
 from coda_jax.plan import LayerPlan
 
 Array = jax.Array
@@ -109,6 +110,22 @@ def _beams(decoder_rows: int, encoder_rows: int, decode: bool) -> int:
     raise ValueError(f'{decoder_rows} decoder rows for {encoder_rows} encoder rows: they '
                      'must be equal, or (decoding with beam search) a multiple')
   return decoder_rows // encoder_rows
+
+
+def _encoder_inputs(config: T5Config, inputs: Array) -> Array:
+  """Token ids as int32; Pix2Struct's patches as they are, checked."""
+  if config.encoder_input == PATCHES:
+    patch_embed.check_patches(config, inputs)
+    return inputs
+  return inputs.astype(jnp.int32)
+
+
+def encoder_real(config: T5Config, inputs: Array) -> Array:
+  """bool `[batch, length]`: the real inputs, not padding (token id 0, or
+  a patch row with row id 0)."""
+  if config.encoder_input == PATCHES:
+    return patch_embed.real_patches(inputs)
+  return layers.real_token_mask(inputs)
 
 
 def _relative_embedding(config: T5Config) -> layers.RelativePositionBiases:
@@ -366,8 +383,10 @@ class Encoder(nn.Module):
   @nn.compact
   def __call__(self, encoder_input_tokens: Array, encoder_mask: Optional[Array] = None,
                deterministic: bool = False, mask_is_padding: bool = False) -> Array:
-    """`[batch, length]` tokens -> `[batch, length, emb]`; `mask_is_padding`:
-    `encoder_mask` is the padding mask of the tokens (no segments)."""
+    """`[batch, length]` tokens (or Pix2Struct's patches `[batch, length, 2 +
+    patch_dim]`, `T5Config.encoder_input`) -> `[batch, length, emb]`;
+    `mask_is_padding`: `encoder_mask` is the padding mask of the inputs (no
+    segments)."""
     cfg = self.config
     plan = plan_lib.resolve(cfg, self.coda, self.acm, target=target.current(),
                             length=encoder_input_tokens.shape[1],
@@ -376,10 +395,13 @@ class Encoder(nn.Module):
                             sharded=tpu_blocks.split_axes('mlp', 'embed'))
     plan_lib.note(plan)
     acm = plan_lib.with_acm_inference(self.acm, plan.acm)
-    rel_emb = _relative_embedding(cfg)
-    x = self.shared_embedding(encoder_input_tokens.astype('int32'))
+    if cfg.encoder_input == PATCHES:
+      rel_emb, x = None, patch_embed.embed_patches(cfg, encoder_input_tokens)
+    else:
+      rel_emb = _relative_embedding(cfg)
+      x = self.shared_embedding(encoder_input_tokens.astype('int32'))
     x = _dropout(cfg)(x, deterministic=deterministic).astype(cfg.dtype)
-    input_mask = layers.real_token_mask(encoder_input_tokens)
+    input_mask = encoder_real(cfg, encoder_input_tokens)
     for lyr in range(cfg.num_encoder_layers):
       if self.coda is not None and self.coda.is_routed(lyr, cfg.num_encoder_layers):
         layer = RoutedEncoderLayer(cfg, rel_emb, plan.routed, self.coda, acm,
@@ -489,8 +511,8 @@ class Transformer(nn.Module):
              enable_dropout: bool = True) -> Array:
     """`[batch, length]` tokens (0 = padding) -> `[batch, length, emb]`."""
     cfg = self.config
-    tokens = encoder_input_tokens.astype(jnp.int32)
-    real = layers.real_token_mask(tokens)
+    tokens = _encoder_inputs(cfg, encoder_input_tokens)
+    real = encoder_real(cfg, tokens)
     encoder_mask = layers.make_attention_mask(real, real, dtype=cfg.dtype)
     if encoder_segment_ids is not None:
       if self.routes_tokens:
@@ -518,21 +540,21 @@ class Transformer(nn.Module):
     """
     del decoder_positions, max_decode_length
     cfg = self.config
-    encoder_input_tokens = encoder_input_tokens.astype(jnp.int32)
+    encoder_input_tokens = _encoder_inputs(cfg, encoder_input_tokens)
     decoder_input_tokens = decoder_input_tokens.astype(jnp.int32)
     decoder_target_tokens = decoder_target_tokens.astype(jnp.int32)
-    encoder_real = layers.real_token_mask(encoder_input_tokens)
+    real = encoder_real(cfg, encoder_input_tokens)
     target_real = layers.real_token_mask(decoder_target_tokens)
     beams = _beams(decoder_input_tokens.shape[0], encoder_input_tokens.shape[0], decode)
     if decode:
       decoder_mask = None
       encoder_decoder_mask = layers.make_attention_mask(
-          jnp.ones_like(decoder_target_tokens), jnp.repeat(encoder_real, beams, axis=0),
+          jnp.ones_like(decoder_target_tokens), jnp.repeat(real, beams, axis=0),
           dtype=cfg.dtype)
     else:
       decoder_mask = layers.make_decoder_mask(
           decoder_target_tokens, dtype=cfg.dtype, decoder_segment_ids=decoder_segment_ids)
-      encoder_decoder_mask = layers.make_attention_mask(target_real, encoder_real,
+      encoder_decoder_mask = layers.make_attention_mask(target_real, real,
                                                         dtype=cfg.dtype)
     if encoder_segment_ids is not None:
       if decode:
@@ -546,7 +568,7 @@ class Transformer(nn.Module):
     return self.decoder(encoded, decoder_input_tokens, decoder_mask, encoder_decoder_mask,
                         deterministic=not enable_dropout, decode=decode,
                         token_mask=None if decode else target_real,
-                        encoder_token_mask=encoder_real)
+                        encoder_token_mask=real)
 
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
                decoder_target_tokens: Array,

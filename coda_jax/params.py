@@ -26,6 +26,9 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from coda_jax.config import PATCHES
+from coda_jax.image_patches import ID_COLUMNS
+
 PyTree = Any
 
 # ----------------------------------------------------------------------------
@@ -153,9 +156,14 @@ EXAMPLE_DECODER_LENGTH = 4
 
 
 def example_inputs(batch: int = 1, encoder_length: int = EXAMPLE_ENCODER_LENGTH,
-                   decoder_length: int = EXAMPLE_DECODER_LENGTH):
-  """(encoder tokens, decoder input tokens, decoder target tokens), all ones."""
-  enc = jnp.ones((batch, encoder_length), jnp.int32)
+                   decoder_length: int = EXAMPLE_DECODER_LENGTH, config=None):
+  """(encoder tokens, decoder input tokens, decoder target tokens), all ones
+  (with a `config` whose encoder reads patches, the encoder's input is
+  `[batch, encoder_length, 2 + patch_dim]` ones: patch rows with ids 1)."""
+  if config is not None and config.encoder_input == PATCHES:
+    enc = jnp.ones((batch, encoder_length, ID_COLUMNS + config.patch_dim), jnp.float32)
+  else:
+    enc = jnp.ones((batch, encoder_length), jnp.int32)
   dec = jnp.ones((batch, decoder_length), jnp.int32)
   return enc, dec, dec
 
@@ -163,7 +171,8 @@ def example_inputs(batch: int = 1, encoder_length: int = EXAMPLE_ENCODER_LENGTH,
 def _init(model, rng, encoder_length: int = EXAMPLE_ENCODER_LENGTH,
           decoder_length: int = EXAMPLE_DECODER_LENGTH):
   """`model.init` on dummy tokens: the one place a model is initialised."""
-  return model.init(rng, *example_inputs(1, encoder_length, decoder_length),
+  return model.init(rng, *example_inputs(1, encoder_length, decoder_length,
+                                         getattr(model, 'config', None)),
                     enable_dropout=False)
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from coda_jax import params as params_lib
 from coda_jax import target
 from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_RANK_AXIS,
-                             ADAPTER_AXIS, LORA_AXIS)
+                             ADAPTER_AXIS, LORA_AXIS, PATCH_AXIS, PATCH_POSITION_AXIS)
 
 LogicalRules = Sequence[Tuple[str, Optional[str]]]
 MESH_AXES = ('data', 'model')
@@ -37,6 +37,8 @@ CODA_LOGICAL_AXIS_RULES: Tuple[Tuple[str, Optional[str]], ...] = (
     (ACM_GATE_IN_AXIS, None),
     (ACM_CHOICES_AXIS, None),
     (ACM_RANK_AXIS, None),
+    (PATCH_AXIS, None),
+    (PATCH_POSITION_AXIS, None),
 )
 
 

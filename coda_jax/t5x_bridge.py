@@ -36,7 +36,7 @@ import gin
 
 from coda_jax import params as params_lib
 from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_RANK_AXIS,
-                             ADAPTER_AXIS, LORA_AXIS)
+                             ADAPTER_AXIS, LORA_AXIS, PATCH_AXIS, PATCH_POSITION_AXIS)
 from coda_jax.partitioning import CODA_LOGICAL_AXIS_RULES
 
 T5X_INSTALL_HINT = (
@@ -49,7 +49,7 @@ T5X_INSTALL_HINT = (
 
 # Logical axes coda_jax adds to t5x's parameter axes.
 CODA_AXES = (ADAPTER_AXIS, LORA_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_CHOICES_AXIS,
-             ACM_RANK_AXIS)
+             ACM_RANK_AXIS, PATCH_AXIS, PATCH_POSITION_AXIS)
 
 # Adafactor factorisation of the new axes: the small bottleneck side of a
 # (embed, adapter) kernel is a column, as `mlp` is in t5x's rules. (Rank-2
@@ -61,6 +61,10 @@ CODA_LOGICAL_FACTOR_RULES = {
     ACM_GATE_IN_AXIS: 'column',
     ACM_CHOICES_AXIS: 'column',
     ACM_RANK_AXIS: 'column',
+    # Pix2Struct's (patch, embed) projection and (patch_positions, embed)
+    # tables: the side that is not `embed` is a row.
+    PATCH_AXIS: 'row',
+    PATCH_POSITION_AXIS: 'row',
 }
 
 # A path component that names a leaf a T5 checkpoint does not have: a router,

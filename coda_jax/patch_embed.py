@@ -1,0 +1,85 @@
+"""Pix2Struct's encoder input: image patches to the encoder's width.
+
+A row of `image_patches.extract_patches` is `[row_id, col_id, values...]`;
+the encoder's input for it is
+
+    x = values @ patch_projection.kernel + patch_projection.bias
+        + row_embedder[row_id] + column_embedder[col_id]
+
+(Pix2Struct's `Pix2StructVisionEmbeddings`), ids from 1 and 0 for padding
+rows, which `real_patches` leaves out of attention and routing. The
+parameters sit in the encoder's scope (`encoder/patch_projection/kernel`,
+`encoder/row_embedder/embedding`, ...), with logical axes `PATCH_AXIS` /
+`PATCH_POSITION_AXIS` and 'embed'.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from coda_jax import layers
+from coda_jax.config import PATCH_AXIS, PATCH_POSITION_AXIS, T5Config
+from coda_jax.image_patches import ID_COLUMNS
+
+Array = jax.Array
+
+
+class _Projection(nn.Module):
+  """`[..., patch_dim] -> [..., emb]`, a kernel and a bias."""
+  features: int
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, values: Array) -> Array:
+    kernel = layers.param_with_axes('kernel', layers.default_kernel_init,
+                                    (values.shape[-1], self.features), jnp.float32,
+                                    axes=(PATCH_AXIS, 'embed'))
+    bias = layers.param_with_axes('bias', nn.initializers.zeros, (self.features,),
+                                  jnp.float32, axes=('embed',))
+    return (jnp.asarray(values, self.dtype) @ jnp.asarray(kernel, self.dtype)
+            + jnp.asarray(bias, self.dtype))
+
+
+class _Positions(nn.Module):
+  """A learned table `[patch_positions, emb]` read at integer ids."""
+  size: int
+  features: int
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, ids: Array) -> Array:
+    table = layers.param_with_axes('embedding', layers.embedding_init,
+                                   (self.size, self.features), jnp.float32,
+                                   axes=(PATCH_POSITION_AXIS, 'embed'))
+    return jnp.take(jnp.asarray(table, self.dtype), ids, axis=0)
+
+
+def check_patches(config: T5Config, patches: Array) -> None:
+  """Raises ValueError unless `patches` is `[batch, n, 2 + config.patch_dim]`."""
+  width = ID_COLUMNS + config.patch_dim
+  if patches.ndim != 3 or patches.shape[-1] != width:
+    raise ValueError(f'the encoder reads patches (T5Config.encoder_input=\'patches\'): '
+                     f'[batch, max_patches, {width}] rows of image_patches.extract_patches '
+                     f'(row id, column id, {config.patch_dim} values), got shape '
+                     f'{tuple(patches.shape)}')
+
+
+def real_patches(patches: Array) -> Array:
+  """`[batch, n, 2 + values]` -> bool `[batch, n]`: the image's patches (row
+  id > 0), not the padding after them."""
+  return patches[..., 0] > 0
+
+
+def embed_patches(config: T5Config, patches: Array) -> Array:
+  """`[batch, n, 2 + patch_dim]` -> `[batch, n, emb]` in `config.dtype`.
+  Called inside the encoder's compact `__call__`, so that its parameters
+  sit in the encoder's scope."""
+  check_patches(config, patches)
+  ids = jnp.clip(patches[..., :ID_COLUMNS].astype(jnp.int32), 0, config.patch_positions - 1)
+  positions = lambda name: _Positions(config.patch_positions, config.emb_dim, config.dtype,
+                                      name=name)
+  x = _Projection(config.emb_dim, config.dtype, name='patch_projection')(
+      patches[..., ID_COLUMNS:])
+  x = x + positions('row_embedder')(ids[..., 0]) + positions('column_embedder')(ids[..., 1])
+  return layers.with_sharding_constraint(x, ('batch', 'length', 'embed'))
