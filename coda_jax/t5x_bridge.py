@@ -62,9 +62,10 @@ CODA_LOGICAL_FACTOR_RULES = {
     ACM_CHOICES_AXIS: 'column',
     ACM_RANK_AXIS: 'column',
     # Pix2Struct's (patch, embed) projection and (patch_positions, embed)
-    # tables: the side that is not `embed` is a row.
-    PATCH_AXIS: 'row',
-    PATCH_POSITION_AXIS: 'row',
+    # tables: the side that is not `embed` (a row in t5x's rules) is a
+    # column, as `vocab` and `mlp` are.
+    PATCH_AXIS: 'column',
+    PATCH_POSITION_AXIS: 'column',
 }
 
 # A path component that names a leaf a T5 checkpoint does not have: a router,

@@ -269,17 +269,19 @@ def test_compiles_for_tpu(pod, heads, kv_heads, head_dim):
               if re.search(r'= \w+' + cache + r'\S* (copy|transpose)\(', line)]
 
 
-def test_the_model_decodes_the_same_with_the_kernel():
-  """A tiny multi-query T5 (the §6 models' attention) decoded with beam
-  search (the steps' rows: batch x beams), its steps' cross-attention
-  through the kernel (interpret mode) or XLA's fusions: the same beams and
-  scores; the plan says which ran."""
+@pytest.mark.parametrize('kv_heads', [1, 2])
+def test_the_model_decodes_the_same_with_the_kernel(kv_heads):
+  """A tiny multi-query (the §6 models' attention) or grouped-query T5
+  decoded with beam search (the steps' rows: batch x beams; each example's
+  beams one row of beams x heads query heads for the kernel), its steps'
+  cross-attention through the kernel (interpret mode) or XLA's fusions: the
+  same beams and scores; the plan says which ran."""
   import dataclasses  # pylint: disable=g-import-not-at-top
   from coda_jax import decoding  # pylint: disable=g-import-not-at-top
   from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from coda_jax.network import Transformer  # pylint: disable=g-import-not-at-top
   from tiny_models import tiny_config  # pylint: disable=g-import-not-at-top
-  config = tiny_config(num_kv_heads=1, num_encoder_layers=1, num_decoder_layers=1)
+  config = tiny_config(num_kv_heads=kv_heads, num_encoder_layers=1, num_decoder_layers=1)
   rng = np.random.RandomState(0)
   tokens = rng.randint(2, 64, (3, 11)).astype(np.int32)
   tokens[1, 7:] = 0                                      # padding the kernel masks

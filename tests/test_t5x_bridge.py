@@ -137,12 +137,21 @@ def test_rule_lists_cover_every_parameter_axis():
       params_lib.abstract_variables(acm_model)['params_axes'],
       is_leaf=lambda x: isinstance(x, flax.linen.partitioning.AxisMetadata)):
     axes.update(leaf.names)
-  assert {'adapter', 'lora', 'acm_gate', 'acm_gate_in', 'acm_choices', 'acm_rank'} <= axes
+  # Pix2Struct's image encoder: its patch projection and position tables.
+  image_model = network.Transformer(config_lib.T5Config(**TINY, encoder_input='patches',
+                                                        patch_positions=16))
+  for leaf in jax.tree.leaves(
+      params_lib.abstract_variables(image_model)['params_axes'],
+      is_leaf=lambda x: isinstance(x, flax.linen.partitioning.AxisMetadata)):
+    axes.update(leaf.names)
+  assert {'adapter', 'lora', 'acm_gate', 'acm_gate_in', 'acm_choices', 'acm_rank', 'patch',
+          'patch_positions'} <= axes
   new_axes = axes - T5X_AXES
   assert new_axes == set(t5x_bridge.CODA_AXES)
   rules = dict(t5x_bridge.coda_logical_axis_rules())
   assert rules == {'adapter': None, 'lora': None, 'acm_gate': None, 'acm_gate_in': None,
-                   'acm_choices': None, 'acm_rank': None}
+                   'acm_choices': None, 'acm_rank': None, 'patch': None,
+                   'patch_positions': None}
   # The same as coda_jax's own partitioner rules for those axes.
   ours = dict(partitioning.standard_logical_axis_rules())
   assert {a: ours[a] for a in new_axes} == rules
@@ -151,7 +160,8 @@ def test_rule_lists_cover_every_parameter_axis():
   factor = t5x_bridge.coda_logical_factor_rules(base)
   assert dict(factor) == {**base, 'adapter': 'column', 'lora': 'column', 'acm_gate': 'column',
                           'acm_gate_in': 'column', 'acm_choices': 'column',
-                          'acm_rank': 'column'}
+                          'acm_rank': 'column', 'patch': 'column',
+                          'patch_positions': 'column'}
   assert t5x_bridge.coda_logical_factor_rules({**base, 'adapter': 'none'})['adapter'] == 'none'
 
 
