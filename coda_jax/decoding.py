@@ -334,7 +334,7 @@ def init_decode_cache(model, params, encoded: Array, encoder_input_tokens: Array
   cache.update({path[:-1] + (beam_attention.SLOTS,): jnp.zeros((batch, beams, s.shape[-1]),
                                                                jnp.int32)
                 for path, s in shapes.items()
-                if path[-1] == 'cached_key' and beams > 1 and beam_attention.by_slot(
+                if path[-1] == SELF_KV_CACHE[0] and beams > 1 and beam_attention.by_slot(
                     beams, heads, s.shape[1], s.shape[2], s.dtype.itemsize)})
   if any(path[-1] == CROSS_KV_READY for path in shapes):
     prefill = init(encoded, encoder_input_tokens, 1, batch)

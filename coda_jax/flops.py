@@ -366,9 +366,8 @@ def acm_decoding_speedup_bounds(config: T5Config, acm: AcmConfig, n_in: int, n_o
   The encoder's FFNs run `acm_ffn_fraction` of the dense work on its
   batch_size · n_in tokens (`acm_encoder_layer_macs`); each decoding
   step's on its batch_size · num_beams tokens; every ACM adds its gate
-  (d·g + g·g + g·(N + 1) per token). Attention, the cross-attention K/V (once
-  per example) and
-  the logits are dense in both. Greedy: num_beams = 1.
+  (d·g + g·g + g·(N + 1) per token). Attention, the cross-attention K/V
+  (once per example) and the logits are dense in both. Greedy: num_beams = 1.
 
   Returns:
     {'encoder', 'decoder', 'end_to_end'} bounds and the FFN fractions

@@ -666,17 +666,18 @@ class MlpBlock(nn.Module):
 
 
 class Embed(nn.Module):
-  """Token embedding `[vocab, emb]`; `attend` gives logits against it."""
+  """Token embedding `[vocab, emb]` (or another table: `axes`); `attend` gives logits."""
   num_embeddings: int
   features: int
   dtype: DType = jnp.float32
   attend_dtype: Optional[DType] = None
   embedding_init: Initializer = embedding_init
+  axes: Tuple[str, str] = ('vocab', 'embed')
 
   def setup(self):
     self.embedding = param_with_axes(
         'embedding', self.embedding_init, (self.num_embeddings, self.features),
-        jnp.float32, axes=('vocab', 'embed'))
+        jnp.float32, axes=self.axes)
 
   def __call__(self, inputs: Array) -> Array:
     """`[batch, length]` int tokens -> `[batch, length, emb]`."""

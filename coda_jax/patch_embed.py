@@ -41,20 +41,6 @@ class _Projection(nn.Module):
             + jnp.asarray(bias, self.dtype))
 
 
-class _Positions(nn.Module):
-  """A learned table `[patch_positions, emb]` read at integer ids."""
-  size: int
-  features: int
-  dtype: jnp.dtype
-
-  @nn.compact
-  def __call__(self, ids: Array) -> Array:
-    table = layers.param_with_axes('embedding', layers.embedding_init,
-                                   (self.size, self.features), jnp.float32,
-                                   axes=(PATCH_POSITION_AXIS, 'embed'))
-    return jnp.take(jnp.asarray(table, self.dtype), ids, axis=0)
-
-
 def check_patches(config: T5Config, patches: Array) -> None:
   """Raises ValueError unless `patches` is `[batch, n, 2 + config.patch_dim]`."""
   width = ID_COLUMNS + config.patch_dim
@@ -77,8 +63,8 @@ def embed_patches(config: T5Config, patches: Array) -> Array:
   sit in the encoder's scope."""
   check_patches(config, patches)
   ids = jnp.clip(patches[..., :ID_COLUMNS].astype(jnp.int32), 0, config.patch_positions - 1)
-  positions = lambda name: _Positions(config.patch_positions, config.emb_dim, config.dtype,
-                                      name=name)
+  positions = lambda name: layers.Embed(config.patch_positions, config.emb_dim, config.dtype,
+                                        axes=(PATCH_POSITION_AXIS, 'embed'), name=name)
   x = _Projection(config.emb_dim, config.dtype, name='patch_projection')(
       patches[..., ID_COLUMNS:])
   x = x + positions('row_embedder')(ids[..., 0]) + positions('column_embedder')(ids[..., 1])

@@ -188,9 +188,7 @@ def format_table(result: Dict[str, Any]) -> str:
                  f'(the compiler\'s bytes accessed {task["step_compiler_bytes_over_floor"]:.2f}x) '
                  f'({floor["total"] / 1e9:.3f} GB: weights {floor["weights"] / 1e9:.3f}, '
                  f'cross K/V {floor["cross_kv"] / 1e9:.3f}, cache '
-                 f'{floor["self_cache"] / 1e9:.3f}'
-                 + (f', beam reorder {floor["beam_reorder"] / 1e9:.3f}'
-                    if 'beam_reorder' in floor else '') + '), flops '
+                 f'{floor["self_cache"] / 1e9:.3f}), flops '
                  f'{task["step_flops_over_analytic"]:.2f}x the analytic count')
   lines.append('')
   for c in result['checks']:

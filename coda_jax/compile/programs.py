@@ -44,6 +44,7 @@ from coda_jax import params as params_lib
 from coda_jax import partitioning
 from coda_jax import plan as plan_lib
 from coda_jax import target as target_lib
+from coda_jax import validation
 from coda_jax.compile import analysis
 from coda_jax.compile import chips as chips_lib
 from coda_jax.compile.chips import Pod
@@ -191,6 +192,7 @@ def decode_step_floor(model, rows: int, n: int, cache_length: int, param_dtype: 
   values) keeps its logits (the top-k reads them where they are made: no
   'logits'), and its self-attention cache is addressed by beam slot
   (`beam_attention`): nothing reordered."""
+  num_beams = validation.positive_int(num_beams, 'num_beams')
   config = model.config
   act = jnp.dtype(config.dtype).itemsize
   shapes = params_lib.flatten(params_lib.abstract_params(model))
