@@ -58,7 +58,8 @@ def _print_json(obj) -> None:
 
 def _add_inspect(parser: argparse.ArgumentParser) -> None:
   parser.add_argument('path', help='checkpoint directory (T5X legacy/orbax, a t5x '
-                      'model_dir, a Hugging Face T5 directory, or a trained MODEL_DIR '
+                      'model_dir, a Hugging Face T5 directory, a Pix2Struct one in either '
+                      'form, or a trained MODEL_DIR '
                       'or one of its checkpoints/<step> directories)')
 
 

@@ -167,8 +167,26 @@ CODA_TEXT_SIZES = {
     'text_xl': dict(emb_dim=2048, num_heads=32, num_encoder_layers=24,
                     num_decoder_layers=6, head_dim=128, mlp_dim=8192, num_kv_heads=1),
 }
+# Image models: Pix2Struct's public checkpoints (google/pix2struct-base and
+# -large, their config.json) and the paper's vision model (§6, App. A,
+# Table 7: the text models' multi-query attention, 6 decoder layers and heads
+# of 128; adapters of width 256, `PAPER_ADAPTER_DIMS`). Each reads 16 x 16
+# patches (no encoder relative position bias) and decodes Pix2Struct's
+# 50244-piece vocabulary with an untied LM head.
+PIX2STRUCT_SIZES = {
+    'pix2struct_base': dict(emb_dim=768, num_heads=12, num_encoder_layers=12,
+                            num_decoder_layers=12, head_dim=64, mlp_dim=2048),
+    'pix2struct_large': dict(emb_dim=1536, num_heads=24, num_encoder_layers=18,
+                             num_decoder_layers=18, head_dim=64, mlp_dim=3968),
+    'vision': dict(emb_dim=1536, num_heads=24, num_encoder_layers=18, num_decoder_layers=6,
+                   head_dim=128, mlp_dim=3968, num_kv_heads=1),
+}
+PIX2STRUCT_INPUT = dict(vocab_size=50244, encoder_input=PATCHES, patch_dim=768,
+                        patch_positions=4096)
+# Table 7's adapter widths (d_adpt) where they are not DEFAULT_ADAPTER_DIM.
+PAPER_ADAPTER_DIMS = {'vision': 256}
 # Every model `preset` builds by name.
-PRESETS = tuple(T5_1_1_SIZES) + tuple(CODA_TEXT_SIZES)
+PRESETS = tuple(T5_1_1_SIZES) + tuple(CODA_TEXT_SIZES) + tuple(PIX2STRUCT_SIZES)
 
 
 def t5_1_1(size: str, **overrides) -> T5Config:
@@ -179,16 +197,21 @@ def t5_1_1(size: str, **overrides) -> T5Config:
 
 
 def preset(size: str, **overrides) -> T5Config:
-  """A model by name, with overrides: a T5 v1.1 size (`t5_1_1`) or one of
-  the paper's §6 text models ('text_base', 'text_large', 'text_xl')."""
+  """A model by name, with overrides: a T5 v1.1 size (`t5_1_1`), one of
+  the paper's §6 text models ('text_base', 'text_large', 'text_xl') or an
+  image model (`PIX2STRUCT_SIZES`: 'pix2struct_base', 'pix2struct_large',
+  'vision')."""
   if size in T5_1_1_SIZES:
     return t5_1_1(size, **overrides)
+  if size in PIX2STRUCT_SIZES:
+    return _t5_layers({**PIX2STRUCT_INPUT, **PIX2STRUCT_SIZES[size]}, overrides)
   if size not in CODA_TEXT_SIZES:
     close = difflib.get_close_matches(str(size), PRESETS, 1, 0.6)
     raise ValueError(f'unknown model size {size!r}' + (f' (did you mean {close[0]!r}?)'
                                                         if close else '')
                      + f'; known: T5 v1.1 {list(T5_1_1_SIZES)}, '
-                     f"the paper's §6 text models {list(CODA_TEXT_SIZES)}")
+                     f"the paper's §6 text models {list(CODA_TEXT_SIZES)}, "
+                     f'the image models {list(PIX2STRUCT_SIZES)}')
   return _t5_layers(CODA_TEXT_SIZES[size], overrides)
 
 

@@ -17,6 +17,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from coda_jax import beam_attention
+from coda_jax.config import PATCHES
 from coda_jax.validation import positive_int
 
 Array = jax.Array
@@ -365,7 +366,8 @@ def predict_batch(model, params, encoder_input_tokens: Array, *,
                   rng: Optional[Array] = None,
                   eos_id: int = EOS_ID,
                   encoded: Optional[Array] = None) -> Tuple[Array, Array]:
-  """Decodes `encoder_input_tokens [batch, length]` with `model` (jittable).
+  """Decodes `encoder_input_tokens [batch, length]` (an image model's patches
+  `[batch, length, 2 + patch_dim]`) with `model` (jittable).
 
   Args:
     method: 'greedy', 'sample' (temperature / top-k) or 'beam'.
@@ -378,7 +380,9 @@ def predict_batch(model, params, encoder_input_tokens: Array, *,
   """
   params = flax.core.unfreeze(params)
   params = params['params'] if 'params' in params else params
-  tokens = encoder_input_tokens.astype(jnp.int32)
+  # Token ids as int32; an image model's patches (`T5Config.encoder_input`) as they are.
+  tokens = (encoder_input_tokens if model.config.encoder_input == PATCHES
+            else encoder_input_tokens.astype(jnp.int32))
   batch = tokens.shape[0]
   if encoded is None:
     encoded = model.apply({'params': params}, tokens, enable_dropout=False,

@@ -18,20 +18,30 @@ rows, each a 16 x 16 patch `[row_id, col_id, 768 pixel values]`:
    the rows past `rows * cols` are zeros (row id 0: padding, which
    `real_patch_mask` tells apart and the encoder never routes).
 
+A VQA question is read as part of the image: `render_header` draws it as a
+text header above the image (Pix2Struct's `render_header`: black on white,
+wrapped at 80 characters, 5 pixels of padding, both parts resized to the
+wider one's width), before the patches are cut.
+
 Public: `grid`, `standardize`, `extract_patches`, `load_image`,
-`real_patch_mask`.
+`real_patch_mask`, `render_text`, `render_header`.
 """
 from __future__ import annotations
 
 import math
 import os
-from typing import Tuple, Union
+import textwrap
+from typing import Optional, Tuple, Union
 
 import numpy as np
 
 PATCH_SIZE = 16
 # Row id and column id before each patch's pixel values.
 ID_COLUMNS = 2
+# Pix2Struct's question header: font size, characters per line, padding.
+HEADER_TEXT_SIZE = 36
+HEADER_LINE_CHARACTERS = 80
+HEADER_PADDING = 5
 
 
 def grid(height: int, width: int, max_patches: int, patch_size: int = PATCH_SIZE
@@ -110,3 +120,46 @@ def real_patch_mask(patches: np.ndarray) -> np.ndarray:
   """`[..., max_patches, 2 + values]` -> bool `[..., max_patches]`: the patches
   of the image, not the padding after them (row id 0)."""
   return np.asarray(patches)[..., 0] > 0
+
+
+def _font(size: int, font_path: Optional[Union[str, os.PathLike]]):
+  """A TrueType font file at `size`, or Pillow's built-in font at `size`
+  (no file needed; Pix2Struct itself draws with Arial)."""
+  from PIL import ImageFont  # pylint: disable=g-import-not-at-top
+  if font_path is None:
+    return ImageFont.load_default(size=size)
+  if not os.path.exists(font_path):
+    raise ValueError(f'font file {str(font_path)!r} does not exist')
+  return ImageFont.truetype(str(font_path), encoding='UTF-8', size=size)
+
+
+def render_text(text: str, text_size: int = HEADER_TEXT_SIZE,
+                font_path: Optional[Union[str, os.PathLike]] = None) -> np.ndarray:
+  """`text`, wrapped at `HEADER_LINE_CHARACTERS`, black on white with
+  `HEADER_PADDING` pixels around it -> uint8 RGB `[H, W, 3]`."""
+  from PIL import Image, ImageDraw  # pylint: disable=g-import-not-at-top
+  wrapped = '\n'.join(textwrap.TextWrapper(width=HEADER_LINE_CHARACTERS).wrap(text=text))
+  font = _font(text_size, font_path)
+  _, _, right, bottom = ImageDraw.Draw(Image.new('RGB', (1, 1))).textbbox(
+      (0, 0), wrapped, font=font)
+  canvas = Image.new('RGB', (right + 2 * HEADER_PADDING, bottom + 2 * HEADER_PADDING), 'white')
+  ImageDraw.Draw(canvas).text((HEADER_PADDING, HEADER_PADDING), wrapped, fill='black',
+                              font=font)
+  return np.asarray(canvas)
+
+
+def render_header(image: np.ndarray, header: str, text_size: int = HEADER_TEXT_SIZE,
+                  font_path: Optional[Union[str, os.PathLike]] = None) -> np.ndarray:
+  """uint8 RGB `image [H, W, 3]` with `header` drawn above it (`render_text`):
+  both resized (Pillow's bicubic default) to the wider one's width, aspect
+  ratios kept, header on top -> `[H', W', 3]`."""
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  picture = Image.fromarray(load_image(np.asarray(image, np.uint8)))
+  text = Image.fromarray(render_text(header, text_size, font_path))
+  width = max(text.width, picture.width)
+  height = int(picture.height * (width / picture.width))
+  header_height = int(text.height * (width / text.width))
+  out = Image.new('RGB', (width, height + header_height), 'white')
+  out.paste(text.resize((width, header_height)), (0, 0))
+  out.paste(picture.resize((width, height)), (0, header_height))
+  return np.asarray(out)

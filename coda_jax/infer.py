@@ -16,7 +16,9 @@ task, its lengths and vocabulary and the mesh; ``runs/infer.gin`` or
                     directory (``MODEL_DIR/adapters/<step>``, `checkpoints.save_adapters`)
                     was trained on (its fingerprint is checked)
   INPUT_FILE        None: the task's split (INFER_SPLIT / EVAL_SPLIT); else a text
-                    file (one model input a line) or JSONL ({"inputs": .., "targets": ..})
+                    file (one model input a line) or JSONL ({"inputs": .., "targets": ..});
+                    for an image task (`coda_jax.image_tasks`) JSONL of {"image": path
+                    relative to the file, "question": optional, "answer": text or list}
   DECODING          'greedy' or 'beam' (NUM_BEAMS, BEAM_ALPHA: t5x's length penalty)
   ACM_INFERENCE     a trained ACM's learners: None (as its run recorded: 'masked'),
                     'masked' or 'gather' (learner n only on the tokens that chose
@@ -53,6 +55,7 @@ import optax
 
 from coda_jax import checkpoints
 from coda_jax import config as config_lib
+from coda_jax import image_tasks
 from coda_jax import decoding as decoding_lib
 from coda_jax import network
 from coda_jax import params as params_lib
@@ -274,9 +277,10 @@ class Predictor:
     return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
   def lower(self, batch_size: int, input_length: int):
-    """The decoding program `__call__` runs, for `[batch_size, input_length]` inputs."""
-    return self._predict.lower(self.abstract_params(),
-                               self._rows((batch_size, input_length), jnp.int32))
+    """The decoding program `__call__` runs, for `[batch_size, input_length]`
+    inputs (an image model's: patch rows, `params.encoder_input_spec`)."""
+    inputs = params_lib.encoder_input_spec(self.model.config, batch_size, input_length)
+    return self._predict.lower(self.abstract_params(), self._rows(inputs.shape, inputs.dtype))
 
   def _encode_fn(self, params, tokens):
     with partitioning.axis_rules(self.trainer.rules):
@@ -285,10 +289,11 @@ class Predictor:
 
   def lower_encode(self, batch_size: int, input_length: int, param_dtype: Any = None):
     """The encoder of the decoding program, on its own (parameters in
-    `param_dtype`, default their own)."""
+    `param_dtype`, default their own), on `[batch, n]` tokens or an image
+    encoder's `[batch, n, 2 + patch_dim]` patch rows (`params.encoder_input_spec`)."""
     jitted = partitioning.on_mesh(jax.jit(self._encode_fn), self.mesh)
-    return jitted.lower(self.abstract_params(param_dtype),
-                        self._rows((batch_size, input_length), jnp.int32))
+    inputs = params_lib.encoder_input_spec(self.model.config, batch_size, input_length)
+    return jitted.lower(self.abstract_params(param_dtype), self._rows(inputs.shape, inputs.dtype))
 
   def _prefill_fn(self, params, encoded, tokens):
     with partitioning.axis_rules(self.trainer.rules):
@@ -299,11 +304,20 @@ class Predictor:
     """The decoder cache the loop starts from, on its own
     (`decoding.init_decode_cache`): every decoder layer's cross-attention
     keys/values of the encoder output `[batch, n, emb]`, once per example,
-    and the empty self-attention cache (batch x beams rows)."""
+    and the empty self-attention cache (batch x beams rows); an image's
+    patches as their row ids (`decode_step_arguments`)."""
     params, encoded, tokens, *_ = self.decode_step_arguments(batch_size, input_length,
                                                              param_dtype)
-    jitted = partitioning.on_mesh(jax.jit(self._prefill_fn), self.mesh)
+    prefill = lambda p, e, t: self._prefill_fn(p, e, self._decoder_inputs(t))
+    jitted = partitioning.on_mesh(jax.jit(prefill), self.mesh)
     return jitted.lower(params, encoded, tokens)
+
+  def _decoder_inputs(self, tokens):
+    """The encoder's input as a decoding program reads it: tokens as they
+    are; an image's `[batch, n]` row ids as patch rows (`params.patches_of_row_ids`)."""
+    if self.model.config.encoder_input == config_lib.PATCHES:
+      return params_lib.patches_of_row_ids(self.model.config, tokens)
+    return tokens
 
   def _decode_step_fn(self, params, encoded, tokens, token, cache):
     with partitioning.axis_rules(self.trainer.rules):
@@ -325,18 +339,20 @@ class Predictor:
   def decode_step_arguments(self, batch_size: int, input_length: int,
                             param_dtype: Any = None) -> Tuple[Any, ...]:
     """What one decoding step takes, as sharded shapes: params, the encoder
-    output [batch, n, emb], its tokens [batch, n], then the loop's state:
+    output [batch, n, emb], its tokens [batch, n] (an image: its patches'
+    row ids, all the decoder reads of them), then the loop's state:
     greedy, the token [batch, 1] and the decoder cache; beam search, its
     `decoding.Beams` (the hypotheses [batch, beams, ...] and the cache: the
     self-attention's batch x beams rows, the cross-attention keys/values
     once per example). Rows split over `data`."""
     beams = self._beams
     rows = batch_size * beams
-    tokens = jax.ShapeDtypeStruct((batch_size, input_length), jnp.int32)
+    inputs = params_lib.encoder_input_spec(self.model.config, batch_size, input_length)
+    tokens = jax.ShapeDtypeStruct((batch_size, input_length), inputs.dtype)
     params = self.trainer.param_shapes
-    encoded = jax.eval_shape(self._encode_fn, params, tokens)
+    encoded = jax.eval_shape(self._encode_fn, params, inputs)
     cache = jax.eval_shape(
-        lambda p, e, t: decoding_lib.init_decode_cache(self.model, p, e, t,
+        lambda p, e, t: decoding_lib.init_decode_cache(self.model, p, e, self._decoder_inputs(t),
                                                        self.max_decode_length, beams),
         params, encoded, tokens)
     as_rows = lambda s: self._rows(s.shape, s.dtype)
@@ -356,10 +372,12 @@ class Predictor:
     loop's state is donated, as the loop carries it: the step writes its new
     keys/values in place and passes the rest (the cross-attention
     keys/values) through uncopied, so its costs are those of the step in the
-    loop."""
+    loop. An image's patches as their row ids: the loop's mask of them is
+    invariant, computed once."""
     fn, state = ((self._beam_step_fn, 3) if self.method == 'beam'
                  else (self._decode_step_fn, 4))
-    jitted = partitioning.on_mesh(jax.jit(fn, donate_argnums=state), self.mesh)
+    step = lambda p, e, t, *loop: fn(p, e, self._decoder_inputs(t), *loop)
+    jitted = partitioning.on_mesh(jax.jit(step, donate_argnums=state), self.mesh)
     return jitted.lower(*self.decode_step_arguments(batch_size, input_length, param_dtype))
 
 
@@ -448,6 +466,7 @@ def infer(*,
   if input_file is None:
     data_lib.ensure_tfds_prepared(dataset_cfg)
   loaded = load_model(checkpoint_path, checkpoint_step, adapters_path, acm_inference)
+  data_lib.check_inputs(loaded.model.config, task)
   n = lengths['inputs']
   model = selftest_lib.check_run(
       loaded.model, n, [loaded.model.coda.num_selected(n)] if loaded.model.routes_tokens
@@ -500,7 +519,13 @@ def _evaluator(mode: str, dataset_cfg: data_lib.DatasetConfig, task, lengths,
   """What is decoded: the task's split, or the examples of `input_file`
   (with targets for 'eval'); at most `num_examples`."""
   examples = None
-  if input_file is not None:
+  if input_file is not None and image_tasks.has_patches(task):
+    try:
+      examples = image_tasks.evaluation_examples(
+          image_tasks.read_jsonl(input_file, answers=mode == 'eval'))
+    except (OSError, ValueError) as e:
+      raise train_lib.ConfigError(f'INPUT_FILE: {e}') from e
+  elif input_file is not None:
     examples = read_input_file(input_file, data_lib.output_vocabulary(task),
                                lengths['inputs'])
     if mode == 'eval' and not all('targets_pretokenized' in e for e in examples):

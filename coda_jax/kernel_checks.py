@@ -94,7 +94,9 @@ class Result:
 # ----------------------------------------------------------------------------
 
 def _model_dims(config, coda) -> Dict[str, Any]:
-  return dict(emb=config.emb_dim, heads=config.num_heads, kv_heads=config.kv_heads,
+  # An image encoder's attention has no relative position bias ('relative').
+  image = {'relative': False} if config.encoder_input == 'patches' else {}
+  return dict(image, emb=config.emb_dim, heads=config.num_heads, kv_heads=config.kv_heads,
               head_dim=config.head_dim, mlp_dim=config.mlp_dim,
               activations=tuple(config.mlp_activations),
               buckets=config.relative_attention_num_buckets,
@@ -131,9 +133,10 @@ def cases(kernels: Sequence[str], config, coda, length: int, ks: Sequence[int],
       for k in routed:
         add(kernel, f'{attention} k = {k} of {length}', queries=k,
             keys=length if attention == 'k_to_all' else k, routed=True, length=length)
-      if edges:
+      if edges and dims.get('relative', True):
         add(kernel, f'distances 0-{DISTANCE_LENGTH - 1}, bias-dominated',
             queries=DISTANCE_LENGTH, keys=DISTANCE_LENGTH, routed=False, bias_only=True)
+      if edges:
         for k in EDGE_KS:
           add(kernel, f'k_to_k k = {k}{megacore(k)}', edge_batch(k), queries=k, keys=k,
               routed=True, length=edge_length)
@@ -218,8 +221,11 @@ def _attention(case: Case, interpret: bool):
   kw = dict(query_positions=jnp.asarray(q_pos), key_positions=jnp.asarray(k_pos),
             query_real=jnp.asarray(q_real), key_real=jnp.asarray(k_real))
 
+  relative = s.get('relative', True)
+
   def kernel(query, key, value, table):
-    return relpos_attention.relpos_attention(query, key, value, table, bidirectional=True,
+    return relpos_attention.relpos_attention(query, key, value, table if relative else None,
+                                             bidirectional=True,
                                              max_distance=s['max_distance'],
                                              interpret=interpret, **kw)
 
@@ -227,6 +233,7 @@ def _attention(case: Case, interpret: bool):
     bias = layers.RelativePositionBiases(num_buckets=s['buckets'],
                                          max_distance=s['max_distance'], num_heads=h).apply(
         {'params': {'rel_embedding': table}}, kw['query_positions'], kw['key_positions'])
+    bias = bias if relative else 0.
     mask = layers.make_attention_mask(kw['query_real'], kw['key_real'])
     bias = jnp.where(mask > 0, 0., layers.MASK_VALUE) + bias
     return layers.dot_product_attention(query, key, value, bias=bias, deterministic=True,

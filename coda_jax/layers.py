@@ -346,12 +346,10 @@ class MultiHeadDotProductAttention(nn.Module):
                          query_token_mask: Optional[Array], kv_token_mask: Optional[Array],
                          kv_len: int) -> None:
     """Raises ValueError unless `relpos_kernel.relpos_attention` computes what
-    this call needs: the relative position bias, a mask that is none or the
-    padding of the two token masks, no other bias, no cache, no attention
+    this call needs: the relative position bias (or none), a mask that is none
+    or the padding of the two token masks, no other bias, no cache, no attention
     dropout, keys it holds (the plan gives the kernel only to such calls)."""
     why = []
-    if self.relative_embedding is None:
-      why.append('no relative position bias')
     if decode or cache_kv:
       why.append('a decoding cache')
     if bias is not None:
@@ -385,14 +383,14 @@ class MultiHeadDotProductAttention(nn.Module):
     if kv_heads == heads:
       key = with_sharding_constraint(key, ('batch', 'length', 'joined_kv'))
       value = with_sharding_constraint(value, ('batch', 'length', 'joined_kv'))
+    rel = self.relative_embedding  # None: no relative position bias (an image encoder)
     x = relpos_kernel.relpos_attention(
         query.reshape(b, q_len, heads, dim), key.reshape(b, kv_len, kv_heads, dim),
-        value.reshape(b, kv_len, kv_heads, dim), self.relative_embedding.table(),
+        value.reshape(b, kv_len, kv_heads, dim), None if rel is None else rel.table(),
         query_positions=query_positions, key_positions=key_positions,
         query_real=None if mask is None else query_token_mask,
-        key_real=None if mask is None else kv_token_mask,
-        bidirectional=self.bidirectional, max_distance=self.relative_embedding.max_distance,
-        interpret=self.kernel_interpret)
+        key_real=None if mask is None else kv_token_mask, bidirectional=self.bidirectional,
+        max_distance=None if rel is None else rel.max_distance, interpret=self.kernel_interpret)
     return self._output(x.reshape(b, q_len, heads * dim), inputs_q.shape[-1],
                         query_token_mask, deterministic)
 

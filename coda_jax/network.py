@@ -254,7 +254,7 @@ class RoutedEncoderLayer(nn.Module):
           w_init=nn.initializers.normal(stddev=coda.router_init_stddev),
           name='router')(inputs, plan.k, input_mask, rms_scale=scale, rms_epsilon=norm.epsilon)
     self.sow('intermediates', 'routing', {
-        'indices': decision.indices, 'gate': decision.gate,
+        'indices': decision.indices, 'gate': decision.gate, 'weights': decision.weights,
         'mass_ratio': soft_topk.topk_mass_ratio(decision.weights, plan.k, mask=input_mask)})
     gate = decision.gate[..., None].astype(cfg.dtype)            # [b, k, 1]
     if plan.k == inputs.shape[1]:                                # k = n: in place

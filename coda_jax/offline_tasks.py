@@ -53,7 +53,9 @@ VALIDATION_SEED = 1
 # The train stream's seed when the pipeline gives none.
 DEFAULT_TRAIN_SEED = 0
 # What an offline task trains (`OfflineTask.objective`).
-OBJECTIVES = ('text_to_text', 'span_corruption')
+# 'image_to_text': `coda_jax.image_tasks` draws the example's ``scene`` and
+# registers the task itself.
+OBJECTIVES = ('text_to_text', 'span_corruption', 'image_to_text')
 # Draws per validation example before a generator is declared too small.
 _MAX_DRAWS_PER_EXAMPLE = 100
 
@@ -76,7 +78,9 @@ class OfflineTask:
       or 'span_corruption' (T5's pre-training objective over the stream of
       the examples' ``targets`` documents, as `coda_c4_span_corruption` over
       C4: cut into windows that fill the inputs, noise spans replaced by
-      sentinels; no metric).
+      sentinels; no metric), or 'image_to_text' (an image task of
+      `coda_jax.image_tasks`: the example's ``scene`` drawn, its
+      ``targets`` the answer; that module registers it).
   """
   name: str
   generate: Generator
@@ -201,6 +205,8 @@ def task_specs(vocabulary, postprocess_fn: Callable[..., Any],
   import seqio  # pylint: disable=g-import-not-at-top
   specs = {}
   for name, task in OFFLINE_TASKS.items():
+    if task.objective == 'image_to_text':
+      continue                                   # `coda_jax.image_tasks.task_specs`
     source = seqio.FunctionDataSource(task.dataset, splits=SPLITS)
     if task.objective == 'span_corruption':
       if not span_corruption:

@@ -168,6 +168,25 @@ def example_inputs(batch: int = 1, encoder_length: int = EXAMPLE_ENCODER_LENGTH,
   return enc, dec, dec
 
 
+def encoder_input_spec(config, batch: int, length: int) -> jax.ShapeDtypeStruct:
+  """The encoder's input as a shape: `[batch, length]` int32 token ids, or
+  for an image encoder (`T5Config.encoder_input` 'patches') `[batch, length,
+  2 + patch_dim]` float32 patch rows."""
+  if config.encoder_input == PATCHES:
+    return jax.ShapeDtypeStruct((batch, length, ID_COLUMNS + config.patch_dim), jnp.float32)
+  return jax.ShapeDtypeStruct((batch, length), jnp.int32)
+
+
+def patches_of_row_ids(config, row_ids: jax.Array) -> jax.Array:
+  """`[batch, n]` row ids -> `[batch, n, 2 + patch_dim]` float32 patch rows
+  with those row ids and zeros elsewhere: all a decoder reads of an image's
+  patches (which are real: row id > 0), for a program that takes the row
+  ids alone (a decoding step, whose compiler drops the zeros)."""
+  batch, n = row_ids.shape
+  zeros = jnp.zeros((batch, n, ID_COLUMNS - 1 + config.patch_dim), jnp.float32)
+  return jnp.concatenate([row_ids[..., None].astype(jnp.float32), zeros], axis=-1)
+
+
 def _init(model, rng, encoder_length: int = EXAMPLE_ENCODER_LENGTH,
           decoder_length: int = EXAMPLE_DECODER_LENGTH):
   """`model.init` on dummy tokens: the one place a model is initialised."""

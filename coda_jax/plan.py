@@ -43,7 +43,7 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import jax.numpy as jnp
 
-from coda_jax.config import PARALLEL, PATCHES, AcmConfig, CodaConfig, T5Config
+from coda_jax.config import PARALLEL, AcmConfig, CodaConfig, T5Config
 from coda_jax.kernels import decode_attention as decode_attention_kernel
 from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import relpos_attention
@@ -393,8 +393,6 @@ def _attention_blockers(config: T5Config, kv_length: int, training: bool,
     out.append('packed inputs (segment masks)')
   if not relpos_attention.supported(kv_length):
     out.append(f'{kv_length} keys > {relpos_attention.MAX_KV_LENGTH}')
-  if config.encoder_input == PATCHES:
-    out.append('no relative position bias (an image encoder)')
   return out
 
 

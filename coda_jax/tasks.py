@@ -23,6 +23,10 @@ Registered names (`register_tasks`, run at import with T5's vocabulary):
   coda_quickstart_*       generated on the fly, no download (`coda_jax.offline_tasks`);
                           coda_quickstart_span_corruption: span corruption over
                           generated documents (pre-training without C4)
+  coda_ocrvqa, coda_docvqa, coda_screen2words, coda_quickstart_read_text(_vqa)
+                          image tasks for Pix2Struct models (`coda_jax.image_tasks`:
+                          images + JSONL from IMAGE_DATA_DIR, or generated);
+                          exact match, ANLS, CIDEr
 
 Labels of classification tasks are T5's label names; a prediction that is no
 label scores as wrong. Metrics are percentages, as T5 reports them, and
@@ -44,6 +48,7 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
+from coda_jax import image_tasks
 from coda_jax import offline_tasks
 
 DEFAULT_SPM_PATH = 'gs://t5-data/vocabs/cc_all.32000.100extra/sentencepiece.model'
@@ -580,6 +585,7 @@ def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
           metric_fns=[]),
       **offline_tasks.task_specs(vocabulary, text_postprocessor, accuracy,
                                  span_corruption=(concat_and_split, span_corruption)),
+      **image_tasks.task_specs(vocabulary),
   }
 
 

@@ -296,6 +296,17 @@ BAD_FLAGS = [
     (['--out', '/nonexistent_dir/r.json'],
      '--out /nonexistent_dir/r.json: directory /nonexistent_dir does not exist'),
     (['--checkpoint', '/nonexistent_ckpt'], '--checkpoint: /nonexistent_ckpt does not exist'),
+    # An image task needs an image model, a text task a text model.
+    (['--preset', 'base', '--tasks', 'ocrvqa'],
+     '--tasks ocrvqa is an image task (Pix2Struct patches in) and --model base a text model'),
+    (['--preset', 'vision', '--tasks', 'boolq'],
+     '--model vision is an image model (Pix2Struct patches in) and --tasks boolq a text task'),
+    (['--tasks', 'boolq,ocrvqa'],
+     'the image task ocrvqa and the text task boolq need different models'),
+    (['--preset', 'vision', '--tasks', 'ocrvqa', '--cross_kv'],
+     '--model vision is an image model: not with --cross_kv'),
+    (['--preset', 'pix2struct_base', '--input_length', '64', '--output_length', '2',
+      '--acm_budgets', '0.5'], '--model pix2struct_base is an image model: not with --acm_budgets'),
 ]
 
 
@@ -383,3 +394,28 @@ def test_cross_kv_row_is_explained_in_one_line(tiny_run):
   every_step = next(r for r in result['cross_kv']['rows'] if not r['cache_cross_kv'])
   hoisted = every_step['cross_kv_matmuls_in_decoding_loop'] == 0
   assert ('FLOP bound does not apply' in explanation) == hoisted
+
+
+def test_an_image_task_times_patches_on_an_image_model(tmp_path, monkeypatch, capsys):
+  """--tasks ocrvqa: 'tiny' becomes an image model whose encoder reads a whole
+  image's patches (here 16 of them, not OCR-VQA's 4096), no ACM rows; the
+  paper's Table 6 speed-ups beside the rows and in the JSON."""
+  monkeypatch.setitem(bm.decoding_latency.TASK_SHAPES, 'ocrvqa', (16, 2))
+  out = tmp_path / 'image.json'
+  assert _benchmark(['--preset', 'tiny', '--tasks', 'ocrvqa', '--batch_size', '1',
+                     '--reduction_factors', '4,3', '--attention', 'k_to_all', '--repeats',
+                     '1', '--no_progress', '--png', '', '--out', str(out)]) == 0
+  table = capsys.readouterr().out
+  result = json.loads(out.read_text())
+  assert result['meta']['config']['encoder_input'] == 'patches'
+  assert result['meta']['acm'] is None and result['meta']['coda']['adapter_dim'] == 64
+  [task] = result['tasks']
+  assert (task['task'], task['input_length'], task['output_length']) == ('ocrvqa', 16, 2)
+  assert [(r['name'], r['k'], r['paper_speedup']) for r in task['variants']] == [
+      ('parallel_adapter', 16, 1.0), ('coda_k_to_all_r4', 4, 4.6), ('coda_k_to_all_r3', 6, None)]
+  assert task['paper']['speedup_by_r'] == {'4': 4.6, '8': 8.0, '16': 13.5, '32': 19.4}
+  assert "the paper's Table 6" in task['paper']['source'] and task['acm'] is None
+  rows = {line.split()[0]: line for line in table.splitlines() if line.startswith('coda_')}
+  assert rows['coda_k_to_all_r4'].rstrip().endswith('4.6')
+  assert rows['coda_k_to_all_r3'].rstrip().endswith('-')
+  assert "paper x: the paper's Table 6" in table

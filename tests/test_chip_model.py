@@ -189,3 +189,37 @@ def test_a_program_that_does_not_fit_the_chip_is_one_line_and_exit_1(monkeypatch
   assert err.startswith(f'benchmark: tiny does not fit one v5e chip at batch {BATCH}: the '
                         f'{variant_costs.PREFILL} program: RESOURCE_EXHAUSTED')
   assert err.rstrip().endswith('try a smaller --batch_size')
+
+
+def test_an_image_task_compiles_patches_in_and_row_ids_for_the_decoder(run, tmp_path,
+                                                                       monkeypatch):
+  """--tasks ocrvqa on the tiny model (an image model then), here 64 patches:
+  the encoder reads [batch, n, 2 + 768] patch rows and runs the attention
+  kernel without a relative position bias; the prefill and the step read
+  only the patches' row ids, so they move the bytes the text model's do; the
+  encoder's efficiency and the paper's Table 6 beside the rows."""
+  from coda_jax.bench import chip_model, decoding_programs  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(decoding_programs.TASK_SHAPES, 'ocrvqa', (N, 16))
+  out = tmp_path / 'image.json'
+  argv = [{'k_to_all,k_to_k': 'k_to_all'}.get(a, a) for a in ARGV
+          if a not in ('--input_length', str(N), '--output_length', '5')]
+  assert decoding_latency.main([*argv, '--tasks', 'ocrvqa', '--out', str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert result['meta']['encoder_input'] == 'patches' and result['meta']['adapter_dim'] == 64
+  [task] = result['tasks']
+  [text] = run[1]['tasks']
+  assert (task['task'], task['input_length'], task['decode_steps']) == ('ocrvqa', N, T)
+  *encoders, prefill, step = task['programs']
+  *_, text_prefill, text_step = text['programs']
+  text_encoders = text['programs'][:len(encoders)]
+  for enc, text_enc in zip(encoders, text_encoders):
+    assert enc['plan']['kernels'] == text_enc['plan']['kernels'] == ['attention', 'mlp']
+  assert step['hbm_traffic'] == pytest.approx(text_step['hbm_traffic'], rel=0.02)
+  assert prefill['hbm_traffic'] == pytest.approx(text_prefill['hbm_traffic'], rel=0.02)
+  base, k_to_all = task['variants']
+  assert [r['paper_speedup'] for r in task['variants']] == [1.0, None]     # r = 3
+  assert base['encoder_efficiency'] == 1.0
+  assert k_to_all['encoder_efficiency'] == pytest.approx(
+      k_to_all['speedup']['encoder'] * encoders[1]['flops'] / encoders[0]['flops'])
+  table = chip_model.format_table(result)
+  assert 'enc eff' in table and "paper x: the paper's Table 6" in table

@@ -539,3 +539,19 @@ def test_decode_step_floor_counts_what_one_step_must_move():
                   'cross_kv': float(rows // 2 * n * kv), 'self_cache': floor['self_cache'],
                   'total': beam['total']}
   assert beam['total'] == sum(v for k, v in beam.items() if k != 'total')
+
+
+@needs_libtpu
+def test_an_image_model_compiles_its_train_step_and_decoding(capsys, tmp_path):
+  """Pix2Struct's patches as the batch ([batch, 128, 770] float32) and as
+  the decoding program's input."""
+  from coda_jax.compile import command
+  out_file = tmp_path / 'report.json'
+  code = command.main(['--gin_file', 'gin_configs/runs/quickstart_image.gin', '--topology',
+                       'v5e-4', '--gin.INITIAL_CHECKPOINT_PATH=None',
+                       f'--gin.MODEL_DIR="{tmp_path}"', '--gin.K_ANNEAL_MAX_RUNGS=2',
+                       '--programs', 'train,infer', '--rungs', 'last', f'--out={out_file}'])
+  _, err = capsys.readouterr()
+  assert code == 0, err
+  report = json.loads(out_file.read_text())
+  assert [p['name'] for p in report['programs']] == ['train k=32', 'infer']

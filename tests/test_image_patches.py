@@ -63,3 +63,36 @@ def test_images_load_as_rgb_and_bad_ones_are_named(tmp_path):
   # A blank image: the deviation's floor, no division by zero.
   blank = image_patches.extract_patches(np.full((32, 32, 3), 255, np.uint8), 4)
   assert np.isfinite(blank).all() and not blank[:, 2:].any()
+
+
+DEJAVU = '/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf'
+
+
+@pytest.mark.parametrize('height,width,question', [
+    (60, 200, 'What is the title of this book?'),
+    (300, 90, 'Who wrote it? ' * 9),                     # wraps over two lines
+])
+def test_the_question_header_equals_the_transformers_processor(height, width, question):
+  transformers = pytest.importorskip('transformers')
+  import os  # pylint: disable=g-import-not-at-top
+  if not os.path.exists(DEJAVU):
+    pytest.skip(f'no font file at {DEJAVU} to give both renderers')
+  from transformers.models.pix2struct import image_processing_pil_pix2struct as hf
+  image = _image(height, width, seed=width)
+  want = hf.Pix2StructImageProcessorPil().render_header(
+      image.transpose(2, 0, 1), question, font_path=DEJAVU).transpose(1, 2, 0)
+  got = image_patches.render_header(image, question, font_path=DEJAVU)
+  assert got.shape == want.shape and got.shape[1] >= width
+  np.testing.assert_array_equal(got, want)
+  # The header is above the image: its top rows are white, with ink.
+  assert got.shape[0] > height * got.shape[1] // width
+  assert (got[:5] == 255).all() and (got[:got.shape[0] - height] < 128).any()
+
+
+def test_the_header_draws_without_a_font_file():
+  image = np.full((40, 100, 3), 255, np.uint8)
+  out = image_patches.render_header(image, 'what?', text_size=16)
+  assert out.dtype == np.uint8 and out.shape[1] == 100 and out.shape[0] > 40
+  assert (out < 128).any()                                        # the question's ink
+  with pytest.raises(ValueError, match='font file'):
+    image_patches.render_header(image, 'what?', font_path='/no/such/font.ttf')

@@ -50,6 +50,31 @@ def test_the_kernel_is_the_xla_model(name):
   assert ('encoder', 'relpos_bias', 'rel_embedding') in grads
 
 
+@pytest.mark.parametrize('name', ['parallel_adapter', 'k_to_all'])
+def test_without_relative_positions_the_kernel_is_plain_attention(name):
+  """An image encoder (Pix2Struct's patches: no relative position bias) runs
+  the kernel without a table: XLA's attention with the padding mask, the same
+  output and gradients, padding patches (row id 0) masked."""
+  tokens, dec_in, tgt = batch()
+  rng = np.random.RandomState(2)
+  ids = np.where(np.asarray(tokens) > 0, 1 + np.arange(tokens.shape[1]) // 4, 0)
+  enc = jnp.asarray(np.concatenate([ids[..., None], ids[..., None] % 4,
+                                    rng.randn(*tokens.shape, 12)], -1), jnp.float32)
+  models = _models(CODAS[name], encoder_input='patches', patch_dim=12, patch_positions=16)
+  params = init_params(models['xla'], enc, dec_in, tgt)
+  if CODAS[name] is not None:
+    params = randomize(params, ['adapter', 'router'], scale=0.5)
+  assert 'relpos_bias' not in params['encoder']
+  assert _pallas_calls(models['pallas'], params, enc) == 2       # one per encoder layer
+  assert_same_model(models, params, enc, dec_in, tgt)
+  (query, key, value), _, kw = _operands(0, 2, 4, 8, 4, 2, 8)
+  out = kernel.relpos_attention(query, key, value, None, interpret=True, **kw)
+  mask = layers.make_attention_mask(kw['query_real'], kw['key_real'])
+  np.testing.assert_allclose(np.asarray(out), np.asarray(layers.dot_product_attention(
+      query, key, value, bias=jnp.where(mask > 0, 0., layers.MASK_VALUE),
+      deterministic=True)), atol=1e-5, rtol=1e-5)
+
+
 def test_bfloat16_is_xla_with_float32_logits():
   """The kernel's logits are float32 (the MXU accumulates in float32): in
   bfloat16 it gives what XLA gives with float32_attention_logits."""

@@ -21,6 +21,15 @@ The run's gin file (--gin_file, as for ``coda-jax infer``) gives the task, the
 input length n the model was trained with (k = ceil(n / r) depends on it) and
 the vocabulary; --task, --input_length and --vocabulary override it or stand
 in for it. Prints a JSON summary of what it wrote.
+
+An image model (Pix2Struct's patches, `coda_jax.image_tasks`; --inputs_file
+then a JSONL of {"image": .., "question": ..}) is drawn as the paper draws
+Figure 6: per example the image as the model reads it, then one panel per
+routed layer with every patch's router weight λ as a heat map over the image
+and the k kept patches outlined. The summary adds, per layer, how often the
+kept patches hold ink against the ink's share of the image
+(`coda_jax.image_routing.ink_report`: the routers avoid whitespace when
+``ink_ratio`` > 1).
 """
 from __future__ import annotations
 
@@ -70,6 +79,12 @@ DPI = 130
 TITLE_CHARS = 110
 # index.html: a token routed by every row gets this opacity of blue.
 HTML_MAX_ALPHA = 0.6
+# Image panels (inches): per patch, at least this wide, room for a title; the
+# heat map's opacity over the image.
+IMAGE_PATCH_IN = 0.25
+IMAGE_MIN_WIDTH_IN = 4.0
+IMAGE_TITLE_IN = 0.6
+HEAT_ALPHA = 0.6
 
 
 @dataclasses.dataclass
@@ -403,7 +418,10 @@ def _run_settings(gin_files: Sequence[str], model_dir: str) -> Dict[str, Any]:
     return {}
   import gin  # pylint: disable=g-import-not-at-top
   from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
-  gin_utils.parse_gin(gin_files, [('MODEL_DIR', repr(model_dir))])
+  # A fine-tuning run file requires its starting checkpoint; the settings read
+  # here do not depend on it.
+  gin_utils.parse_gin(gin_files, [('MODEL_DIR', repr(model_dir)),
+                                  ('INITIAL_CHECKPOINT_PATH', 'None')])
   settings = {}
   for key, macro in (('task', 'MIXTURE_OR_TASK_NAME'), ('module', 'MIXTURE_OR_TASK_MODULE'),
                      ('lengths', 'TASK_FEATURE_LENGTHS'), ('vocabulary', 'VOCABULARY')):
@@ -463,6 +481,97 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   return args
 
 
+# ----------------------------------------------------------------------------
+# Images: Figure 6 as the paper draws it.
+# ----------------------------------------------------------------------------
+
+
+def _seen_image(patches: np.ndarray) -> np.ndarray:
+  """`[rows * 16, cols * 16, 3]` in [0, 1]: the image the patches hold (as
+  the model reads it: resized, standardised, shown min to max)."""
+  from coda_jax import image_routing  # pylint: disable=g-import-not-at-top
+  from coda_jax.image_patches import ID_COLUMNS, PATCH_SIZE  # pylint: disable=g-import-not-at-top
+  shape = image_routing.grid(patches, np.zeros(len(patches))).shape
+  real = patches[patches[:, 0] > 0]
+  values = real[:, ID_COLUMNS:].reshape(shape + (PATCH_SIZE, PATCH_SIZE, 3))
+  image = values.transpose(0, 2, 1, 3, 4).reshape(shape[0] * PATCH_SIZE,
+                                                   shape[1] * PATCH_SIZE, 3)
+  return (image - image.min()) / max(float(image.max() - image.min()), 1e-9)
+
+
+def draw_image_routing(patches: np.ndarray, maps, b: int, path: str, title: str) -> str:
+  """Example `b`'s image, then per routed layer its λ heat map over the
+  image with the kept patches outlined; a PNG at `path`."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from coda_jax import image_routing  # pylint: disable=g-import-not-at-top
+  image = _seen_image(patches[b])
+  rows, cols = image_routing.grid(patches[b], np.zeros(len(patches[b]))).shape
+  panel = (max(IMAGE_MIN_WIDTH_IN, cols * IMAGE_PATCH_IN), rows * IMAGE_PATCH_IN
+           + IMAGE_TITLE_IN)
+  fig, axes = plt.subplots(len(maps) + 1, 1, squeeze=False,
+                           figsize=(panel[0], panel[1] * (len(maps) + 1)))
+  axes[0, 0].imshow(image)
+  axes[0, 0].set_title(title[:TITLE_CHARS], fontsize=8, loc='left')
+  for ax, layer in zip(axes[1:, 0], maps):
+    heat = image_routing.grid(patches[b], layer.weights[b])
+    ax.imshow(image, extent=(0, cols, rows, 0))
+    shown = ax.imshow(heat, cmap='coolwarm', alpha=HEAT_ALPHA, extent=(0, cols, rows, 0),
+                      vmin=0, vmax=1)
+    kept = image_routing.grid(patches[b], layer.kept[b].astype(np.float32), fill=0)
+    for y, x in zip(*np.nonzero(kept)):
+      ax.add_patch(matplotlib.patches.Rectangle((x, y), 1, 1, fill=False, lw=0.8,
+                                                 edgecolor='black'))
+    ax.set_title(f'{layer.layer} router (k = {int(layer.kept[b].sum())} kept, outlined)',
+                 fontsize=8, loc='left')
+    fig.colorbar(shown, ax=ax, fraction=0.02, label='router weight λ')
+  for ax in axes[:, 0]:
+    ax.set_xticks([])
+    ax.set_yticks([])
+  fig.tight_layout()
+  fig.savefig(path, dpi=DPI)
+  plt.close(fig)
+  return path
+
+
+def image_inputs(task, args, input_length: int) -> Tuple[np.ndarray, List[str]]:
+  """`[batch, n, 2 + 768]` patches and a caption per example: the task's
+  split or --inputs_file (JSONL of images)."""
+  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  if args.inputs_file is not None:
+    examples = image_tasks.evaluation_examples(image_tasks.read_jsonl(
+        args.inputs_file, answers=False))[:args.num_examples]
+  else:
+    examples = task_examples(task, args.split, input_length, args.num_examples)
+  return (image_tasks.example_inputs(examples, input_length),
+          [image_tasks.describe(ex) for ex in examples])
+
+
+def run_images(loaded, task, args, input_length: int) -> Dict[str, Any]:
+  """Figure 6 on images: one PNG per example, ``routing.json`` (per layer:
+  each example's kept patches and weights) and the ink report per layer."""
+  from coda_jax import image_routing  # pylint: disable=g-import-not-at-top
+  patches, captions = image_inputs(task, args, input_length)
+  maps = image_routing.routing_maps(loaded.model, loaded.params, patches)
+  inked, real = image_routing.ink(patches), patches[..., 0] > 0
+  out_dir = args.out_dir or os.path.join(loaded.model_dir or '.', f'routing-{loaded.step}')
+  os.makedirs(out_dir, exist_ok=True)
+  images = [draw_image_routing(patches, maps, b, os.path.join(out_dir, f'example_{b}.png'),
+                               f'example {b}: {captions[b]}') for b in range(len(patches))]
+  ink = {m.layer: image_routing.ink_report(m.kept, inked, real) for m in maps}
+  numbers = os.path.join(out_dir, 'routing.json')
+  with open(numbers, 'w') as f:
+    json.dump({'ink': ink, 'examples': [
+        {'input': captions[b], 'layers': {m.layer: {
+            'kept': np.flatnonzero(m.kept[b]).tolist(),
+            'weights': [round(float(v), 4) for v in m.weights[b]]} for m in maps}}
+        for b in range(len(patches))]}, f, indent=1)
+  return {'model_dir': loaded.model_dir, 'step': loaded.step, 'input_length': input_length,
+          'num_examples': len(patches), 'rows': [m.layer for m in maps], 'ink': ink,
+          'out_dir': out_dir, 'images': images, 'numbers': numbers}
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
   """Loads the model and the inputs, draws them; returns the JSON summary."""
   from coda_jax import infer  # pylint: disable=g-import-not-at-top
@@ -481,6 +590,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     task = data_lib.prepare_task(task_name, settings.get('vocabulary') if args.vocabulary
                                  is None else _vocabulary(args.vocabulary, None),
                                  modules=[settings.get('module')])
+  if loaded.model.config.encoder_input == 'patches':
+    return run_images(loaded, task, args, int(input_length))
   vocabulary = (data_lib.output_vocabulary(task) if task is not None
                 else _vocabulary(args.vocabulary, settings.get('vocabulary')))
   if args.inputs_file is not None:

@@ -22,9 +22,13 @@ at the chip's published figures (`compile.chips`), and end to end
 = encoder + prefill + T x step, T the task's decoded tokens (`--decode_steps`
 for another). Every variant decodes with the same decoder (CoDA routes only
 in the encoder), so prefill and step are compiled once per task. Next to each
-speed-up over the Parallel Adapter: its FLOP bound (`flops.py`), and the soft
-top-k's share of the end-to-end roofline (its bytes at the chip's bandwidth;
-the paper's Table 12 measured under 2%).
+speed-up over the Parallel Adapter: its FLOP bound (`flops.py`), the
+encoder's efficiency (its roofline speed-up over its compiled-flops speed-up,
+as `tools/routed_cost.py` reports it), the soft top-k's share of the
+end-to-end roofline (its bytes at the chip's bandwidth; the paper's Table 12
+measured under 2%) and, for an image task, the paper's Table 6 speed-up. An
+image model's encoder reads `[batch, n, 2 + 768]` patch rows; its prefill
+and step read their row ids `[batch, n]`, all a decoder needs of them.
 
 HBM traffic is what the compiled program moves to and from HBM
 (`hlo_costs.hbm_bytes`: every top-level op's operands and results at their
@@ -48,6 +52,8 @@ import jax.numpy as jnp
 
 from coda_jax import flops as flops_lib
 from coda_jax.bench import models
+from coda_jax.bench import report
+from coda_jax.bench.decoding_programs import paper_record, paper_speedup
 from coda_jax.compile import chips, topology, variant_costs
 from coda_jax.config import CodaConfig, T5Config
 
@@ -99,9 +105,13 @@ def variant_rows(encoders: Sequence[variant_costs.Row], prefill: variant_costs.R
         'soft_topk_share': soft_topk / e2e,
         'plan': enc.plan})
   base = out[0]['roofline_ms']
-  for row in out:
+  for row, enc in zip(out, encoders):
     row['speedup'] = {stage: base[stage] / row['roofline_ms'][stage]
                       for stage in ('encoder', 'end_to_end')}
+    # The share of the compiled flops the encoder skips that its roofline
+    # turns into time (`variant_costs.Row.efficiency`, at the HBM traffic).
+    row['encoder_flops_speedup'] = encoders[0].flops / enc.flops
+    row['encoder_efficiency'] = row['speedup']['encoder'] / row['encoder_flops_speedup']
   return out
 
 
@@ -166,21 +176,26 @@ def format_table(result: Dict[str, Any]) -> str:
            + (f'dispatch {meta["dispatch"]}  ' if meta.get('dispatch', 'auto') != 'auto' else '') +
            f'libtpu {meta["versions"].get("libtpu")}  jax {meta["versions"]["jax"]}']
   head = (f'{"variant":22} {"k":>4} {"enc ms":>8} {"pre ms":>7} {"step ms":>7} '
-          f'{"e2e ms":>8} {"enc x (bound)":>14} {"e2e x (bound)":>14} {"topk %":>6} '
-          f'{"enc GB":>7} {"pre GB":>6} {"step GB":>7}  (GB: HBM traffic)')
+          f'{"e2e ms":>8} {"enc x (bound)":>14} {"enc eff":>7} {"e2e x (bound)":>14} '
+          f'{"topk %":>6} {"enc GB":>7} {"pre GB":>6} {"step GB":>7}')
   for task in result['tasks']:
+    task_head = head + (report.PAPER_HEAD if task.get('paper') else '')
     lines += ['', f'{task["task"]}: input {task["input_length"]}, {task["decode_steps"]} '
               f'decoding steps, batch {task["batch_size"]} (speed-ups over '
-              f'{models.BASELINE}; roofline ms)', head, '-' * len(head)]
+              f'{models.BASELINE}; roofline ms; GB: HBM traffic; enc eff: encoder speed-up '
+              '/ its compiled-flops speed-up)', task_head, '-' * len(task_head)]
     for row in task['variants']:
       ms, gb = row['roofline_ms'], row['gigabytes']
       lines.append(
           f'{row["name"]:22} {row["k"]:4d} {ms["encoder"]:8.2f} {ms["prefill"]:7.2f} '
           f'{ms["step"]:7.3f} {ms["end_to_end"]:8.2f} '
           f'{row["speedup"]["encoder"]:5.2f} ({row["flop_bound"]["encoder"]:5.2f})  '
+          f'{row.get("encoder_efficiency", float("nan")):7.2f} '
           f'{row["speedup"]["end_to_end"]:5.2f} ({row["flop_bound"]["end_to_end"]:5.2f})  '
           + (f'{100 * row["soft_topk_share"]:6.2f}' if row['attention'] else f'{"-":>6}')
-          + f' {gb["encoder"]:7.2f} {gb["prefill"]:6.2f} {gb["step"]:7.3f}')
+          + f' {gb["encoder"]:7.2f} {gb["prefill"]:6.2f} {gb["step"]:7.3f}'
+          + report.paper_cell(task, row))
+    lines += report.paper_note(task)
     floor = task['step_floor']
     plan = task.get('step_plan') or {}
     cross = f' (cross-attention {plan["cross_attention"]})' if plan else ''
@@ -209,13 +224,16 @@ def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaCo
       'device': WHAT.format(chip=args.chip), 'chip': args.chip,
       'versions': topology.versions(), 'model': args.model, 'dtype': dtype.name,
       'batch_size': batch, 'decoding': args.decoding, 'num_beams': beams,
-      'dispatch': coda_template.dispatch,
+      'dispatch': coda_template.dispatch, 'adapter_dim': coda_template.adapter_dim,
+      'encoder_input': config.encoder_input,
       'reduction_factors': args.reduction_factors, 'attention': args.attention},
       'tasks': []}
   for name, n, decoded in tasks:
     steps = args.decode_steps or decoded
     task = measure_task(config, coda_template, args.chip, batch, n, steps,
                         args.reduction_factors, args.attention, dtype, log, beams)
-    result['tasks'].append({'task': name, **task})
+    for row in task['variants']:
+      row['paper_speedup'] = paper_speedup(name, row['reduction_factor'], row['attention'])
+    result['tasks'].append({'task': name, **task, 'paper': paper_record(name)})
   result['checks'] = checks(result)
   return result

@@ -62,6 +62,14 @@ the dense T5 of the same backbone, in their own block of rows (speed-ups over
     MACs(ACM) at the FFN work the same capacities give, encoder, decoder and
     end to end, gates included.
 
+An image task (``--tasks ocrvqa``: Pix2Struct's 4096 patches in, 16 decoded
+tokens) runs an image model (``--model pix2struct_base``, ``pix2struct_large``,
+``vision``: the paper's Table 7, adapters of 256; 'tiny' becomes one), its
+encoder on a whole image's patches (`models.random_patches`, every one real),
+without ACM rows; a text model with an image task, or the reverse, is a flag
+error naming both. Beside its rows, the paper's Table 6 speed-ups
+(`decoding_programs.PAPER_SPEEDUPS`), its measurements of its trained model.
+
 Decoding runs a FIXED number of steps (`output_length`): EOS is set to -1,
 which greedy argmax and beam search can never emit, so random weights cannot
 stop a batch early and every variant decodes the same number of tokens.
@@ -126,13 +134,13 @@ from coda_jax.bench.acm_block import (  # pylint: disable=unused-import
 from coda_jax.bench.acm_block import from_args as acm_block_from_args
 from coda_jax.bench.cross_kv import benchmark_cross_kv
 from coda_jax.bench.decoding_programs import (  # pylint: disable=unused-import
-    DECODER, NEVER_EOS, TASK_SHAPES, TIMED, make_decode_fn, make_soft_topk_fn)
+    DECODER, IMAGE_TASKS, NEVER_EOS, TASK_SHAPES, TIMED, make_decode_fn, make_soft_topk_fn)
 from coda_jax.bench.latency_task import benchmark_task, coda_row  # pylint: disable=unused-import
 from coda_jax.bench.targets import (  # pylint: disable=unused-import
     BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP, ENCODER_FRACTION_OF_BOUND, R1_MIN_SPEEDUP,
     SOFT_TOPK_MAX_SHARE, checks)
-from coda_jax.config import (ATTENTION_VARIANTS, DISPATCHES, AcmConfig, CodaConfig,
-                             SoftTopKConfig, T5Config, coda_k)
+from coda_jax.config import (ATTENTION_VARIANTS, DISPATCHES, PAPER_ADAPTER_DIMS, AcmConfig,
+                             CodaConfig, SoftTopKConfig, T5Config, coda_k)
 
 # The paper's batch: 128 sequences per TPUv4 chip (Table 12). On a CPU the
 # default is small enough that the default run takes a few minutes.
@@ -178,6 +186,7 @@ def check_args(args: argparse.Namespace) -> None:
   directories."""
   if (args.input_length is None) != (args.output_length is None):
     raise ValueError('--input_length and --output_length go together')
+  _check_model_and_tasks(args)
   if args.chip:
     _check_chip_args(args)
   elif args.decode_steps is not None:
@@ -202,6 +211,53 @@ def _check_chip_args(args: argparse.Namespace) -> None:
   if refused:
     raise ValueError(f'--chip models the CoDA and Parallel Adapter variants with random '
                      f'weights of --model; not with {", ".join(refused)}')
+
+
+def image_model(args: argparse.Namespace) -> bool:
+  """Whether the run's model reads image patches: an image preset, or 'tiny'
+  for image tasks (never a --checkpoint: a T5 v1.1 text model)."""
+  if args.checkpoint:
+    return False
+  if args.model == 'tiny':
+    return args.input_length is None and any(t in IMAGE_TASKS for t in args.tasks)
+  return args.model in models.IMAGE_PRESETS
+
+
+def _check_model_and_tasks(args: argparse.Namespace) -> None:
+  """An image task needs an image model, a text task a text model (one
+  model serves every task of a run); an image model has no ACM rows (their
+  learner usage was recorded on text) and no cross-attention K/V row (a
+  text shape). Sets the ACM rows off by default for an image model."""
+  model = f'--checkpoint {args.checkpoint}' if args.checkpoint else f'--model {args.model}'
+  tasks = [] if args.input_length is not None else list(args.tasks)
+  image, text = ([t for t in tasks if t in IMAGE_TASKS],
+                 [t for t in tasks if t not in IMAGE_TASKS])
+  if image and text:
+    raise ValueError(f'--tasks {",".join(tasks)}: the image task {image[0]} and the text '
+                     f'task {text[0]} need different models (one --model a run)')
+  if image and not image_model(args):
+    raise ValueError(f'--tasks {image[0]} is an image task (Pix2Struct patches in) and '
+                     f'{model} a text model; image models: --model '
+                     f'{", ".join(models.IMAGE_PRESETS)} or tiny')
+  if not image_model(args):
+    return
+  if text:
+    raise ValueError(f'{model} is an image model (Pix2Struct patches in) and --tasks '
+                     f'{text[0]} a text task; image tasks: {", ".join(IMAGE_TASKS)}')
+  refused = [flag for flag, given in (('--acm_budgets', args.acm_budgets),
+                                      ('--cross_kv', args.cross_kv)) if given]
+  if refused:
+    raise ValueError(f'{model} is an image model: not with {", ".join(refused)} (the ACM '
+                     'rows and the cross-attention K/V row are text shapes)')
+  args.acm_budgets = []
+
+
+def make_coda_template(args: argparse.Namespace) -> CodaConfig:
+  """The CoDA settings every variant shares; --adapter_dim by default the
+  paper's width for --model (Table 7: 256 for vision, else 64)."""
+  adapter_dim = args.adapter_dim or PAPER_ADAPTER_DIMS.get(args.model, CodaConfig.adapter_dim)
+  return CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
+                    adapter_dim=adapter_dim, dispatch=args.dispatch)
 
 
 def _resolve_tasks(args) -> List[Tuple[str, int, int]]:
@@ -231,7 +287,7 @@ def _backbone(args: argparse.Namespace, dtype: str
     config, pretrained = checkpoints.load_t5_v1_1(args.checkpoint)
     return (dataclasses.replace(config, dtype=jnp.dtype(dtype)), pretrained,
             f'checkpoint:{args.checkpoint}')
-  return models.make_config(args.model, jnp.dtype(dtype)), None, args.model
+  return models.make_config(args.model, jnp.dtype(dtype), image_model(args)), None, args.model
 
 
 def _meta(args: argparse.Namespace, *, dtype: str, model_name: str, config: T5Config,
@@ -290,10 +346,8 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
   tasks = _resolve_tasks(args)
   with timing.CompileCounter() as compiles:
     config, pretrained, model_name = _backbone(args, dtype)
-    coda_template = CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
-                               adapter_dim=args.adapter_dim, dispatch=args.dispatch)
-    config, coda_template = _self_tested(config, coda_template, tasks, rs, attentions,
-                                         dtype, args.selftest)
+    config, coda_template = _self_tested(config, make_coda_template(args), tasks, rs,
+                                         attentions, dtype, args.selftest)
     acm, acm_meta = acm_block_from_args(args, config, pretrained)
     params, params_info = models.coda_params(config, coda_template, pretrained, args.seed)
     del pretrained
@@ -338,15 +392,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g = parser.add_argument_group('model')
   g.add_argument('--model', '--preset', dest='model', default='small',
                  choices=models.MODEL_PRESETS,
-                 help='a T5 v1.1 size or one of the paper\'s §6 text models (text_base, '
-                 'text_large, text_xl), random weights (tiny: a test-sized model)')
+                 help='a T5 v1.1 size, one of the paper\'s §6 text models (text_base, '
+                 'text_large, text_xl) or an image model (pix2struct_base, pix2struct_large: '
+                 "Pix2Struct's checkpoints; vision: the paper's Table 7), random weights "
+                 '(tiny: a test-sized model, an image model for an image task)')
   g.add_argument('--checkpoint', default=None,
                  help='T5 v1.1 checkpoint (anything coda_jax.checkpoints.load_t5_v1_1 '
                  'reads); overrides --model; routers and adapters are fresh')
   g.add_argument('--dtype', default=None, choices=checkpoints.DTYPE_NAMES,
                  help='activation and parameter dtype (default: float32 on CPU, '
                  'bfloat16 otherwise)')
-  g.add_argument('--adapter_dim', type=flags.at_least_one, default=CodaConfig.adapter_dim)
+  g.add_argument('--adapter_dim', type=flags.at_least_one, default=None,
+                 help="adapter width (default: the paper's for --model, Table 7: 256 for "
+                 f'vision, else {CodaConfig.adapter_dim})')
   g.add_argument('--soft_topk_method', default=SoftTopKConfig.method,
                  choices=soft_topk_lib.METHODS)
   g.add_argument('--dispatch', default=CodaConfig.dispatch, choices=DISPATCHES,
@@ -407,9 +465,11 @@ def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
   g = parser.add_argument_group('shapes')
   g.add_argument('--tasks', default='boolq', type=flags.one_of_each(sorted(TASK_SHAPES), False),
                  help=f'comma-separated task shapes from {sorted(TASK_SHAPES)} '
-                 f'(input, output tokens: {TASK_SHAPES})')
+                 f'(input, output tokens: {TASK_SHAPES}; {", ".join(IMAGE_TASKS)}: image '
+                 'patches in, for an image --model)')
   g.add_argument('--input_length', type=flags.at_least_one, default=None,
-                 help='custom input length (with --output_length; replaces --tasks)')
+                 help='custom input length (with --output_length; replaces --tasks): tokens, '
+                 'or the patches of an image --model')
   g.add_argument('--output_length', type=flags.at_least_one, default=None,
                  help='custom number of decoded tokens')
   g.add_argument('--batch_size', type=flags.at_least_one, default=None,
@@ -436,7 +496,8 @@ def _add_cross_kv_arguments(parser: argparse.ArgumentParser) -> None:
                  'for every variant, so not part of CoDA vs Parallel Adapter')
   g.add_argument('--no_cross_kv', dest='cross_kv', action='store_false',
                  help='(the default) no cross-attention K/V row')
-  g.add_argument('--cross_kv_task', default=CROSS_KV_TASK, choices=sorted(TASK_SHAPES))
+  g.add_argument('--cross_kv_task', default=CROSS_KV_TASK,
+                 choices=sorted(set(TASK_SHAPES) - set(IMAGE_TASKS)))
   g.add_argument('--cross_kv_batch_size', type=flags.at_least_one, default=None,
                  help=f'(default: {CPU_CROSS_KV_BATCH} on CPU, --batch_size otherwise)')
   g.add_argument('--cross_kv_repeats', type=flags.at_least_one, default=2)
@@ -485,9 +546,8 @@ def _run_chip_model(args: argparse.Namespace) -> int:
   from coda_jax.bench import chip_model  # pylint: disable=g-import-not-at-top
   log = lambda line: print(line, file=sys.stderr, flush=True)
   dtype = args.dtype or 'bfloat16'
-  config = models.make_config(args.model, jnp.dtype(dtype))
-  coda_template = CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
-                             adapter_dim=args.adapter_dim, dispatch=args.dispatch)
+  config = models.make_config(args.model, jnp.dtype(dtype), image_model(args))
+  coda_template = make_coda_template(args)
   from coda_jax.compile import analysis  # pylint: disable=g-import-not-at-top
   batch = args.batch_size or ACCELERATOR_BATCH
   try:

@@ -24,7 +24,8 @@ from coda_jax.bench import models
 from coda_jax.bench import timing
 from coda_jax.bench.acm_block import DENSE, AcmBlock, acm_row
 from coda_jax.bench.decoding_programs import (DECODER, TIMED, make_decode_fn,
-                                              make_soft_topk_fn, normal)
+                                              make_soft_topk_fn, normal, paper_record,
+                                              paper_speedup)
 from coda_jax.config import CodaConfig, T5Config
 
 
@@ -55,7 +56,7 @@ def compile_task(config: T5Config, params: Mapping[str, Any], *, input_length: i
   variants = models.make_variants(config, coda_template, reduction_factors, attentions)
   base = variants[0]
   var_params = models.variant_params(variants, params)
-  tokens = models.random_tokens(batch_size, input_length, config.vocab_size, seed)
+  tokens = models.random_inputs(config, batch_size, input_length, seed)  # or patches
   scores = normal((batch_size, input_length), jnp.float32, seed)
 
   def step(label):
@@ -173,11 +174,14 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
     times = timing.time_round_robin(timed_functions(c), repeats, progress, calls=calls)
   shape = dict(input_length=input_length, output_length=output_length, beams=beams)
   rows = [coda_row(config, c, v, times, **shape) for v in c.variants]
+  for row in rows:
+    row['paper_speedup'] = paper_speedup(task, row['reduction_factor'], row['attention'])
   acm_rows = [acm_row(config, c.acm, entry, times, acm, batch_size=batch_size, **shape)
               for entry in c.acm_entries]
   return {
       'task': task, 'input_length': input_length, 'output_length': output_length,
       'batch_size': batch_size, 'baseline': c.base.name, 'variants': rows,
+      'paper': paper_record(task),
       'decoder': {'model': c.base.name, 'compile_s': c.decoder.compile_s,
                   'times_s': times[DECODER]},
       'soft_topk_times_s': {name: times[name] for name in c.soft_topk},

@@ -1,6 +1,8 @@
 """The models a benchmark compares and their parameters.
 
-* presets: 'tiny' (tests, `TINY`) or a T5 v1.1 size (`make_config`);
+* presets: 'tiny' (tests, `TINY`), a T5 v1.1 size, a §6 text model or an
+  image model (`make_config`), and their encoder's inputs (`random_inputs`:
+  tokens, or an image's patches);
 * `Variant`s: the Parallel Adapter baseline (`config.parallel_adapter_baseline`:
   the same adapters, no routing) and CoDA for every reduction factor r and
   attention variant (`make_variants`);
@@ -29,22 +31,27 @@ from coda_jax import network
 from coda_jax import params as params_lib
 from coda_jax import plan as plan_lib
 from coda_jax.bench import timing
-from coda_jax.config import (PRESETS, AcmConfig, CodaConfig, T5Config,
-                             parallel_adapter_baseline, preset)
+from coda_jax.config import (PATCHES, PIX2STRUCT_SIZES, PRESETS, AcmConfig, CodaConfig,
+                             T5Config, parallel_adapter_baseline, preset)
+from coda_jax.image_patches import ID_COLUMNS
 
 # A backbone small enough for tests (seconds on a CPU).
 TINY = dict(vocab_size=256, emb_dim=32, num_heads=2, num_encoder_layers=2,
             num_decoder_layers=2, head_dim=16, mlp_dim=64)
-# 'tiny', the T5 v1.1 sizes, the paper's §6 text models (`config.preset`).
+# 'tiny', the T5 v1.1 sizes, the paper's §6 text models, the image models
+# (`config.preset`).
 MODEL_PRESETS = ('tiny',) + PRESETS
+# The presets whose encoder reads image patches ('tiny' does where asked).
+IMAGE_PRESETS = tuple(PIX2STRUCT_SIZES)
 BASELINE = 'parallel_adapter'
 
 
-def make_config(model: str, dtype: Any) -> T5Config:
-  """A `T5Config` for a preset: 'tiny' (tests), a T5 v1.1 size or one of the
-  paper's §6 text models ('text_base', ...)."""
+def make_config(model: str, dtype: Any, image: bool = False) -> T5Config:
+  """A `T5Config` for a preset: 'tiny' (tests; with `image`, reading
+  Pix2Struct's patches), a T5 v1.1 size, one of the paper's §6 text models
+  ('text_base', ...) or an image model ('pix2struct_base', 'vision', ...)."""
   if model == 'tiny':
-    return T5Config(dtype=dtype, **TINY)
+    return T5Config(dtype=dtype, **TINY, **(dict(encoder_input=PATCHES) if image else {}))
   return preset(model, dtype=dtype)
 
 
@@ -196,6 +203,27 @@ def random_tokens(batch: int, length: int, vocab_size: int, seed: int = 0) -> ja
   """Real tokens only (ids 2..vocab-1: no padding 0, no EOS 1)."""
   rng = np.random.RandomState(seed)
   return jax.device_put(rng.randint(2, vocab_size, size=(batch, length), dtype=np.int32))
+
+
+def random_patches(batch: int, length: int, patch_dim: int, seed: int = 0) -> jax.Array:
+  """`[batch, length, 2 + patch_dim]` float32 rows of one whole image, every
+  patch real: row and column ids from 1 over a grid of ceil(sqrt(length))
+  columns, standard normal values (a standardised image)."""
+  cols = int(np.ceil(np.sqrt(length)))
+  rows = np.empty((batch, length, ID_COLUMNS + patch_dim), np.float32)
+  rows[..., :ID_COLUMNS] = np.stack(np.divmod(np.arange(length), cols), -1) + 1
+  rows[..., ID_COLUMNS:] = np.random.default_rng(seed).standard_normal(
+      (batch, length, patch_dim), dtype=np.float32)
+  return jax.device_put(rows)
+
+
+def random_inputs(config: T5Config, batch: int, length: int, seed: int = 0) -> jax.Array:
+  """The encoder's input: real tokens (`random_tokens`), or for an image
+  encoder (`T5Config.encoder_input` 'patches') a whole image's patches
+  (`random_patches`)."""
+  if config.encoder_input == PATCHES:
+    return random_patches(batch, length, config.patch_dim, seed)
+  return random_tokens(batch, length, config.vocab_size, seed)
 
 
 def make_encode_fn(model: network.Transformer):

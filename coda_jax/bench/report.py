@@ -49,6 +49,24 @@ def plan_lines(rows: Sequence[Mapping[str, Any]],
       f'  {name:<{width}}  {summary}' for name, summary in plans]
 
 
+PAPER_HEAD = '  paper x'
+
+
+def paper_cell(task: Mapping[str, Any], row: Mapping[str, Any]) -> str:
+  """The paper's measured end-to-end speed-up beside a row ('' for a task
+  without any, '-' for a row the paper has none for)."""
+  if not task.get('paper'):
+    return ''
+  x = row.get('paper_speedup')
+  return f'{x:9.1f}' if x is not None else f'{"-":>9}'
+
+
+def paper_note(task: Mapping[str, Any]) -> List[str]:
+  """The line saying where the paper column comes from (none without one)."""
+  paper = task.get('paper')
+  return [f'paper x: {paper["source"]} (end to end, k-to-all)'] if paper else []
+
+
 def _acm_lines(task: Mapping[str, Any]) -> list:
   """The ACM block of a task: the dense model and each budget, speed-ups over dense."""
   acm = task['acm']
@@ -95,8 +113,9 @@ def format_table(result: Mapping[str, Any]) -> str:
                  f'(speed-ups over {task["baseline"]}; one decoder for all, '
                  f'compiled in {task["decoder"]["compile_s"]:.1f} s; '
                  f'{task["xla_compilations"]["compile"]} XLA compilations)')
-    lines.append(head)
-    lines.append('-' * len(head))
+    task_head = head + (PAPER_HEAD if task.get('paper') else '')
+    lines.append(task_head)
+    lines.append('-' * len(task_head))
     for row in task['variants']:
       med, sp, bd = row['median_ms'], row['speedup'], row['flop_bound']
       topk = row['soft_topk']
@@ -107,8 +126,8 @@ def format_table(result: Mapping[str, Any]) -> str:
           f'{sp["end_to_end"]:6.2f} ({bd["end_to_end"]:5.2f}) '
           f'{row["fraction_of_bound"]["encoder"]:7.2f} {topk_text} '
           f'{row["speedup_of_min"]["end_to_end"]:9.2f} '
-          f'{row["compile_s"]["encoder"]:10.1f}')
-    lines += plan_lines(task['variants'])
+          f'{row["compile_s"]["encoder"]:10.1f}' + paper_cell(task, row))
+    lines += paper_note(task) + plan_lines(task['variants'])
     if task.get('acm'):
       lines += _acm_lines(task)
   cross = result.get('cross_kv')

@@ -1,4 +1,4 @@
-"""Checkpoints: T5 v1.1 weights in, Hugging Face / T5X out, train-state I/O.
+"""Checkpoints: T5 v1.1 and Pix2Struct weights in, Hugging Face / T5X out, train-state I/O.
 
 Parameter trees
 ---------------
@@ -49,6 +49,14 @@ Reading
   one step directory (`trained`): the backbone is read; `load_train_state`
   reads every parameter, CoDA's included.
 
+Pix2Struct (an image encoder and a T5 v1.1 decoder, `T5Config.encoder_input`
+``'patches'``; `pix2struct`) is detected in the same layouts and reported as
+``pix2struct-hf-safetensors`` / ``pix2struct-hf-pytorch`` (config.json
+model_type ``pix2struct``) or ``pix2struct-t5x-legacy`` /
+``pix2struct-t5x-orbax`` (the public release's T5X checkpoints, whose
+``target`` holds ``encoder/token_embedder/patch_projection``).
+`load_pix2struct(path)` reads those; `load_t5_v1_1` refuses them, naming it.
+
 A directory holding several ``checkpoint_<step>/`` (a t5x ``model_dir``) reads
 the one with the largest step. Only the model parameters are read (optimizer
 slots never are), one leaf at a time, optionally cast (``dtype=``). Every leaf
@@ -68,9 +76,10 @@ Modules (each imports only those below it; none imports this one):
 ``base`` (`CheckpointError`, lazy leaves, dtypes, URLs), ``shapes`` (expected
 tree, `infer_config`, `check_shapes`), ``torch_pickle``, ``hf``, ``t5x``,
 ``train_state``, ``trained`` (a trained MODEL_DIR), ``coda``
-(`init_coda_from_t5`, adapter-only files). This
-package detects the format and loads (`detect_format`, `load_t5_v1_1`,
-`inspect_checkpoint`) and re-exports the public names of the others.
+(`init_coda_from_t5`, adapter-only files), ``pix2struct`` (Hugging Face and
+T5X Pix2Struct). This package detects the format and loads (`detect_format`,
+`load_t5_v1_1`, `load_pix2struct`, `inspect_checkpoint`) and re-exports the
+public names of the others.
 
 Nothing here imports torch or transformers.
 """
@@ -84,6 +93,7 @@ import numpy as np
 
 from coda_jax import config as config_lib
 from coda_jax.checkpoints import hf
+from coda_jax.checkpoints import pix2struct
 from coda_jax.checkpoints import t5x
 from coda_jax.checkpoints import trained
 from coda_jax.checkpoints.base import (CODA_TRAIN_STATE, DTYPE_NAMES, HF_PYTORCH,
@@ -95,6 +105,8 @@ from coda_jax.checkpoints.coda import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, apply_ad
                                        load_adapters, save_adapters)
 from coda_jax.checkpoints.hf import (config_from_hf, config_to_hf, hf_name_to_t5x,
                                      hf_to_t5x, save_hf, t5x_name_to_hf, t5x_to_hf)
+from coda_jax.checkpoints.pix2struct import (PIX2STRUCT_HF_PYTORCH, PIX2STRUCT_HF_SAFETENSORS,
+                                             PIX2STRUCT_T5X_LEGACY, PIX2STRUCT_T5X_ORBAX)
 from coda_jax.checkpoints.shapes import check_shapes, infer_config, param_shapes
 from coda_jax.checkpoints.t5x import save_t5x_legacy, save_t5x_orbax
 from coda_jax.checkpoints.torch_pickle import read_torch_state_dict
@@ -106,11 +118,13 @@ from coda_jax.params import unflatten
 
 __all__ = [
     'ADAPTER_CONFIG', 'ADAPTER_WEIGHTS', 'CODA_TRAIN_STATE', 'DTYPE_NAMES', 'HF_PYTORCH',
-    'HF_SAFETENSORS',
+    'HF_SAFETENSORS', 'PIX2STRUCT_HF_PYTORCH', 'PIX2STRUCT_HF_SAFETENSORS',
+    'PIX2STRUCT_T5X_LEGACY', 'PIX2STRUCT_T5X_ORBAX',
     'T5X_LEGACY', 'T5X_ORBAX', 'CheckpointError', 'TrainStateCheckpointer', 'TrainedModel',
     'apply_adapters', 'backbone_fingerprint', 'check_shapes', 'config_from_hf',
     'config_to_hf', 'detect_format', 'hf_name_to_t5x', 'hf_to_t5x', 'infer_config',
-    'init_coda_from_t5', 'inspect_checkpoint', 'load_adapters', 'load_t5_v1_1',
+    'init_coda_from_t5', 'inspect_checkpoint', 'load_adapters', 'load_pix2struct',
+    'load_t5_v1_1',
     'load_train_state', 'param_shapes', 'read_run_config', 'read_torch_state_dict',
     'save_adapters', 'save_hf', 'save_run_config', 'save_t5x_legacy', 'save_t5x_orbax',
     't5x_name_to_hf', 't5x_to_hf',
@@ -136,6 +150,12 @@ def _url_exists(kv, key: str) -> bool:
 
 def detect_format(path: str) -> Tuple[str, str]:
   """(format, resolved path) of a checkpoint; see the module docstring."""
+  fmt, resolved = _detect_layout(path)
+  return pix2struct.detect(fmt, resolved) or fmt, resolved
+
+
+def _detect_layout(path: str) -> Tuple[str, str]:
+  """(T5 format name of the layout, resolved path) of a checkpoint."""
   path = os.fspath(path)
   if is_url(path):
     return _detect_url(path)
@@ -163,7 +183,7 @@ def detect_format(path: str) -> Tuple[str, str]:
     return HF_PYTORCH, path
   steps = _checkpoint_steps(path)
   if steps:
-    return detect_format(os.path.join(path, f'checkpoint_{steps[-1]}'))
+    return _detect_layout(os.path.join(path, f'checkpoint_{steps[-1]}'))
   raise CheckpointError(
       f'{path} holds no checkpoint of a known format. Looked for: {_LOOKED_FOR}')
 
@@ -212,6 +232,8 @@ def _checkpoint_steps(model_dir: str) -> List[int]:
 
 def _open_source(path: str) -> Source:
   fmt, resolved = detect_format(path)
+  if fmt in pix2struct.FORMATS.values():
+    return pix2struct.open_source(fmt, resolved)
   if fmt == T5X_LEGACY:
     return t5x.open_legacy(resolved)
   if fmt == T5X_ORBAX:
@@ -222,6 +244,10 @@ def _open_source(path: str) -> Source:
 
 
 def _source_config(src: Source, config: Optional[T5Config]) -> T5Config:
+  if src.format in pix2struct.FORMATS.values():
+    config = config or pix2struct.source_config(src)
+    pix2struct.check_leaves(src, config)
+    return config
   shapes = {k: v.shape for k, v in src.leaves.items()}
   if config is None:
     config = src.config
@@ -259,9 +285,13 @@ def load_t5_v1_1(path: str, config: Optional[T5Config] = None,
   Raises:
     CheckpointError: unknown directory (lists the formats looked for), a
       missing leaf or a shape mismatch (names the path and shapes), a
-      truncated or corrupt file (names it).
+      truncated or corrupt file (names it), a Pix2Struct checkpoint (names
+      `load_pix2struct`).
   """
   src = _open_source(path)
+  if src.format in pix2struct.FORMATS.values():
+    raise CheckpointError(f'{src.path} is a Pix2Struct checkpoint ({src.format}), not T5: '
+                          f'read it with coda_jax.checkpoints.load_pix2struct')
   config = _source_config(src, config)
   dtype = canonical_dtype(dtype)
   if src.read_all is not None:
@@ -284,12 +314,44 @@ def load_t5_v1_1(path: str, config: Optional[T5Config] = None,
   return config, unflatten(flat)
 
 
+def load_pix2struct(path: str, dtype: Any = None) -> Tuple[T5Config, Params]:
+  """Reads a Pix2Struct checkpoint: a Hugging Face directory or a T5X one.
+
+  Args:
+    path: a Hugging Face Pix2Struct directory (config.json and safetensors or
+      pytorch_model.bin weights), or a T5X checkpoint of the public release's
+      layout (legacy or orbax; as `load_t5_v1_1` takes them, URLs and
+      model_dirs included).
+    dtype: cast every parameter to this dtype while reading (None keeps the
+      stored dtype).
+
+  Returns:
+    (config, params): a `T5Config` with ``encoder_input='patches'`` (from
+    config.json, or inferred from the T5X shapes) and the nested dict of
+    numpy arrays of the ``'params'`` collection of `Transformer(config)`.
+
+  Raises:
+    CheckpointError: not a Pix2Struct checkpoint (a T5 one names
+      `load_t5_v1_1`), a missing, misshapen or unexpected leaf (named as in the
+      file), an unreadable array. Every leaf is checked before any is read.
+  """
+  src = _open_source(path)
+  if src.format not in pix2struct.FORMATS.values():
+    raise CheckpointError(
+        f'{src.path} is a {src.format} checkpoint, not Pix2Struct (no config.json '
+        f'model_type \'pix2struct\', no target/{pix2struct.T5X_PATCH_PROJECTION}): read '
+        f'it with coda_jax.checkpoints.load_t5_v1_1')
+  return pix2struct.load_source(src, dtype=dtype)
+
+
 def inspect_checkpoint(path: str) -> Dict[str, Any]:
   """Format, config, parameter count and bytes of a checkpoint (reads no arrays).
 
   A train state also reports its MODEL_DIR, steps, CoDA config (when the run
   recorded it), backbone and trainable parameter counts (`trained`);
-  ``num_params`` and ``bytes`` count every parameter, CoDA's included.
+  ``num_params`` and ``bytes`` count every parameter, CoDA's included. A
+  Pix2Struct checkpoint also reports ``model: 'Pix2Struct'``; its config is
+  the image model's (``encoder_input: 'patches'``, ``patch_positions``).
   """
   src = _open_source(path)
   config = _source_config(src, None)  # checks the leaves are exactly config's

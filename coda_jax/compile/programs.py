@@ -48,7 +48,8 @@ from coda_jax import validation
 from coda_jax.compile import analysis
 from coda_jax.compile import chips as chips_lib
 from coda_jax.compile.chips import Pod
-from coda_jax.config import DEFAULT_ADAPTER_DIM, PARALLEL
+from coda_jax.config import DEFAULT_ADAPTER_DIM, PARALLEL, PATCHES
+from coda_jax.image_patches import ID_COLUMNS
 from coda_jax.kernels import tpu_blocks
 from coda_jax.training import data as data_lib
 from coda_jax.training import gin_utils
@@ -353,7 +354,10 @@ def _train_programs(model, args: Dict[str, Any], train_cfg, lengths, devices,
       model, lengths, args['total_steps'], mesh, args['logical_axis_rules'],
       args['learning_rate_fn'], args['optimizer_fn'], args['trainable_params'],
       args['k_anneal_fraction'], args['k_anneal_max_rungs'], args['z_loss'])
-  batch = data_lib.batch_spec(lengths, train_cfg.batch_size, train_cfg.pack)
+  cfg = model.config
+  batch = data_lib.batch_spec(lengths, train_cfg.batch_size, train_cfg.pack,
+                              patch_width=(ID_COLUMNS + cfg.patch_dim
+                                           if cfg.encoder_input == PATCHES else None))
   out = []
   rungs = len(trainer.models)
   for rung, rung_model in enumerate(trainer.models):
@@ -395,8 +399,9 @@ def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Prog
       costs[key] * (batch if key == 'encoder' else 1) / pod.total_chips)
   details = {'batch_size': batch, 'lengths': dict(lengths), 'decoding': args['decoding'],
              'num_beams': args['num_beams'] if args['decoding'] == 'beam' else 1}
+  inputs = params_lib.encoder_input_spec(model.config, batch, n)
   tokens = lambda: (predictor.abstract_params(),
-                    predictor._rows((batch, n), jnp.int32))  # pylint: disable=protected-access
+                    predictor._rows(inputs.shape, inputs.dtype))  # pylint: disable=protected-access
   encoder = lambda: resolved_plan(predictor.model, mesh, predictor.trainer.rules, n,
                                   training=False, packed=False)
   decoder = lambda: resolved_decoder_plan(predictor.model, mesh, n, batch, beams)

@@ -15,7 +15,9 @@ scaling, as in T5):
 `bucket` is T5's log-spaced relative position bucket
 (`coda_jax.relpos.relative_position_bucket`, which the XLA path uses too). The positions are the tokens' original ones, so
 a CoDA layer's routed queries (and, k-to-k, its routed keys) get the bias of
-the places they came from.
+the places they came from. Without a table (`table=None`: an image encoder,
+Pix2Struct's, has no relative positions) the kernel is plain attention with
+the padding mask: no buckets, no bias.
 
 Why a kernel: XLA writes the `[batch, heads, q, kv]` logits (float32) and the
 softmax weights to HBM between its fusions. Here one program per (batch row,
@@ -151,8 +153,9 @@ def _kernel(table_ref, qcode_ref, kcode_ref, q_ref, k_ref, v_ref, o_ref, *, head
   first_head = pl.program_id(1) * heads
   q_pos, q_real = _decode(jnp.transpose(qcode_ref[...]))
   k_pos, k_real = _decode(kcode_ref[...])
-  buckets = relative_position_bucket(k_pos - q_pos, bidirectional, num_buckets,
-                                     max_distance)                   # [bq, s]
+  if num_buckets:  # 0: no relative position bias
+    buckets = relative_position_bucket(k_pos - q_pos, bidirectional, num_buckets,
+                                       max_distance)                 # [bq, s]
   mask = jnp.where(q_real & k_real, 0., MASK_VALUE).astype(jnp.float32)
   outs = []
   for h in range(heads):
@@ -160,7 +163,8 @@ def _kernel(table_ref, qcode_ref, kcode_ref, q_ref, k_ref, v_ref, o_ref, *, head
     q = q_ref[:, h * head_dim:(h + 1) * head_dim]
     logits = lax.dot_general(q, k_ref[:, kv], (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)     # [bq, s]
-    logits = logits + _bias_from_table(table_ref, first_head + h, buckets, num_buckets)
+    if num_buckets:
+      logits = logits + _bias_from_table(table_ref, first_head + h, buckets, num_buckets)
     logits = logits + mask
     unnormalised = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     weights = unnormalised / jnp.sum(unnormalised, axis=-1, keepdims=True)
@@ -187,7 +191,8 @@ def cost_estimate(batch: int, heads: int, kv_heads: int, q_length: int, kv_lengt
   Flops: the two matmuls, 2 (num_buckets - 1) compares and selects of the
   lookup and `_HEAD_OPS` per (head, query, key), `_BUCKET_OPS` per (block of
   heads, query, key). Transcendentals: the softmax's exp per (head, query,
-  key), the bucket's log per (block of heads, query, key)."""
+  key), the bucket's log per (block of heads, query, key). `num_buckets` 0:
+  no relative position bias (no lookup, no buckets)."""
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   q_block = query_block(q_length, kv_length) if q_block is None else q_block
   if q_length % q_block:
@@ -195,8 +200,9 @@ def cost_estimate(batch: int, heads: int, kv_heads: int, q_length: int, kv_lengt
                      f'block {q_block} (pass the padded length)')
   pairs = batch * heads * q_length * kv_length
   block_pairs = batch * head_blocks * q_length * kv_length
-  flops = (4 * pairs * head_dim + pairs * (2 * (num_buckets - 1) + _HEAD_OPS)
-           + block_pairs * _BUCKET_OPS)
+  bucket_pairs = block_pairs if num_buckets else 0
+  flops = (4 * pairs * head_dim + pairs * (2 * max(num_buckets - 1, 0) + _HEAD_OPS)
+           + bucket_pairs * _BUCKET_OPS)
   tiled = tpu_blocks.tiled_bytes
   bytes_accessed = (2 * tiled((batch, q_length, heads * head_dim), dtype)
                     + 2 * tiled((batch, kv_length, kv_heads * head_dim), dtype)
@@ -204,7 +210,7 @@ def cost_estimate(batch: int, heads: int, kv_heads: int, q_length: int, kv_lengt
                         tiled((batch, q_length // q_block, 1, q_block), jnp.int32)
                         + tiled((batch, 1, kv_length), jnp.int32))
                     + tiled((heads, num_buckets), jnp.float32))
-  return pl.CostEstimate(flops=int(flops), transcendentals=int(pairs + block_pairs),
+  return pl.CostEstimate(flops=int(flops), transcendentals=int(pairs + bucket_pairs),
                          bytes_accessed=int(bytes_accessed))
 
 
@@ -215,8 +221,9 @@ def _kernel_call(query: Array, key: Array, value: Array, table: Array, q_code: A
 
   query `[b, q, h, d]`, key/value `[b, s, kvh, d]`, table `[h, buckets]`
   float32, q_code `[b, 1, q]` and k_code `[b, 1, s]` int32 rows (2 position +
-  real). Heads stay where the projections put them (`[b, q, h * d]` is the
-  same array): a block of heads is a block of 128-lane columns. The query
+  real); `max_distance` None: no relative position bias. Heads stay where
+  the projections put them (`[b, q, h * d]` is the same array): a block of
+  heads is a block of 128-lane columns. The query
   codes go to the kernel as `[b, q / block, 1, block]`: a row per query
   block, whole in its last two dimensions (a block of a row's lanes would
   have to be a multiple of 128). Returns `[b, q, h, d]`."""
@@ -234,7 +241,7 @@ def _kernel_call(query: Array, key: Array, value: Array, table: Array, q_code: A
     query = jnp.pad(query, ((0, 0), (0, padded - q_length), (0, 0)))
     q_code = jnp.pad(q_code, ((0, 0), (0, 0), (0, padded - q_length)))
   q_code = q_code.reshape(batch, padded // block, 1, block)
-  num_buckets = table.shape[1]
+  num_buckets = 0 if max_distance is None else table.shape[1]
   kernel = functools.partial(_kernel, heads=hb, groups=groups, head_dim=head_dim,
                              num_buckets=num_buckets, bidirectional=bidirectional,
                              max_distance=max_distance)
@@ -264,17 +271,18 @@ def reference(query: Array, key: Array, value: Array, table: Array, q_code: Arra
               k_code: Array, *, bidirectional: bool, max_distance: int) -> Array:
   """The kernel's function in jnp, on the kernel's operands (`_kernel_call`),
   the query codes as a column `[b, q, 1]`: its backward pass is the
-  kernel's."""
+  kernel's (`max_distance` None: no relative position bias)."""
   groups = query.shape[2] // key.shape[2]
   key = jnp.repeat(key, groups, axis=2)
   value = jnp.repeat(value, groups, axis=2)
   q_pos, q_real = _decode(q_code)                                   # [b, q, 1]
   k_pos, k_real = _decode(k_code)                                   # [b, 1, s]
   logits = jnp.einsum('bqhd,bshd->bhqs', query, key, preferred_element_type=jnp.float32)
-  buckets = relative_position_bucket(k_pos - q_pos, bidirectional, table.shape[1],
-                                     max_distance)                    # [b, q, s]
-  bias = jnp.take(table, buckets, axis=1).transpose(1, 0, 2, 3)      # [b, h, q, s]
-  logits = logits + bias + jnp.where(q_real & k_real, 0., MASK_VALUE)[:, None]
+  if max_distance is not None:
+    buckets = relative_position_bucket(k_pos - q_pos, bidirectional, table.shape[1],
+                                       max_distance)                  # [b, q, s]
+    logits = logits + jnp.take(table, buckets, axis=1).transpose(1, 0, 2, 3)  # [b, h, q, s]
+  logits = logits + jnp.where(q_real & k_real, 0., MASK_VALUE)[:, None]
   weights = jax.nn.softmax(logits, axis=-1)
   return jnp.einsum('bhqs,bshd->bqhd', weights.astype(value.dtype), value,
                     preferred_element_type=jnp.float32).astype(query.dtype)
@@ -320,7 +328,7 @@ def _codes(positions: Optional[Array], real: Optional[Array], batch: int,
   return jnp.broadcast_to(code, (batch, length))
 
 
-def relpos_attention(query: Array, key: Array, value: Array, table: Array, *,
+def relpos_attention(query: Array, key: Array, value: Array, table: Optional[Array], *,
                      query_positions: Optional[Array] = None,
                      key_positions: Optional[Array] = None,
                      query_real: Optional[Array] = None, key_real: Optional[Array] = None,
@@ -333,7 +341,7 @@ def relpos_attention(query: Array, key: Array, value: Array, table: Array, *,
     key, value: `[batch, kv_length, kv_heads, head_dim]`; kv_heads divides heads.
     table: the stack's relative position table `[heads, buckets]` (the values
       are used in float32; cast it to the activation dtype first to match XLA's
-      bias in that dtype).
+      bias in that dtype); None: no relative position bias (positions unused).
     query_positions, key_positions: int `[length]` or `[batch, length]`
       original positions (default 0, 1, ...).
     query_real, key_real: bool `[batch, length]`, the real tokens (default:
@@ -348,6 +356,8 @@ def relpos_attention(query: Array, key: Array, value: Array, table: Array, *,
   kv_length, kv_heads = key.shape[1], key.shape[2]
   if heads % kv_heads:
     raise ValueError(f'relpos_attention: kv heads ({kv_heads}) must divide heads ({heads})')
+  if table is None:
+    table, max_distance = jnp.zeros((heads, 1), jnp.float32), None
   if table.shape[0] != heads:
     raise ValueError(f'relpos_attention: the table has {table.shape[0]} heads, the '
                      f'queries {heads}')

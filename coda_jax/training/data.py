@@ -221,19 +221,45 @@ def output_vocabulary(task):
   return task.output_features['targets'].vocabulary
 
 
-def batch_spec(lengths: Mapping[str, int], batch_size: int, pack: bool = False
-               ) -> Dict[str, Tuple[Tuple[int, ...], Any]]:
+def batch_spec(lengths: Mapping[str, int], batch_size: int, pack: bool = False,
+               patch_width: Optional[int] = None) -> Dict[str, Tuple[Tuple[int, ...], Any]]:
   """{feature: (shape, dtype)} of the global batches `train_batches` yields:
   what seqio's `EncDecFeatureConverter` makes of `{'inputs': n, 'targets': m}`
-  (with `pack`, the segment ids and positions too). For lowering a train step
-  ahead of time, without reading data."""
+  (with `pack`, the segment ids and positions too; with `patch_width`, an
+  image task's `[batch, n, patch_width]` float32 patches as
+  ``encoder_input_tokens``). For lowering a train step ahead of time,
+  without reading data."""
   n, m = int(lengths['inputs']), int(lengths['targets'])
   spec = {'encoder_input_tokens': n, 'decoder_target_tokens': m, 'decoder_input_tokens': m,
           'decoder_loss_weights': m}
   if pack:
     spec.update({'encoder_segment_ids': n, 'encoder_positions': n,
                  'decoder_segment_ids': m, 'decoder_positions': m})
-  return {name: ((int(batch_size), length), np.int32) for name, length in spec.items()}
+  out = {name: ((int(batch_size), length), np.int32) for name, length in spec.items()}
+  if patch_width is not None:
+    out['encoder_input_tokens'] = ((int(batch_size), n, int(patch_width)), np.float32)
+  return out
+
+
+def check_inputs(config, *tasks) -> None:
+  """Raises `errors.ConfigError` when a task's inputs (a seqio task or a
+  registered name; None skipped) are not what the model reads: image patches
+  or tokens (`image_tasks.check_model`)."""
+  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  try:
+    image_tasks.check_model(config, *tasks)
+  except ValueError as e:
+    raise errors.ConfigError(str(e)) from e
+
+
+def feature_converter(task, pack: bool):
+  """seqio's encoder-decoder feature converter, or for an image task
+  (`image_tasks.has_patches`) its patch-input variant."""
+  import seqio  # pylint: disable=g-import-not-at-top
+  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  if image_tasks.has_patches(task):
+    return image_tasks.feature_converter_class()(pack=pack)
+  return seqio.EncDecFeatureConverter(pack=pack)
 
 
 def train_batches(cfg: DatasetConfig, shard_index: int = 0, num_shards: int = 1,
@@ -268,7 +294,7 @@ def train_batches(cfg: DatasetConfig, shard_index: int = 0, num_shards: int = 1,
     raise ValueError(f'cannot start the data stream at example {skip}')
   ds = seqio.get_dataset(
       cfg.mixture_or_task_name, task_feature_lengths=check_lengths(cfg.task_feature_lengths),
-      feature_converter=seqio.EncDecFeatureConverter(pack=cfg.pack),
+      feature_converter=feature_converter(get_task(cfg.mixture_or_task_name), cfg.pack),
       dataset_split=cfg.split, use_cached=cfg.use_cached, shuffle=cfg.shuffle,
       num_epochs=None, shard_info=None, verbose=False, seed=cfg.seed, batch_size=None)
   if skip:
@@ -331,6 +357,31 @@ def _metric_value(value: Any) -> Any:
   return value
 
 
+def _has_patches(task) -> bool:
+  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  return image_tasks.has_patches(task)
+
+
+def _describe(example: Mapping[str, Any]) -> str:
+  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  return image_tasks.describe(example)
+
+
+def _patch_inputs(examples: Sequence[Mapping[str, Any]], n: int) -> np.ndarray:
+  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  return image_tasks.example_inputs(examples, n)
+
+
+def _token_inputs(examples: Sequence[Mapping[str, Any]], n: int) -> np.ndarray:
+  """`[len(examples), n]` int32: each example's ``inputs`` ids, trimmed or
+  zero-padded to n."""
+  inputs = np.zeros((len(examples), n), np.int32)
+  for i, ex in enumerate(examples):
+    ids = np.asarray(ex['inputs'])[:n]
+    inputs[i, :len(ids)] = ids
+  return inputs
+
+
 @dataclasses.dataclass
 class Decoded:
   """One task's examples and what the model made of them (`TaskEvaluator.decode`).
@@ -387,7 +438,11 @@ class TaskEvaluator:
                             num_epochs=1, use_cached=False)
       if num_examples is not None:
         ds = ds.take(int(num_examples))
+      if _has_patches(task):  # kept as their images; `decode` makes the patches
+        ds = ds.map(lambda x: {k: v for k, v in x.items() if k != 'inputs'})
       examples = list(ds.as_numpy_iterator())
+      if _has_patches(task):
+        examples = [dict(ex, inputs_pretokenized=_describe(ex)) for ex in examples]
       if examples:
         self.tasks.append((task, examples))
     self.prefix = len(self.tasks) > 1
@@ -427,7 +482,9 @@ class TaskEvaluator:
 
   def decode(self, predict: Callable[[np.ndarray], Any], pad_batch_to: int = 1,
              on_batch: Optional[Callable[[int], None]] = None) -> List[Decoded]:
-    """`predict([batch, n] tokens)` on every example, batch by batch.
+    """`predict([batch, n] tokens)` on every example, batch by batch (an image
+    task: `[batch, n, 2 + 768]` patches, made a batch at a time from each
+    example's image, `image_tasks.example_inputs`).
 
     `predict` returns `[batch, m]` tokens, or `(tokens, scores [batch])`.
     Batches are padded with all-padding rows to a multiple of `pad_batch_to`
@@ -437,17 +494,16 @@ class TaskEvaluator:
     n = self.lengths['inputs']
     for task, examples in self.tasks:
       vocab = output_vocabulary(task)
-      inputs = np.zeros((len(examples), n), np.int32)
-      for i, ex in enumerate(examples):
-        ids = np.asarray(ex['inputs'])[:n]
-        inputs[i, :len(ids)] = ids
+      inputs = None if _has_patches(task) else _token_inputs(examples, n)
       size = self.batch_size + (-self.batch_size) % pad_batch_to
       decoded, scores = [], []
       for start in range(0, len(examples), size):
-        chunk = inputs[start:start + size]
+        chunk = (inputs[start:start + size] if inputs is not None
+                 else _patch_inputs(examples[start:start + size], n))
         rows = chunk.shape[0]
         if rows < size:
-          chunk = np.concatenate([chunk, np.zeros((size - rows, n), np.int32)])
+          chunk = np.concatenate([chunk, np.zeros((size - rows,) + chunk.shape[1:],
+                                                  chunk.dtype)])
         result = predict(chunk)
         tokens, batch_scores = result if isinstance(result, tuple) else (result, None)
         decoded.extend(vocab.decode(trim_at_eos(row)) for row in np.asarray(tokens)[:rows])

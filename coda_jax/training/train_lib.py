@@ -160,6 +160,7 @@ def _prepare_tasks(train_cfg, infer_eval_dataset_cfg, vocabulary, register_tasks
   if vocab_size > model.config.vocab_size:
     raise ConfigError(f'the task\'s vocabulary has {vocab_size} ids but the model '
                       f'only {model.config.vocab_size} embeddings')
+  data_lib.check_inputs(model.config, task, eval_cfg and eval_cfg.mixture_or_task_name)
   return task, eval_cfg
 
 
