@@ -671,10 +671,11 @@ class Embed(nn.Module):
   attend_dtype: Optional[DType] = None
   embedding_init: Initializer = embedding_init
   axes: Tuple[str, str] = ('vocab', 'embed')
+  param_name: str = 'embedding'       # flaxformer's position tables: 'pos_embedding'
 
   def setup(self):
     self.embedding = param_with_axes(
-        'embedding', self.embedding_init, (self.num_embeddings, self.features),
+        self.param_name, self.embedding_init, (self.num_embeddings, self.features),
         jnp.float32, axes=self.axes)
 
   def __call__(self, inputs: Array) -> Array:

@@ -4,13 +4,16 @@ A row of `image_patches.extract_patches` is `[row_id, col_id, values...]`;
 the encoder's input for it is
 
     x = values @ patch_projection.kernel + patch_projection.bias
-        + row_embedder[row_id] + column_embedder[col_id]
+        + embedders_0[row_id] + embedders_1[col_id]
 
-(Pix2Struct's `Pix2StructVisionEmbeddings`), ids from 1 and 0 for padding
-rows, which `real_patches` leaves out of attention and routing. The
-parameters sit in the encoder's scope (`encoder/patch_projection/kernel`,
-`encoder/row_embedder/embedding`, ...), with logical axes `PATCH_AXIS` /
-`PATCH_POSITION_AXIS` and 'embed'.
+ids from 1 and 0 for padding rows, which `real_patches` leaves out of
+attention and routing. The parameters carry t5x's names, those of the
+Pix2Struct release (pix2struct's `models.PatchEmbed`, the flaxformer
+encoder's `token_embedder`): `encoder/token_embedder/patch_projection/
+{kernel,bias}`, `encoder/token_embedder/embedders_0/pos_embedding` (rows)
+and `.../embedders_1/pos_embedding` (columns), with logical axes
+`PATCH_AXIS` / `PATCH_POSITION_AXIS` and 'embed'. (Hugging Face calls them
+`patch_projection`, `row_embedder` and `column_embedder`.)
 """
 from __future__ import annotations
 
@@ -57,15 +60,27 @@ def real_patches(patches: Array) -> Array:
   return patches[..., 0] > 0
 
 
+class PatchEmbed(nn.Module):
+  """`[batch, n, 2 + patch_dim]` patches -> `[batch, n, emb]` in `config.dtype`
+  (t5x's `encoder/token_embedder`)."""
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, patches: Array) -> Array:
+    config = self.config
+    check_patches(config, patches)
+    ids = jnp.clip(patches[..., :ID_COLUMNS].astype(jnp.int32), 0, config.patch_positions - 1)
+    x = _Projection(config.emb_dim, config.dtype, name='patch_projection')(
+        patches[..., ID_COLUMNS:])
+    for i in range(ID_COLUMNS):                 # embedders_0: rows, embedders_1: columns
+      x = x + layers.Embed(config.patch_positions, config.emb_dim, config.dtype,
+                           axes=(PATCH_POSITION_AXIS, 'embed'), param_name='pos_embedding',
+                           name=f'embedders_{i}')(ids[..., i])
+    return layers.with_sharding_constraint(x, ('batch', 'length', 'embed'))
+
+
 def embed_patches(config: T5Config, patches: Array) -> Array:
-  """`[batch, n, 2 + patch_dim]` -> `[batch, n, emb]` in `config.dtype`.
-  Called inside the encoder's compact `__call__`, so that its parameters
-  sit in the encoder's scope."""
-  check_patches(config, patches)
-  ids = jnp.clip(patches[..., :ID_COLUMNS].astype(jnp.int32), 0, config.patch_positions - 1)
-  positions = lambda name: layers.Embed(config.patch_positions, config.emb_dim, config.dtype,
-                                        axes=(PATCH_POSITION_AXIS, 'embed'), name=name)
-  x = _Projection(config.emb_dim, config.dtype, name='patch_projection')(
-      patches[..., ID_COLUMNS:])
-  x = x + positions('row_embedder')(ids[..., 0]) + positions('column_embedder')(ids[..., 1])
-  return layers.with_sharding_constraint(x, ('batch', 'length', 'embed'))
+  """`PatchEmbed` as the encoder's `token_embedder`; called inside the
+  encoder's compact `__call__`, so that its parameters sit in the encoder's
+  scope."""
+  return PatchEmbed(config, name='token_embedder')(patches)

@@ -81,8 +81,10 @@ def test_coda_routes_only_the_image_s_patches(tmp_path):
   patches[1, ~image_patches.real_patch_mask(patches[1]), 2:] = 1e3   # loud padding
   # The first router's score vector along the padding rows' embedding.
   enc = params['encoder']
-  padding = (1e3 * enc['patch_projection']['kernel'].sum(0) + enc['patch_projection']['bias']
-             + enc['row_embedder']['embedding'][0] + enc['column_embedder']['embedding'][0])
+  embedder = enc['token_embedder']                            # t5x's names
+  padding = (1e3 * embedder['patch_projection']['kernel'].sum(0)
+             + embedder['patch_projection']['bias'] + embedder['embedders_0']['pos_embedding'][0]
+             + embedder['embedders_1']['pos_embedding'][0])
   scale = enc['layers_0']['pre_attention_layer_norm']['scale']
   full['encoder/layers_0/router/w'] = jnp.asarray(padding / scale / np.abs(padding).max())
   _, state = model.apply({'params': params_lib.unflatten(full)}, jnp.asarray(patches),

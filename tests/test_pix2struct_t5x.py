@@ -118,7 +118,7 @@ def test_release_checkpoint_logits_equal_transformers(hf, tmp_path, layout):
   # The model_dir, through the one entry that detects the format; cast on read.
   config2, params2 = checkpoints.load_pix2struct(str(tmp_path), dtype='bfloat16')
   assert config2 == config
-  assert params2['encoder']['patch_projection']['kernel'].dtype == jnp.bfloat16
+  assert params2['encoder']['token_embedder']['patch_projection']['kernel'].dtype == jnp.bfloat16
 
 
 def _inspect_cli(path, capsys):

@@ -23,7 +23,9 @@ decoder with an untied LM head: a `Transformer` with
     target/encoder/token_embedder/embedders_1/pos_embedding  [positions, emb] (columns)
     target/decoder/token_embedder/embedding                  [vocab, emb]
 
-  Every other name is this project's (`t5x_name_to_path`), every kernel
+  The encoder's are this project's names too (`patch_embed.PatchEmbed`);
+  only the token embedding differs (this project's shared, top-level
+  ``token_embedder/embedding``; `t5x_name_to_path`), every kernel
   ``[in, out]`` as here. The config is read off the shapes
   (`config_from_t5x_shapes`).
 
@@ -64,22 +66,22 @@ _LAYOUTS = {fmt: layout for layout, fmt in FORMATS.items()}
 
 # Our path -> the T5X release's name (under `target`), where they differ.
 _T5X_NAMES = {
-    'encoder/patch_projection/kernel': 'encoder/token_embedder/patch_projection/kernel',
-    'encoder/patch_projection/bias': 'encoder/token_embedder/patch_projection/bias',
-    'encoder/row_embedder/embedding': 'encoder/token_embedder/embedders_0/pos_embedding',
-    'encoder/column_embedder/embedding': 'encoder/token_embedder/embedders_1/pos_embedding',
     'token_embedder/embedding': 'decoder/token_embedder/embedding',
 }
 _FROM_T5X = {name: path for path, name in _T5X_NAMES.items()}
 # The leaf that tells a Pix2Struct T5X checkpoint from a T5 one.
-T5X_PATCH_PROJECTION = _T5X_NAMES['encoder/patch_projection/kernel']
+T5X_PATCH_PROJECTION = 'encoder/token_embedder/patch_projection/kernel'
 
 # HF name -> (path, transpose); `{i}`: a layer.
 _GLOBAL = {
-    'encoder.embeddings.patch_projection.weight': ('encoder/patch_projection/kernel', True),
-    'encoder.embeddings.patch_projection.bias': ('encoder/patch_projection/bias', False),
-    'encoder.embeddings.row_embedder.weight': ('encoder/row_embedder/embedding', False),
-    'encoder.embeddings.column_embedder.weight': ('encoder/column_embedder/embedding', False),
+    'encoder.embeddings.patch_projection.weight':
+        ('encoder/token_embedder/patch_projection/kernel', True),
+    'encoder.embeddings.patch_projection.bias':
+        ('encoder/token_embedder/patch_projection/bias', False),
+    'encoder.embeddings.row_embedder.weight':
+        ('encoder/token_embedder/embedders_0/pos_embedding', False),
+    'encoder.embeddings.column_embedder.weight':
+        ('encoder/token_embedder/embedders_1/pos_embedding', False),
     'encoder.layernorm.weight': ('encoder/encoder_norm/scale', False),
     'decoder.embed_tokens.weight': ('token_embedder/embedding', False),
     'decoder.layer.0.self_attention.attention.relative_attention_bias.weight':
@@ -211,14 +213,15 @@ def config_from_t5x_shapes(shapes: Mapping[str, Tuple[int, ...]]) -> T5Config:
     if path is not None:
       ours[path] = tuple(shape)
   for path in ('token_embedder/embedding', 'decoder/relpos_bias/rel_embedding',
-               'encoder/patch_projection/kernel', 'encoder/row_embedder/embedding'):
+               T5X_PATCH_PROJECTION, 'encoder/token_embedder/embedders_0/pos_embedding'):
     if path not in ours:
       raise CheckpointError(f'T5X checkpoint is missing target/{path_to_t5x_name(path)} '
                             f'(this project\'s {path})')
   config = shapes_lib.infer_config(ours)
   return dataclasses.replace(config, encoder_input=PATCHES,
-                             patch_dim=ours['encoder/patch_projection/kernel'][0],
-                             patch_positions=ours['encoder/row_embedder/embedding'][0])
+                             patch_dim=ours[T5X_PATCH_PROJECTION][0],
+                             patch_positions=ours[
+                                 'encoder/token_embedder/embedders_0/pos_embedding'][0])
 
 
 def _hf_layout(directory: str) -> str:
