@@ -146,13 +146,14 @@ def _trained_model(path: str, step: Optional[int],
 
 
 def _adapted_model(base_path: str, adapters_path: str) -> LoadedModel:
-  """A T5 v1.1 checkpoint plus an adapter-only directory trained on it."""
+  """A T5 v1.1 (or Pix2Struct) checkpoint plus an adapter-only directory
+  trained on it."""
   coda, _, meta = checkpoints.load_adapters(adapters_path)
   recorded = meta.get('t5_config')
   recorded = None if recorded is None else config_lib.from_dict(config_lib.T5Config, recorded)
   checkpoints.detect_format(base_path)  # a missing or unknown checkpoint, named as such
   try:  # the T5Config the adapters were trained with (dtype included), if recorded
-    config, base = checkpoints.load_t5_v1_1(base_path, config=recorded)
+    config, base = checkpoints.load_backbone(base_path, config=recorded)
   except checkpoints.CheckpointError as e:
     raise checkpoints.CheckpointError(
         f'{base_path} is not the T5 that {adapters_path} was trained on: {e}') from e

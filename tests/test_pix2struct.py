@@ -122,3 +122,29 @@ def test_bad_inputs_and_configs_are_named(tmp_path):
                                                  'd_ff': 64}})
   with pytest.raises(CheckpointError, match="not 'pix2struct'"):
     pix2struct.config_from_hf({'model_type': 't5'})
+
+
+def test_coda_starts_from_a_pix2struct_checkpoint_and_its_adapter_file_applies(tmp_path):
+  """What a fine-tuning run (INITIAL_CHECKPOINT_PATH) and `coda-jax infer`
+  with ADAPTERS_PATH do with a Pix2Struct checkpoint: `load_backbone`, CoDA's
+  new leaves added, an adapter-only file written and put back on the same
+  checkpoint, the same logits."""
+  _hf_model(tmp_path)
+  from coda_jax import checkpoints  # pylint: disable=g-import-not-at-top
+  from coda_jax import infer  # pylint: disable=g-import-not-at-top
+  config, base = checkpoints.load_backbone(str(tmp_path / 'hf'))
+  assert config.encoder_input == 'patches'
+  model = Transformer(config, coda=CodaConfig(reduction_factor=4, adapter_dim=4))
+  params = checkpoints.init_coda_from_t5(base, model, jax.random.PRNGKey(1))
+  params = jax.tree.map(np.asarray, params)
+  up = params['encoder']['layers_0']['adapter']['up']['kernel']
+  params['encoder']['layers_0']['adapter']['up']['kernel'] = up + 0.5  # a trained adapter
+  checkpoints.save_adapters(params, model.coda, str(tmp_path / 'adapters'),
+                            backbone={'checkpoint': str(tmp_path / 'hf')},
+                            t5_config=config)
+  loaded = infer._adapted_model(str(tmp_path / 'hf'), str(tmp_path / 'adapters'))  # pylint: disable=protected-access
+  patches = _patches()
+  dec = np.array([[0, 5, 9], [0, 2, 2]], np.int32)
+  want = model.apply({'params': params}, patches, dec, dec, enable_dropout=False)
+  got = loaded.model.apply({'params': loaded.params}, patches, dec, dec, enable_dropout=False)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

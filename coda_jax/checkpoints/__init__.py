@@ -123,7 +123,8 @@ __all__ = [
     'T5X_LEGACY', 'T5X_ORBAX', 'CheckpointError', 'TrainStateCheckpointer', 'TrainedModel',
     'apply_adapters', 'backbone_fingerprint', 'check_shapes', 'config_from_hf',
     'config_to_hf', 'detect_format', 'hf_name_to_t5x', 'hf_to_t5x', 'infer_config',
-    'init_coda_from_t5', 'inspect_checkpoint', 'load_adapters', 'load_pix2struct',
+    'init_coda_from_t5', 'inspect_checkpoint', 'load_adapters', 'load_backbone',
+    'load_pix2struct',
     'load_t5_v1_1',
     'load_train_state', 'param_shapes', 'read_run_config', 'read_torch_state_dict',
     'save_adapters', 'save_hf', 'save_run_config', 'save_t5x_legacy', 'save_t5x_orbax',
@@ -342,6 +343,18 @@ def load_pix2struct(path: str, dtype: Any = None) -> Tuple[T5Config, Params]:
         f'model_type \'pix2struct\', no target/{pix2struct.T5X_PATCH_PROJECTION}): read '
         f'it with coda_jax.checkpoints.load_t5_v1_1')
   return pix2struct.load_source(src, dtype=dtype)
+
+
+def load_backbone(path: str, config: Optional[T5Config] = None, dtype: Any = None
+                  ) -> Tuple[T5Config, Params]:
+  """The pretrained model CoDA starts from, by its format: a Pix2Struct
+  checkpoint (`load_pix2struct`; `config`, when given, replaces the one read
+  off the checkpoint, e.g. the dtype a run recorded) or a T5 v1.1 one
+  (`load_t5_v1_1`)."""
+  if detect_format(path)[0] in pix2struct.FORMATS.values():
+    read, params = load_pix2struct(path, dtype=dtype)
+    return config or read, params
+  return load_t5_v1_1(path, config=config, dtype=dtype)
 
 
 def inspect_checkpoint(path: str) -> Dict[str, Any]:

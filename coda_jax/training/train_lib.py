@@ -330,7 +330,7 @@ def _initial_params(run: RunSetup, initial_checkpoint_path: Optional[str], rng):
   if checkpoints.detect_format(initial_checkpoint_path)[0] == checkpoints.CODA_TRAIN_STATE:
     given = checkpoints.load_train_state(initial_checkpoint_path).params
   else:
-    _, given = checkpoints.load_t5_v1_1(initial_checkpoint_path)
+    _, given = checkpoints.load_backbone(initial_checkpoint_path)   # T5 v1.1 or Pix2Struct
   if getattr(run.model, 'acm', None) is not None:
     # The ACM leaves `given` lacks from the pretrained modules; those it has
     # (a previous phase's) as they are.
