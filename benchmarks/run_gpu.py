@@ -14,6 +14,9 @@ README's targets are stated for):
                        soft top-k kernel against the XLA path (agreement, ms)
   routing              tools/bench_routing.py: each routing primitive next to one
                        FFN matmul (base / boolq shape: 128 x 384 x 768, r = 3)
+  decoding_text_base   coda-jax benchmark --model text_base: the paper's own Text
+                       Base (multi-query attention, 6 decoder layers), boolq and
+                       xsum shapes, k-to-all r = 1, 3, 5 against the Parallel Adapter
   decoding_base_boolq  coda-jax benchmark --model base --strict: CoDA vs Parallel
                        Adapter decoding latency (boolq shape, batch 128, bfloat16),
                        with the target lines ([ok] / [MISS])
@@ -31,7 +34,8 @@ version, per step the command, exit status and wall seconds). The command
 ends with the rows of benchmarks/README.md's table for the files it wrote.
 With --time_limit_s, a step still running when the run has used that many
 seconds is stopped and recorded as 'timed out', and the steps after it are
-recorded as 'not run' (the steps are ordered from the shortest).
+recorded as 'not run' (by default the steps run shortest first; --steps
+runs the steps it names in its own order).
 A kernel that selftest finds off (its exit status 1) is a result too.
 
 --smoke runs every step at toy sizes (T5 v1.1-small shapes, a few tokens,
@@ -82,6 +86,13 @@ STEPS = (
          ['tools/bench_routing.py'],
          ['tools/bench_routing.py', '--batch_size', '2', '--length', '64', '--emb_dim', '32',
           '--mlp_dim', '64', '--repeats', '2']),
+    Step('decoding_text_base', "decoding latency, the paper's Text Base (Table 7), boolq and "
+         'xsum shapes, batch 128, k-to-all',
+         ['-m', 'coda_jax.cli', 'benchmark', '--model', 'text_base', '--tasks', 'boolq,xsum',
+          '--attention', 'k_to_all', '--reduction_factors', '1,3,5', '--acm_budgets', ''],
+         ['-m', 'coda_jax.cli', 'benchmark', '--model', 'small', '--input_length', '64',
+          '--output_length', '2', '--batch_size', '2', '--reduction_factors', '1,3',
+          '--attention', 'k_to_all', '--repeats', '1', '--acm_budgets', '']),
     Step('decoding_base_boolq', 'decoding latency, T5 v1.1-base, boolq shape, batch 128',
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'base', '--strict'],
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'small', '--strict',
@@ -116,7 +127,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser.add_argument('--out_dir', default=None,
                       help='where the files go (default: benchmarks/gpu_<device>)')
   parser.add_argument('--steps', default=','.join(STEP_NAMES),
-                      help=f'comma-separated steps to run, of {", ".join(STEP_NAMES)}')
+                      help='comma-separated steps to run, in this order, of '
+                      f'{", ".join(STEP_NAMES)}')
   parser.add_argument('--smoke', action='store_true',
                       help='toy sizes: checks the set-up, measures nothing')
   parser.add_argument('--allow_cpu', action='store_true',
@@ -131,7 +143,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   if unknown or not names or len(set(names)) != len(names):
     parser.error(f'--steps: give distinct names of {", ".join(STEP_NAMES)}; got '
                  f'{args.steps!r}')
-  args.steps = [step for step in STEPS if step.name in names]
+  by_name = {step.name: step for step in STEPS}
+  args.steps = [by_name[name] for name in names]  # in the order given
   return args
 
 

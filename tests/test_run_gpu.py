@@ -30,7 +30,8 @@ def test_dry_run_prints_each_tool_of_the_readme(run_gpu, capsys):
       ['-m', 'coda_jax.cli', 'selftest'],
       ['tools/bench_soft_topk.py', '--pallas_vs_xla', '128x384,128x512,4096x512'],
       ['tools/bench_routing.py', '--out', '/tmp/x/routing.json'],
-      ['-m', 'coda_jax.cli', 'benchmark'], ['tools/bench_encoder.py', '--model', 'xl'],
+      ['-m', 'coda_jax.cli', 'benchmark'], ['-m', 'coda_jax.cli', 'benchmark'],
+      ['tools/bench_encoder.py', '--model', 'xl'],
       ['tools/bench_acm.py', '--model', 'base'], ['-m', 'coda_jax.cli', 'benchmark']]
   for line, step in zip(lines, run_gpu.STEPS):
     words = shlex.split(line)
@@ -51,6 +52,12 @@ def test_refuses_without_a_gpu(run_gpu, monkeypatch, capsys, tmp_path):
   err = capsys.readouterr().err.splitlines()
   assert len(err) == 1 and err[0].startswith('run_gpu.py: error: JAX sees no GPU')
   assert not list(tmp_path.iterdir())
+
+
+def test_steps_run_in_the_order_given(run_gpu):
+  args = run_gpu.parse_args(['--steps', 'acm_base,routing,decoding_text_base'])
+  assert [step.name for step in args.steps] == ['acm_base', 'routing', 'decoding_text_base']
+  assert [step.name for step in run_gpu.parse_args([]).steps] == list(run_gpu.STEP_NAMES)
 
 
 def test_unknown_or_repeated_steps_are_refused(run_gpu):
