@@ -212,11 +212,12 @@ RULES: Tuple[Rule, ...] = (
     # A CPU's ACMs (`tools/acm_plan_evidence.py`: one FFN ACM of T5 v1.1
     # small, 4 to 1536 tokens a call, the quickstart conversion's learner
     # usage at budgets 0.25, 0.5 and 0.75, timed on 2 cores): 'masked' on a
-    # call of at most 64 tokens (a decoding step reads every learner's
+    # call of at most 32 tokens (a decoding step reads every learner's
     # weights either way, and the order and gathers cost more than the
-    # skipped multiply-adds) and where the capacities keep more than 80% of
-    # the learner work; 'gather' elsewhere (the default).
-    Rule(ACM, 'cpu', MASKED, tokens=(0, 64), evidence=_ACM.format('cpu')),
+    # skipped multiply-adds; at 64, gather is as fast or faster) and where
+    # the capacities keep more than 80% of the learner work; 'gather'
+    # elsewhere (the default).
+    Rule(ACM, 'cpu', MASKED, tokens=(0, 32), evidence=_ACM.format('cpu')),
     Rule(ACM, 'cpu', MASKED, fractions=(0.8, 1.0), evidence=_ACM.format('cpu')),
 )
 

@@ -411,7 +411,7 @@ def test_the_kernels_page_shows_the_rules():
 
 @pytest.mark.parametrize('platform,kind,tokens,usage,inference,training,expected,why', [
     # A CPU's decoding step of a few rows: masked.
-    ('cpu', None, 4, (0.9, 0.4, 0.15, 0.05), 'auto', False, 'masked', 'tokens <= 64'),
+    ('cpu', None, 4, (0.9, 0.4, 0.15, 0.05), 'auto', False, 'masked', 'tokens <= 32'),
     # An encoder's 1536 tokens that keep 0.46 of the learner work: gathered.
     ('cpu', None, 1536, (0.9, 0.4, 0.15, 0.05), 'auto', False, 'gather', 'no rule for cpu'),
     # ... and 0.89 of it: masked.

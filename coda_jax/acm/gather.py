@@ -12,7 +12,7 @@ capacities apply to the batch's one token per row.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
 import flax.linen as nn
 import jax
@@ -24,6 +24,29 @@ from coda_jax.acm.base import Array
 # hidden(x, columns) -> [..., width]: the learners' hidden units `columns` of
 # x (learner n owns [n h, (n+1) h)); the output is hidden @ out_kernel[columns].
 HiddenFn = Any
+
+
+def order_by_k(k: Array, num_learners: int) -> Tuple[Array, Array]:
+  """One ordering for every learner: larger k first, then position.
+
+  k [T] int in [0, N] -> (rank [T], order [T]) int32: token t goes to slot
+  rank[t], slot s holds token order[s] (the inverse permutations). The rank
+  counts, as GShard places tokens in an expert's capacity: a token's slot is
+  the number of tokens with a larger k plus those with its k before it (a
+  cumulative sum over the one-hot k, T x (N + 1)); the order is the rank
+  inverted (a permutation, written once per slot). Two argsorts gave the
+  same on a CPU at 12x the time (128 x 384 tokens, 4 learners: 12.6 ms
+  against 1.0).
+  """
+  tokens = k.shape[0]
+  group = jax.nn.one_hot(num_learners - k, num_learners + 1, dtype=jnp.int32)  # [T, N+1]
+  counts = jnp.sum(group, axis=0)
+  before = jnp.cumsum(counts) - counts                  # slots of the groups of larger k
+  seen = jnp.cumsum(group, axis=0) - group              # tokens of its group before it
+  rank = jnp.sum((seen + before[None, :]) * group, axis=1).astype(jnp.int32)
+  order = jnp.zeros((tokens,), jnp.int32).at[rank].set(
+      jnp.arange(tokens, dtype=jnp.int32), unique_indices=True, indices_are_sorted=False)
+  return rank, order
 
 
 def gathered(module: nn.Module, z: Array, hidden: HiddenFn, out_kernel: Array, h: int,
@@ -43,10 +66,8 @@ def gathered(module: nn.Module, z: Array, hidden: HiddenFn, out_kernel: Array, h
   width = max(capacities)
   flat_k = k.reshape(1, tokens)
   with jax.named_scope('acm_order'):
-    # One ordering for every learner: larger k first, then position.
-    order = jnp.argsort(-flat_k, axis=-1, stable=True).astype(jnp.int32)   # [1, T]
-    rank = jnp.argsort(order, axis=-1).astype(jnp.int32)                   # its inverse
-    idx = order[:, :width]
+    rank, order = order_by_k(k.reshape(tokens), module.acm.num_learners)
+    rank, idx = rank[None], order[None, :width]
     slots = jnp.where(rank < width, rank, width)
     xs = routing.gather_tokens(z.reshape(1, tokens, in_dim), idx, slots)   # [1, W, in]
     ks = routing.gather_tokens(flat_k, idx)                                # [1, W]
