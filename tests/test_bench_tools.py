@@ -80,3 +80,22 @@ def test_acm_plan_evidence_times_both_formulations_and_the_plan(tmp_path):
   assert {p['plan'] for p in points if p['tokens'] == 4} == {'masked'}
   with pytest.raises(SystemExit):
     _tool('acm_plan_evidence').main(['--tokens', '0'])
+
+
+def test_progress_is_lines_where_stderr_is_not_a_terminal(monkeypatch, capsys):
+  """Under a log file or a batch job each step of a benchmark is one flushed
+  line on stderr (a run stopped part-way shows how far it got); on a
+  terminal, the bar; with enabled=False, nothing."""
+  from coda_jax.bench import timing
+  from coda_jax.training import metrics
+  monkeypatch.setattr('sys.stderr.isatty', lambda: False, raising=False)
+  progress = timing.progress_bar(3)
+  assert isinstance(progress, timing.ProgressLines)
+  progress.update(1, at='compile parallel_adapter encoder')
+  progress.update(2)
+  progress.close()
+  assert capsys.readouterr().err.splitlines() == [
+      'benchmark [1/3] compile parallel_adapter encoder', 'benchmark [3/3]']
+  assert isinstance(timing.progress_bar(3, enabled=False), metrics.ProgressBar)
+  monkeypatch.setattr('sys.stderr.isatty', lambda: True, raising=False)
+  assert isinstance(timing.progress_bar(3), metrics.ProgressBar)

@@ -457,7 +457,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g.add_argument('--strict', action='store_true',
                  help='exit with status 1 when a target line is a MISS')
   g.add_argument('--no_progress', action='store_true',
-                 help='no progress bar (there is none when stderr is not a terminal)')
+                 help='no progress (a bar on a terminal, else one line per step on stderr)')
 
 
 def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:

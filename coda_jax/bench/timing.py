@@ -14,7 +14,8 @@
 * `enable_compilation_cache`: JAX's persistent compilation cache, every
   program cached however small or quick to compile;
 * `environment`, `default_dtype`, `progress_bar`: result metadata, the dtype
-  default, and the one progress bar (the trainer's, tqdm).
+  default, and the one progress bar (the trainer's, tqdm; flushed lines
+  where stderr is not a terminal).
 
 Nothing here imports the model: `tools/bench_soft_topk.py` uses it alone.
 """
@@ -24,8 +25,9 @@ import dataclasses
 import os
 import platform
 import statistics
+import sys
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import flax
 import jax
@@ -62,11 +64,39 @@ def compile_call(jitted, *args) -> Timed:
   return Timed(call=lambda: compiled(*args), compile_s=seconds, compiled=compiled)
 
 
-def progress_bar(total: int, enabled: Optional[bool] = None) -> metrics_lib.ProgressBar:
-  """The benchmarks' progress bar (`training.metrics.ProgressBar`, tqdm).
+class ProgressLines:
+  """The progress bar's stand-in where stderr is not a terminal (a log file,
+  a batch job): one flushed line per update, `benchmark [i/total] what`, so
+  that a run stopped part-way (a time limit, a lost machine) leaves in its
+  log what it had done."""
 
-  `enabled=None`: shown when stderr is a terminal; False: never.
+  def __init__(self, total: int, desc: str = 'benchmark', stream=None):
+    self._total, self._done, self._desc = total, 0, desc
+    self._stream = stream if stream is not None else sys.stderr
+
+  def update(self, steps: int = 1, **postfix) -> None:
+    self._done += steps
+    what = ' '.join(str(v) for v in postfix.values())
+    print(f'{self._desc} [{self._done}/{self._total}] {what}'.rstrip(), file=self._stream,
+          flush=True)
+
+  def write(self, message: str) -> None:
+    print(message, flush=True)
+
+  def close(self) -> None:
+    pass
+
+
+def progress_bar(total: int, enabled: Optional[bool] = None
+                 ) -> Union[metrics_lib.ProgressBar, ProgressLines]:
+  """The benchmarks' progress: a bar (`training.metrics.ProgressBar`, tqdm)
+  on a terminal, else `ProgressLines`.
+
+  `enabled=None`: the bar on a terminal, lines elsewhere; True: the bar;
+  False: nothing.
   """
+  if enabled is None and not sys.stderr.isatty():
+    return ProgressLines(total)
   return metrics_lib.ProgressBar(total, enabled=enabled, desc='benchmark')
 
 
