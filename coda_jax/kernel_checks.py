@@ -20,6 +20,8 @@ import dataclasses
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from coda_jax.config import PATCHES
+
 
 # Kernels compared forward only: they have no gradient (a decoding step's).
 FORWARD_ONLY = ('decode_attention',)
@@ -95,7 +97,7 @@ class Result:
 
 def _model_dims(config, coda) -> Dict[str, Any]:
   # An image encoder's attention has no relative position bias ('relative').
-  image = {'relative': False} if config.encoder_input == 'patches' else {}
+  image = {'relative': False} if config.encoder_input == PATCHES else {}
   return dict(image, emb=config.emb_dim, heads=config.num_heads, kv_heads=config.kv_heads,
               head_dim=config.head_dim, mlp_dim=config.mlp_dim,
               activations=tuple(config.mlp_activations),
