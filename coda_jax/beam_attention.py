@@ -38,7 +38,11 @@ the self-attention cache where that pays:
 
   Where a step's scores outweigh its cache (many query heads over few
   key/value heads: multi-query attention), reordering moves fewer bytes
-  (`by_slot` decides). `decoding.init_decode_cache(..., num_beams=k)` then
+  (`by_slot` decides), unless the decoder's plan reads the cache by slot
+  with the TPU kernel `kernels.slot_attention`, which keeps the scores in
+  VMEM and gathers each beam's ancestors' keys/values there (the plan's
+  `beam_attention`; `init_decode_cache` then addresses the cache by slot
+  for any heads). `decoding.init_decode_cache(..., num_beams=k)` then
   adds `SLOTS` beside every self-attention cache, which is how
   `layers.MultiHeadDotProductAttention` knows to use it. A cache without it
   (t5x's `init(..., decode=True)`, `decoding.expand_to_beams`, or `by_slot`

@@ -29,13 +29,14 @@ from coda_jax.validation import is_int, positive_int
 # chip). The kernel serves encoder attention without attention dropout or
 # segment masks; the decoder's attention is XLA whatever this says.
 ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
-# How an encoder layer computes its pre-MLP norm and MLP, same results: 'xla'
-# (the norm, each input projection and the output projection as XLA
-# fusions), 'pallas' (one TPU kernel that keeps the hidden units in VMEM,
-# `coda_jax.kernels.mlp`; interpret mode off TPU, for tests), 'auto' (as
-# `coda_jax.plan`'s rules say). The kernel serves MLPs without LoRA,
-# intermediate dropout or model-parallel sharding of their units, whose
-# weights fit the chip's VMEM; the decoder's and an ACM's use XLA.
+# How an encoder layer, and a decoding step, computes its pre-MLP norm and
+# MLP, same results: 'xla' (the norm, each input projection and the output
+# projection as XLA fusions), 'pallas' (one TPU kernel that keeps the hidden
+# units in VMEM, `coda_jax.kernels.mlp`; interpret mode off TPU, for tests),
+# 'auto' (as `coda_jax.plan`'s rules say, the decoder's by rows of their
+# own). The kernel serves MLPs without LoRA, intermediate dropout or
+# model-parallel sharding of their units, whose blocks fit the chip's VMEM;
+# an ACM's and the decoder's outside a decoding step use XLA.
 MLP_KERNELS = ('auto', 'xla', 'pallas')
 # How a decoding step computes its cross-attention over the cached encoder
 # keys/values (one query token per row), same results: 'xla' (logits,
@@ -45,6 +46,13 @@ MLP_KERNELS = ('auto', 'xla', 'pallas')
 # 'auto' (as `coda_jax.plan`'s rules say for the chip). The kernel serves
 # the step's cross-attention without float32 logits or an ACM attention.
 DECODE_ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
+# How a beam search step's self-attention reads the cache: 'pallas' (a TPU
+# kernel over the cache addressed by slot, never reordered:
+# `kernels.slot_attention`), 'xla' (XLA, attending by slot or reordering the
+# cache, whichever moves fewer bytes: `beam_attention.by_slot`), or 'auto'
+# (as `coda_jax.plan`'s rules say for the chip). The kernel serves heads of
+# whole 128-lane rows without float32 logits or an ACM attention.
+BEAM_ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
 
 # What the encoder reads: 'tokens' (T5: `[batch, length]` ids, 0 padding) or
 # 'patches' (Pix2Struct: `[batch, max_patches, 2 + patch_dim]` rows of
@@ -87,6 +95,8 @@ class T5Config:
   mlp_kernel: str = 'auto'
   # 'auto' | 'xla' | 'pallas' (see DECODE_ATTENTION_KERNELS).
   decode_attention_kernel: str = 'auto'
+  # 'auto' | 'xla' | 'pallas' (see BEAM_ATTENTION_KERNELS).
+  beam_attention_kernel: str = 'auto'
   # 'tokens' | 'patches' (see ENCODER_INPUTS); with patches, the values per
   # patch (16 x 16 x 3) and the rows (and columns) the position tables hold.
   encoder_input: str = 'tokens'
@@ -125,6 +135,9 @@ class T5Config:
     if self.decode_attention_kernel not in DECODE_ATTENTION_KERNELS:
       raise ValueError(f'T5Config.decode_attention_kernel must be one of '
                        f'{DECODE_ATTENTION_KERNELS}, got {self.decode_attention_kernel!r}')
+    if self.beam_attention_kernel not in BEAM_ATTENTION_KERNELS:
+      raise ValueError(f'T5Config.beam_attention_kernel must be one of '
+                       f'{BEAM_ATTENTION_KERNELS}, got {self.beam_attention_kernel!r}')
     kv = self.kv_heads
     if kv < 1 or self.num_heads % kv:
       raise ValueError(

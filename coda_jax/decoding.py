@@ -17,6 +17,8 @@ from jax import lax
 import jax.numpy as jnp
 
 from coda_jax import beam_attention
+from coda_jax import plan as plan_lib
+from coda_jax import target as target_lib
 from coda_jax.config import PATCHES
 from coda_jax.validation import positive_int
 
@@ -330,13 +332,18 @@ def init_decode_cache(model, params, encoded: Array, encoder_input_tokens: Array
   cache = {path: jnp.zeros(s.shape, s.dtype) for path, s in shapes.items()
            if path[-1] != CROSS_KV_READY}
   heads = model.config.num_heads
-  # Beam search addresses the self-attention cache by slot where that moves
-  # fewer bytes than reordering it (`beam_attention.by_slot`).
+  # Beam search addresses the self-attention cache by slot where its plan
+  # reads it with the kernel (`kernels.slot_attention`), or where XLA's
+  # attention by slot moves fewer bytes than reordering it
+  # (`beam_attention.by_slot`).
+  kernel = beams > 1 and getattr(model, 'cache_cross_kv', False) and plan_lib.resolve_decoder(
+      model.config, target=target_lib.current(), length=encoded.shape[1], batch=batch,
+      beams=beams, cache_length=max_decode_length).beam_attention == plan_lib.PALLAS
   cache.update({path[:-1] + (beam_attention.SLOTS,): jnp.zeros((batch, beams, s.shape[-1]),
                                                                jnp.int32)
                 for path, s in shapes.items()
-                if path[-1] == SELF_KV_CACHE[0] and beams > 1 and beam_attention.by_slot(
-                    beams, heads, s.shape[1], s.shape[2], s.dtype.itemsize)})
+                if path[-1] == SELF_KV_CACHE[0] and beams > 1 and (kernel or beam_attention.by_slot(
+                    beams, heads, s.shape[1], s.shape[2], s.dtype.itemsize))})
   if any(path[-1] == CROSS_KV_READY for path in shapes):
     prefill = init(encoded, encoder_input_tokens, 1, batch)
     cache.update({path: value for path, value in prefill.items()

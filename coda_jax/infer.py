@@ -45,7 +45,7 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import gin
 import jax
@@ -60,6 +60,7 @@ from coda_jax import decoding as decoding_lib
 from coda_jax import network
 from coda_jax import params as params_lib
 from coda_jax import partitioning
+from coda_jax import plan as plan_lib
 from coda_jax import quiet
 from coda_jax import selftest as selftest_lib
 from coda_jax import validation
@@ -352,10 +353,13 @@ class Predictor:
     tokens = jax.ShapeDtypeStruct((batch_size, input_length), inputs.dtype)
     params = self.trainer.param_shapes
     encoded = jax.eval_shape(self._encode_fn, params, inputs)
-    cache = jax.eval_shape(
-        lambda p, e, t: decoding_lib.init_decode_cache(self.model, p, e, self._decoder_inputs(t),
-                                                       self.max_decode_length, beams),
-        params, encoded, tokens)
+    # The cache the step's plan lays out, for the mesh's chip (its plans
+    # are the step's to note).
+    with partitioning.targeting_mesh(self.mesh), plan_lib.unrecorded():
+      cache = jax.eval_shape(
+          lambda p, e, t: decoding_lib.init_decode_cache(
+              self.model, p, e, self._decoder_inputs(t), self.max_decode_length, beams),
+          params, encoded, tokens)
     as_rows = lambda s: self._rows(s.shape, s.dtype)
     head = (self.abstract_params(param_dtype), as_rows(encoded), as_rows(tokens))
     if self.method == 'beam':
@@ -418,6 +422,18 @@ def infer_calls() -> int:
 
 
 @gin.configurable(module='coda_jax.infer')
+def _checked_model(model, lengths: Mapping[str, int], selftest: str, beams: int):
+  """`model` after `selftest.check_run` at the run's shapes (each kernel that
+  is off switched to XLA)."""
+  n = lengths['inputs']
+  return selftest_lib.check_run(
+      model, n, [model.coda.num_selected(n)] if model.routes_tokens else [n],
+      dtype=jnp.dtype(model.config.dtype).name, mode=selftest,
+      log=lambda line: print(line, file=sys.stderr, flush=True)
+      if jax.process_index() == 0 else None,
+      beams=beams, cache_length=lengths['targets'])
+
+
 def infer(*,
           mode: str = 'infer',
           checkpoint_path: Optional[str] = None,
@@ -468,12 +484,7 @@ def infer(*,
     data_lib.ensure_tfds_prepared(dataset_cfg)
   loaded = load_model(checkpoint_path, checkpoint_step, adapters_path, acm_inference)
   data_lib.check_inputs(loaded.model.config, task)
-  n = lengths['inputs']
-  model = selftest_lib.check_run(
-      loaded.model, n, [loaded.model.coda.num_selected(n)] if loaded.model.routes_tokens
-      else [n], dtype=jnp.dtype(loaded.model.config.dtype).name, mode=selftest,
-      log=lambda line: print(line, file=sys.stderr, flush=True)
-      if jax.process_index() == 0 else None)
+  model = _checked_model(loaded.model, lengths, selftest, num_beams if decoding == 'beam' else 1)
   if output_dir is None:
     if loaded.model_dir is None:
       raise train_lib.ConfigError(f'set {mode.upper()}_OUTPUT_DIR: {checkpoint_path} is '

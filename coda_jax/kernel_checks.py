@@ -24,7 +24,7 @@ from coda_jax.config import PATCHES
 
 
 # Kernels compared forward only: they have no gradient (a decoding step's).
-FORWARD_ONLY = ('decode_attention',)
+FORWARD_ONLY = ('decode_attention', 'beam_attention')
 # Largest error relative to the largest XLA value, per dtype: float32
 # reorders sums (~1e-6); bfloat16 rounds each product's inputs and the
 # kernels keep float32 accumulators where XLA's fusions may round between
@@ -43,6 +43,14 @@ DISTANCE_LENGTH = 256
 # online softmax of long inputs), over this many keys at least: three blocks,
 # the last one partial.
 DECODE_KEY_BLOCKS_LENGTH = 300
+# Beam search's self-attention: its beams per example, and cache lengths of a
+# step whose cache the TPU lays out positions-minor (a multiple of 128) or
+# head_dim-minor.
+BEAMS = 4
+BEAM_CACHE_LENGTHS = (64, 128)
+# A decoding step's rows (batch x beams) for the MLP kernel's single-buffered
+# block.
+DECODE_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +160,8 @@ def cases(kernels: Sequence[str], config, coda, length: int, ks: Sequence[int],
       if edges:
         add(kernel, f'{min(length, 128)} rows, non-resident weights', rows=min(length, 128),
             resident=False)
+        add(kernel, f'a decoding step\'s {DECODE_ROWS} rows in one block, x and y '
+            'single-buffered', 1, rows=DECODE_ROWS, resident=False, single_buffered=True)
     elif kernel in ('route', 'output'):
       for k in routed:
         add(kernel, f'k = {k} of {length}', length=length, k=k)
@@ -170,6 +180,14 @@ def cases(kernels: Sequence[str], config, coda, length: int, ks: Sequence[int],
         add(kernel, f'one step over n = {length}, multi-query heads', keys=length, kv_heads=1)
         add(kernel, f'one step over n = {max(length, DECODE_KEY_BLOCKS_LENGTH)}, key blocks',
             keys=max(length, DECODE_KEY_BLOCKS_LENGTH), key_block=128)
+    elif kernel == 'beam_attention':
+      cached = BEAM_CACHE_LENGTHS if edges else BEAM_CACHE_LENGTHS[:1]
+      for t in cached:
+        add(kernel, f'{BEAMS} beams over {t} cached positions', cache=t, beams=BEAMS)
+      if edges:
+        add(kernel, f'{BEAMS} beams over {cached[0]} cached positions, a bias per row, '
+            f'{MEGACORE_BATCH} sequences', MEGACORE_BATCH, cache=cached[0], beams=BEAMS,
+            bias_per_row=True)
   return out
 
 
@@ -260,18 +278,22 @@ def _mlp(case: Case, interpret: bool):
   vmem = _vmem_bytes()
   if not s.get('resident', True):
     # The least VMEM in which the weights go in blocks of hidden units,
-    # re-read per block of rows (the path large models take on a v4).
+    # re-read per block of rows (the path large models take on a v4), or
+    # read once with every row in one single-buffered block (a decoding
+    # step's rows on a v4).
+    single = bool(s.get('single_buffered'))
     fits = lambda v: mlp_kernel.plan(s['batch'], s['rows'], e, hidden, len(acts),
-                                     dtype.itemsize, v)
+                                     dtype.itemsize, v, single)
     vmem = next((v for v in range(2 ** 20, vmem + 1, 2 ** 16)
-                 if fits(v).fits and not fits(v).resident), None)
+                 if fits(v).fits and not fits(v).resident
+                 and fits(v).single_buffered == single), None)
     if vmem is None:
       raise _Skip(f'{hidden} hidden units have no split into blocks that fits VMEM '
                   'where the whole weights do not')
 
   def kernel(x, norm_scale, wi, wo):
     return mlp_kernel.mlp(x, norm_scale, wi, wo, functions, vmem_bytes=vmem,
-                          interpret=interpret)
+                          single_block=bool(s.get('single_buffered')), interpret=interpret)
 
   def xla(x, norm_scale, wi, wo):
     return mlp_kernel.reference(x, norm_scale, wi, wo, functions, 1e-6)
@@ -372,12 +394,48 @@ def _decode_attention(case: Case, interpret: bool):
   return kernel, xla, (query, key, value)
 
 
+def _beam_attention(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax import layers  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import slot_attention  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(7)
+  b, beams, t, h, kvh, d = (s['batch'], s['beams'], s['cache'], s['heads'], s['kv_heads'],
+                            s['head_dim'])
+  rows = b * beams
+  query = jnp.asarray(rng.randn(rows, h, d), dtype)
+  key = jnp.asarray(rng.randn(rows, kvh, d, t), dtype)
+  value = jnp.asarray(rng.randn(rows, kvh, d, t), dtype)
+  slots = jnp.asarray(rng.randint(0, beams, (b, beams, t)), jnp.int32)
+  # The causal mask of a step at position 2t/3 (the rest masked) plus a
+  # relative position bias, shared or per row.
+  mask = np.where(np.arange(t) <= 2 * t // 3, 0., float(layers.MASK_VALUE))
+  bias = jnp.asarray(rng.randn(rows if s.get('bias_per_row') else 1, h, t) + mask, dtype)
+
+  def kernel(query, key, value):
+    return slot_attention.slot_attention(query, key, value, slots, bias, interpret=interpret)
+
+  def xla(query, key, value):
+    # Attention over the cache reordered by the slots (beam search's other
+    # formulation, `decoding._gather_beams`).
+    index = jnp.broadcast_to(slots[:, :, None, None, :], (b, beams, kvh, d, t))
+    take = lambda x: jnp.moveaxis(jnp.take_along_axis(
+        x.reshape(b, beams, kvh, d, t), index, axis=1).reshape(rows, kvh, d, t), -1, 1)
+    return layers.dot_product_attention(query[:, None], take(key), take(value),
+                                        bias=bias[:, :, None, :], deterministic=True,
+                                        dtype=dtype)[:, 0]
+
+  return kernel, xla, (query, key, value)
+
+
 class _Skip(Exception):
   """A case that does not apply to this chip (said in its row)."""
 
 
 _BUILDERS = {'attention': _attention, 'mlp': _mlp, 'route': _route, 'output': _output,
-             'soft_topk': _soft_topk, 'decode_attention': _decode_attention}
+             'soft_topk': _soft_topk, 'decode_attention': _decode_attention,
+             'beam_attention': _beam_attention}
 
 
 def _vmem_bytes() -> int:

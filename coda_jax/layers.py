@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
 from flax.linen import partitioning as nn_partitioning
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import beam_attention
+from coda_jax import step_attention
 from coda_jax.config import LORA_AXIS
-from coda_jax.kernels import decode_attention as decode_kernel
 from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import relpos_attention as relpos_kernel
 from coda_jax.kernels import tpu_blocks
@@ -224,6 +224,10 @@ class MultiHeadDotProductAttention(nn.Module):
   # cross-attention (one query token over the cached keys/values), a
   # decoder plan's choice (`coda_jax.plan.resolve_decoder`).
   decode_kernel: str = 'xla'
+  # 'xla' or 'pallas' (`kernels.slot_attention`): beam search's
+  # self-attention over a cache addressed by slot (`beam_attention.SLOTS`), a
+  # decoder plan's choice.
+  slot_kernel: str = 'xla'
   # Pallas interpret mode for the kernels (None: when not on a TPU).
   kernel_interpret: Optional[bool] = None
 
@@ -301,7 +305,7 @@ class MultiHeadDotProductAttention(nn.Module):
         kv_token_mask)` (no causal or segment part), so the fused kernel may
         compute it from the token masks (`_check_kernel_call`).
     """
-    for name in ('attention_kernel', 'decode_kernel'):
+    for name in ('attention_kernel', 'decode_kernel', 'slot_kernel'):
       if getattr(self, name) not in _FORMULATIONS:
         raise ValueError(f'{name} must be one of {_FORMULATIONS} (a plan\'s choice, '
                          f'`coda_jax.plan`), got {getattr(self, name)!r}')
@@ -320,24 +324,18 @@ class MultiHeadDotProductAttention(nn.Module):
       x = self._decode_attention(query, key, value, mask, bias, kv_token_mask, deterministic)
       return self._output(beam_attention.rows_per_example(x, rows), inputs_q.shape[-1],
                           query_token_mask, deterministic)
-    slots = None
+    slots, mask_per_row = None, mask is not None
     if decode:
       key, value, mask, cur_index, slots = self._update_self_attention_cache(key, value, mask)
       if cur_index is not None and query_positions is None:
         query_positions = cur_index[None]
     kv_len = key.shape[-1] if kv_layout == 'heads_major' else key.shape[1]
-    attention_bias = self._attention_bias(mask, bias, query_positions, key_positions,
-                                          query.shape[1], kv_len)
-    if slots is not None:  # beam search's cache, addressed by slot
-      x = beam_attention.slot_attention(query, key, value, attention_bias, slots,
-                                        self.dtype, self.float32_logits)
-    else:
-      dropout_rng = (self.make_rng('dropout')
-                     if not deterministic and self.dropout_rate > 0. else None)
-      x = dot_product_attention(
-          query, key, value, bias=attention_bias, dropout_rng=dropout_rng,
-          dropout_rate=self.dropout_rate, deterministic=deterministic,
-          dtype=self.dtype, float32_logits=self.float32_logits, kv_layout=kv_layout)
+    # A step's causal mask is the same for every row: for the slot kernel,
+    # its bias too (read once), unless a mask came in.
+    shared = slots is not None and self.slot_kernel == 'pallas' and not mask_per_row
+    attention_bias = self._attention_bias(mask[:1] if shared else mask, bias, query_positions,
+                                          key_positions, query.shape[1], kv_len)
+    x = self._attend(query, key, value, attention_bias, slots, kv_layout, deterministic)
     return self._output(beam_attention.rows_per_example(x, rows), inputs_q.shape[-1],
                         query_token_mask, deterministic)
 
@@ -397,33 +395,42 @@ class MultiHeadDotProductAttention(nn.Module):
   def _decode_attention(self, query: Array, key: Array, value: Array, mask: Optional[Array],
                         bias: Optional[Array], kv_token_mask: Optional[Array],
                         deterministic: bool) -> Array:
-    """A decoding step's cross-attention through `decode_kernel.decode_attention`:
-    `query [b, beams, heads, head_dim]` (one query per row, `beams` rows per
-    example in beam search) over the cached 'heads_major' keys and values,
-    masked by the encoder's padding, `kv_token_mask` (`mask` is its attention
-    mask, as `Transformer.decode` makes it while decoding). The kernel sees a
-    row of `beams * heads` query heads, kv head k's `beams * groups` of them
-    together."""
-    why = []
-    if mask is not None and kv_token_mask is None:
-      why.append('a mask without the encoder\'s token mask (kv_token_mask)')
+    """A decoding step's cross-attention through the kernel
+    (`step_attention.cross_attention`), masked by the encoder's padding,
+    `kv_token_mask` (`mask` is its attention mask, as `Transformer.decode`
+    makes it while decoding)."""
+    why = ['a mask without the encoder\'s token mask (kv_token_mask)'] if (
+        mask is not None and kv_token_mask is None) else []
     if bias is not None or self.relative_embedding is not None:
       why.append('a bias')
-    if not deterministic and self.dropout_rate > 0.:
-      why.append('attention dropout')
-    if self.float32_logits:
-      why.append('float32 logits')
-    if why:
-      raise ValueError(f"decode_kernel='pallas' cannot compute this attention: "
-                       f"{', '.join(why)}; use 'xla'")
-    b, beams, heads, dim = query.shape
-    kv_heads = key.shape[1]
-    query = query.reshape(b, beams, kv_heads, heads // kv_heads, dim).swapaxes(1, 2)
-    x = decode_kernel.decode_attention(query.reshape(b, beams * heads, dim), key, value,
-                                       None if mask is None else kv_token_mask,
-                                       interpret=self.kernel_interpret)
-    x = x.reshape(b, kv_heads, beams, heads // kv_heads, dim).swapaxes(1, 2)
-    return x.reshape(b, beams, heads, dim)
+    step_attention.refuse('decode_kernel', why + self._kernel_blockers(deterministic))
+    return step_attention.cross_attention(query, key, value,
+                                          None if mask is None else kv_token_mask,
+                                          self.kernel_interpret)
+
+  def _kernel_blockers(self, deterministic: bool) -> List[str]:
+    """What keeps a decoding step's attention kernels from this call."""
+    return ((['attention dropout'] if not deterministic and self.dropout_rate > 0. else [])
+            + (['float32 logits'] if self.float32_logits else []))
+
+  def _attend(self, query: Array, key: Array, value: Array, bias: Optional[Array],
+              slots: Optional[Array], kv_layout: str, deterministic: bool) -> Array:
+    """Projected queries over keys/values: beam search's cache by slot (the
+    slot kernel, `step_attention.self_attention_by_slot`, or XLA's
+    `beam_attention.slot_attention`), else `dot_product_attention`."""
+    if slots is not None and self.slot_kernel == 'pallas':
+      step_attention.refuse('slot_kernel', self._kernel_blockers(deterministic))
+      return step_attention.self_attention_by_slot(query, key, value, bias, slots,
+                                                   self.kernel_interpret)
+    if slots is not None:
+      return beam_attention.slot_attention(query, key, value, bias, slots, self.dtype,
+                                           self.float32_logits)
+    dropout_rng = (self.make_rng('dropout')
+                   if not deterministic and self.dropout_rate > 0. else None)
+    return dot_product_attention(
+        query, key, value, bias=bias, dropout_rng=dropout_rng,
+        dropout_rate=self.dropout_rate, deterministic=deterministic,
+        dtype=self.dtype, float32_logits=self.float32_logits, kv_layout=kv_layout)
 
   def _project_qkv(self, inputs_q: Array, inputs_kv: Array, cache_kv: bool,
                    query_token_mask: Optional[Array] = None,
@@ -618,6 +625,7 @@ class MlpBlock(nn.Module):
   kernel: str = 'xla'
   kernel_interpret: Optional[bool] = None
   vmem_bytes: int = tpu_blocks.SMALLEST_VMEM
+  single_block: bool = False      # the kernel's rows are one block (`kernels.mlp.mlp`)
 
   def _check_kernel(self, deterministic: bool) -> None:
     if self.kernel not in _FORMULATIONS:
@@ -648,6 +656,7 @@ class MlpBlock(nn.Module):
                               [weight(n) for n in names], weight('wo'),
                               [get_activation(a) for a in self.activations],
                               epsilon=norm.epsilon, vmem_bytes=self.vmem_bytes,
+                              single_block=self.single_block,
                               interpret=self.kernel_interpret)
       inputs = norm(inputs)
     hidden = []

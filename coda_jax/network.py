@@ -341,8 +341,12 @@ class DecoderLayer(nn.Module):
     coda = self.coda if self.coda is not None and self.coda.decoder_adapters else None
     adapter_type = coda.adapter if coda is not None else NO_ADAPTER
     xn = layers.RMSNorm(dtype=cfg.dtype, name='pre_self_attention_layer_norm')(inputs)
+    slot_kernel = ({} if self.plan is None or self.plan.beam_attention is None
+                   else dict(slot_kernel=self.plan.beam_attention,
+                             kernel_interpret=self.plan.interpret))
     x = _attention(cfg, 'self_attention', coda, self.acm, 'decoder',
-                   relative_embedding=self.relative_embedding, bidirectional=False)(
+                   relative_embedding=self.relative_embedding, bidirectional=False,
+                   **slot_kernel)(
                        xn, xn, decoder_mask, decode=decode, deterministic=deterministic,
                        query_token_mask=token_mask, kv_token_mask=token_mask)
     x = _dropout(cfg)(x, deterministic=deterministic)
@@ -357,8 +361,18 @@ class DecoderLayer(nn.Module):
         deterministic=deterministic, query_token_mask=token_mask,
         kv_token_mask=encoder_token_mask)
     y = _dropout(cfg)(y, deterministic=deterministic) + x
-    z = layers.RMSNorm(dtype=cfg.dtype, name='pre_mlp_layer_norm')(y)
-    z = _ffn(self, cfg, coda, self.acm, 'decoder', z, token_mask, deterministic)
+    norm = layers.RMSNorm(dtype=cfg.dtype, name='pre_mlp_layer_norm')
+    if self.plan is not None and self.plan.mlp == 'pallas':
+      # A decoding step's rows as one row of tokens (per device holding a
+      # share of the batch): the kernel reads the weights once for all of
+      # them (`kernels.mlp`).
+      rows = y.reshape(tpu_blocks.shard_count('batch'), -1, y.shape[-1])
+      z = _mlp(cfg, coda, kernel='pallas', kernel_interpret=self.plan.interpret,
+               vmem_bytes=self.plan.vmem_bytes, single_block=True)(
+                   rows, deterministic=deterministic, norm=norm)
+      z = z.reshape(y.shape)
+    else:
+      z = _ffn(self, cfg, coda, self.acm, 'decoder', norm(y), token_mask, deterministic)
     z = _dropout(cfg)(z, deterministic=deterministic)
     if adapter_type in SEQUENTIAL_ADAPTERS:
       z = _adapter(cfg, coda, 'adapter_mlp', sequential=True)(z)
@@ -427,8 +441,10 @@ class Decoder(nn.Module):
                encoder_decoder_mask: Optional[Array] = None,
                deterministic: bool = False, decode: bool = False,
                token_mask: Optional[Array] = None,
-               encoder_token_mask: Optional[Array] = None) -> Array:
-    """Returns float32 logits `[batch, length, vocab]`.
+               encoder_token_mask: Optional[Array] = None,
+               cache_length: Optional[int] = None) -> Array:
+    """Returns float32 logits `[batch, length, vocab]`; `cache_length`: the
+    self-attention cache's positions while decoding (for the plan).
 
     While decoding with the cross-attention cache, its plan
     (`coda_jax.plan.resolve_decoder`: how a step's cross-attention and its
@@ -441,7 +457,9 @@ class Decoder(nn.Module):
       plan = plan_lib.resolve_decoder(
           cfg, self.acm, target=target.current(), length=encoded.shape[1],
           batch=encoded.shape[0],
-          beams=_beams(decoder_input_tokens.shape[0], encoded.shape[0], decode))
+          beams=_beams(decoder_input_tokens.shape[0], encoded.shape[0], decode),
+          cache_length=cache_length, coda=self.coda,
+          sharded=tpu_blocks.split_axes('mlp', 'embed'))
       plan_lib.note(plan)
       acm = plan_lib.with_acm_inference(self.acm, plan.acm)
     else:
@@ -536,9 +554,10 @@ class Transformer(nn.Module):
 
     `decoder_positions` and `max_decode_length` are t5x's interface: T5's
     relative attention needs no absolute positions, and the cache's own length
-    bounds decoding.
+    bounds decoding; while decoding, `max_decode_length` (the cache's length)
+    lets the decoder's plan size beam search's self-attention kernel.
     """
-    del decoder_positions, max_decode_length
+    del decoder_positions
     cfg = self.config
     encoder_input_tokens = _encoder_inputs(cfg, encoder_input_tokens)
     decoder_input_tokens = decoder_input_tokens.astype(jnp.int32)
@@ -568,7 +587,8 @@ class Transformer(nn.Module):
     return self.decoder(encoded, decoder_input_tokens, decoder_mask, encoder_decoder_mask,
                         deterministic=not enable_dropout, decode=decode,
                         token_mask=None if decode else target_real,
-                        encoder_token_mask=real)
+                        encoder_token_mask=real,
+                        cache_length=max_decode_length if decode else None)
 
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
                decoder_target_tokens: Array,

@@ -217,8 +217,7 @@ class OnMesh:
     self.jitted, self.mesh = jitted, mesh
 
   def _targeting(self):
-    devices = list(self.mesh.devices.flat)
-    return target.targeting(target.platform_of(devices), target.kind_of(devices))
+    return targeting_mesh(self.mesh)
 
   def __call__(self, *args, **kwargs):
     with jax.set_mesh(self.mesh), self._targeting():
@@ -227,6 +226,14 @@ class OnMesh:
   def lower(self, *args, **kwargs):
     with jax.set_mesh(self.mesh), self._targeting():
       return self.jitted.lower(*args, **kwargs)
+
+
+def targeting_mesh(mesh: Mesh):
+  """`target.targeting` the platform and chip of `mesh`'s devices: what a
+  program for them is traced for (and what shapes made for it, such as a
+  decoding cache laid out by the decoder's plan, are made for)."""
+  devices = list(mesh.devices.flat)
+  return target.targeting(target.platform_of(devices), target.kind_of(devices))
 
 
 def on_mesh(jitted, mesh: Mesh) -> OnMesh:

@@ -6,21 +6,21 @@ move (row gathers or one-hot matmuls), and TPU Pallas kernels for the
 encoder's attention, its pre-MLP norm and MLP, a routed layer's route (with
 its adapter's down projection) and its output (with the adapter), the soft
 top-k's solver kernel, and the routed MLP's factored norm; a decoding step's
-cross-attention has XLA's and a TPU kernel's. Which one runs is decided here,
-and only here, from
+cross-attention, its MLP and beam search's self-attention have XLA's and a
+TPU kernel's. Which one runs is decided here, and only here, from
 
 * the configs' settings (`T5Config.attention_kernel`, `mlp_kernel`,
-  `decode_attention_kernel`, `CodaConfig.dispatch`, `route_kernel`,
-  `unroute_kernel`, `SoftTopKConfig.impl`: 'xla' / 'gather' and 'pallas' /
-  'one_hot' are obeyed where the formulation serves the layer, 'auto' asks
-  the rules);
+  `decode_attention_kernel`, `beam_attention_kernel`, `CodaConfig.dispatch`,
+  `route_kernel`, `unroute_kernel`, `SoftTopKConfig.impl`: 'xla' / 'gather'
+  and 'pallas' / 'one_hot' are obeyed where the formulation serves the
+  layer, 'auto' asks the rules);
 * the chip the program is compiled for (`Target`: the platform and JAX's
   `device_kind`, read once per program by `network.Encoder` and, for a
   decoding step, `network.Decoder`);
 * the program's shapes: the input length n, the routed tokens k, a
   decoding step's rows.
 
-`RULES` are the measurements behind 'auto', one data row each: on which
+`RULES` (`coda_jax.plan_rules`) are the measurements behind 'auto', one data row each: on which
 chip, for which attention variant, routed fractions k / n and input lengths
 n a formulation was measured to be faster (the TPU compiler's cost model: by
 the bytes it counts, or the roofline at the HBM traffic, as each evidence
@@ -48,204 +48,16 @@ from coda_jax.kernels import decode_attention as decode_attention_kernel
 from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import relpos_attention
 from coda_jax.kernels import route_adapter
+from coda_jax.kernels import slot_attention as slot_attention_kernel
 from coda_jax.kernels import tpu_blocks
 from coda_jax.target import Target
 
-XLA, PALLAS = 'xla', 'pallas'
-GATHER, ONE_HOT, MASKED = 'gather', 'one_hot', 'masked'
-# The choices a plan makes: `what` of a `Rule`. DECODE_ATTENTION is the
-# decoder's (a decoding step's cross-attention, `DecoderPlan`), ACM both
-# stacks' (how an ACM with `AcmConfig.inference='auto'` runs its learners:
-# 'gather' or 'masked', by the tokens of the call), the others the
-# encoder's (`Plan`).
-DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION, ACM = (
-    'dispatch', 'attention', 'mlp', 'route', 'output', 'soft_topk', 'decode_attention',
-    'acm')
-CHOICES = (DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION, ACM)
-# The Pallas kernels among them (`coda-jax selftest` checks each one a plan
-# selects): the formulation that is not XLA's.
-KERNELS = (ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION)
-# Where the kernels run natively; elsewhere 'pallas' runs in interpret mode.
-NATIVE_PLATFORM = {ATTENTION: 'tpu', MLP: 'tpu', ROUTE: 'tpu', OUTPUT: 'tpu',
-                   SOFT_TOPK: 'gpu', DECODE_ATTENTION: 'tpu'}
-# A chip with no row gets these: XLA's fusions, tokens moved by gathers.
-DEFAULTS = {DISPATCH: GATHER, ATTENTION: XLA, MLP: XLA, ROUTE: XLA, OUTPUT: XLA,
-            SOFT_TOPK: XLA, DECODE_ATTENTION: XLA, ACM: GATHER}
-_ALTERNATIVE = {DISPATCH: ONE_HOT, ATTENTION: PALLAS, MLP: PALLAS, ROUTE: PALLAS,
-                OUTPUT: PALLAS, SOFT_TOPK: PALLAS, DECODE_ATTENTION: PALLAS, ACM: MASKED}
-# The config field that asks for each choice, for messages.
-SETTING = {DISPATCH: 'CodaConfig.dispatch', ATTENTION: 'T5Config.attention_kernel',
-           MLP: 'T5Config.mlp_kernel', ROUTE: 'CodaConfig.route_kernel',
-           OUTPUT: 'CodaConfig.unroute_kernel', SOFT_TOPK: 'SoftTopKConfig.impl',
-           DECODE_ATTENTION: 'T5Config.decode_attention_kernel', ACM: 'AcmConfig.inference'}
-
-_BASE = 'benchmarks/plan/base_b128_n384_{}.json'
-# A rule's input lengths when it holds for any.
-ANY_LENGTH = 2 ** 31
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-  """One measured row: on `chip`, 'auto' picks `choice` for `what`.
-
-  Attributes:
-    what: one of `CHOICES`.
-    chip: a `compile.chips.CHIPS` generation ('v4', 'v5e', ...), or 'cpu'.
-    choice: `_ALTERNATIVE[what]` (the kernel, one-hot dispatch) or
-      `DEFAULTS[what]`, where measured to be the faster of the two.
-    attention: the CoDA attention variant it was measured for ('k_to_all',
-      'k_to_k'), or None: any (dense layers included).
-    fractions: the routed fractions k / n it holds for, `lo < k / n <= hi`
-      (dense layers: k / n = 1); for `ACM`, the learner work its
-      capacities keep, sum_n C_n / (N x tokens) (1: every learner on every
-      token).
-    lengths: the input lengths n it holds for, `lo < n <= hi`.
-    tokens: the tokens of one call it holds for (batch x length: a
-      decoding step's rows), `lo < tokens <= hi`.
-    evidence: the committed benchmark file (JSON) that measured it:
-      `tests/test_plan.py` checks the row against it.
-  """
-  what: str
-  chip: str
-  choice: str
-  attention: Optional[str] = None
-  fractions: Tuple[float, float] = (0.0, 1.0)
-  lengths: Tuple[int, int] = (0, ANY_LENGTH)
-  tokens: Tuple[int, int] = (0, ANY_LENGTH)
-  evidence: str = ''
-
-  def matches(self, what: str, chip: Optional[str], attention: Optional[str],
-              fraction: float, length: int, tokens: int = 1) -> bool:
-    lo, hi = self.fractions
-    return (self.what == what and self.chip == chip and lo < fraction <= hi
-            and self.lengths[0] < length <= self.lengths[1]
-            and self.tokens[0] < tokens <= self.tokens[1]
-            and (self.attention is None or self.attention == attention))
-
-  def span(self) -> str:
-    """Where the row holds, for a plan's reasons: ', 0 < k/n <= 0.34, n <= 768'."""
-    lo, hi = self.fractions
-    out = '' if (lo, hi) == (0.0, 1.0) else f', {lo:g} < {_fraction_name(self.what)} <= {hi:g}'
-    lo, hi = self.lengths
-    if lo > 0:
-      out += f', n > {lo}'
-    if hi < ANY_LENGTH:
-      out += f', n <= {hi}'
-    lo, hi = self.tokens
-    if lo > 0:
-      out += f', tokens > {lo}'
-    if hi < ANY_LENGTH:
-      out += f', tokens <= {hi}'
-    return out
-
-
-# The decoder's rows: `tools/decode_plan_evidence.py` (T5 v1.1 base and the
-# §6 text base and XL models, batch 128, n = 384, 512 and 1664 with 8, 32
-# and 64 decoding steps, bf16), each decoding step compiled with both
-# cross-attention formulations, by the roofline at its HBM traffic. Where
-# the two are within DECODE_TIE of each other (T5 v1.1 base, multi-head,
-# whose step reads the same bytes either way) the row gives the kernel: the
-# TPU compiler lowers XLA's one-query attention to VPU multiplies with
-# float32 converts, 1.1-1.3 times the step's flops, and the kernel to the
-# MXU.
-DECODE_TIE = 0.005
-_DECODE = 'benchmarks/plan/decode/b128_{}.json'
-# The ACM rows are timings on a shared machine (`tools/acm_plan_evidence.py`,
-# the fastest of 15 round-robin calls: over three runs a time moved by up to
-# 10%, and gather / masked at 256 tokens, β = 0.5, from 1.00 to 1.05): a
-# row's formulation may be up to ACM_TIE slower than the other at a point of
-# its evidence.
-ACM_TIE = 0.08
-_ACM = 'benchmarks/plan/acm/{}_small.json'
-
-# The rows, first match wins. Measured with `tools/plan_evidence.py` (base,
-# batch 128, n 384, 12 layers, bf16, the encoder's bytes accessed as the TPU
-# compiler counts them, each choice flipped against the plan these rows give;
-# jax 0.10.2, libtpu 0.0.42.1) at r = 3 and 5 (k / n = 0.33, 0.2) and for
-# the Parallel Adapter model (k / n = 1): the routed layers' rows hold up to
-# k / n = 0.34, where they were measured. v4's dispatch rows above n = 384
-# were measured at n = 768 and 1664 by the roofline at the HBM traffic
-# (`--flips dispatch --measure traffic_roofline_seconds`).
-_MEASURED = (0.0, 0.34)
-RULES: Tuple[Rule, ...] = (
-    # v4: the attention and MLP kernels; one-hot dispatch, but row gathers
-    # above n = 384 for k-to-all, and for k-to-k up to n = 768 at k / n
-    # above 0.25 (measured by the roofline at the HBM traffic at n = 768 and
-    # 1664: a one-hot dispatch's flops grow with k x n, and a long input's
-    # encoder is bound by its flops; k-to-k at r = 5, or n = 1664, is faster
-    # with one-hot matmuls); the route kernel (it needs the one-hot dispatch;
-    # k-to-k up to k / n = 0.3: above it memory-space assignment copies the
-    # layer input to CMEM around the kernel); no output kernel.
-    Rule(DISPATCH, 'v4', GATHER, attention='k_to_all', lengths=(384, ANY_LENGTH),
-         evidence='benchmarks/plan/dispatch_base_b128_n1664_v4.json'),
-    Rule(DISPATCH, 'v4', GATHER, attention='k_to_k', fractions=(0.25, 1.0),
-         lengths=(384, 768), evidence='benchmarks/plan/dispatch_base_b128_n768_v4.json'),
-    Rule(DISPATCH, 'v4', ONE_HOT, evidence=_BASE.format('v4')),
-    Rule(ATTENTION, 'v4', PALLAS, evidence=_BASE.format('v4')),
-    Rule(MLP, 'v4', PALLAS, evidence=_BASE.format('v4')),
-    Rule(ROUTE, 'v4', PALLAS, attention='k_to_all', fractions=_MEASURED,
-         evidence=_BASE.format('v4')),
-    Rule(ROUTE, 'v4', PALLAS, attention='k_to_k', fractions=(0.0, 0.3),
-         evidence=_BASE.format('v4')),
-    Rule(DECODE_ATTENTION, 'v4', PALLAS, evidence=_DECODE.format('v4')),
-    # v5e: the same, the route kernel for both variants, and for k-to-k up to
-    # k / n = 0.3 the output kernel instead (it computes the adapter).
-    Rule(DISPATCH, 'v5e', ONE_HOT, evidence=_BASE.format('v5e')),
-    Rule(ATTENTION, 'v5e', PALLAS, evidence=_BASE.format('v5e')),
-    Rule(MLP, 'v5e', PALLAS, evidence=_BASE.format('v5e')),
-    Rule(OUTPUT, 'v5e', PALLAS, attention='k_to_k', fractions=(0.0, 0.3),
-         evidence=_BASE.format('v5e')),
-    Rule(ROUTE, 'v5e', PALLAS, fractions=_MEASURED, evidence=_BASE.format('v5e')),
-    Rule(DECODE_ATTENTION, 'v5e', PALLAS, evidence=_DECODE.format('v5e')),
-    # v5p: attention and MLP kernels, one-hot dispatch, the output kernel.
-    Rule(DISPATCH, 'v5p', ONE_HOT, evidence=_BASE.format('v5p')),
-    Rule(ATTENTION, 'v5p', PALLAS, evidence=_BASE.format('v5p')),
-    Rule(MLP, 'v5p', PALLAS, evidence=_BASE.format('v5p')),
-    Rule(OUTPUT, 'v5p', PALLAS, fractions=_MEASURED, evidence=_BASE.format('v5p')),
-    Rule(DECODE_ATTENTION, 'v5p', PALLAS, evidence=_DECODE.format('v5p')),
-    # v6e: the same as v5p.
-    Rule(DISPATCH, 'v6e', ONE_HOT, evidence=_BASE.format('v6e')),
-    Rule(ATTENTION, 'v6e', PALLAS, evidence=_BASE.format('v6e')),
-    Rule(MLP, 'v6e', PALLAS, evidence=_BASE.format('v6e')),
-    Rule(OUTPUT, 'v6e', PALLAS, fractions=_MEASURED, evidence=_BASE.format('v6e')),
-    Rule(DECODE_ATTENTION, 'v6e', PALLAS, evidence=_DECODE.format('v6e')),
-    # A CPU's ACMs (`tools/acm_plan_evidence.py`: one FFN ACM of T5 v1.1
-    # small, 4 to 1536 tokens a call, the quickstart conversion's learner
-    # usage at budgets 0.25, 0.5 and 0.75, timed on 2 cores): 'masked' on a
-    # call of at most 32 tokens (a decoding step reads every learner's
-    # weights either way, and the order and gathers cost more than the
-    # skipped multiply-adds; at 64, gather is as fast or faster) and where
-    # the capacities keep more than 80% of the learner work; 'gather'
-    # elsewhere (the default).
-    Rule(ACM, 'cpu', MASKED, tokens=(0, 32), evidence=_ACM.format('cpu')),
-    Rule(ACM, 'cpu', MASKED, fractions=(0.8, 1.0), evidence=_ACM.format('cpu')),
-)
-
-
-def _fraction_name(what: str) -> str:
-  """What a rule's `fractions` measure: k/n, or an ACM's learner work."""
-  return 'learner work' if what == ACM else 'k/n'
-
-
-def rules_table() -> str:
-  """`RULES` as the Markdown table of docs/kernels.md (a test keeps it there)."""
-  lines = ['| chip | choice | formulation | attention variant | k / n | n | tokens a call '
-           '| evidence |', '|---|---|---|---|---|---|---|---|']
-
-  def interval(lo, hi):
-    return ' and '.join(([f'> {lo}'] if lo > 0 else []) +
-                        ([f'<= {hi}'] if hi < ANY_LENGTH else [])) or 'any'
-
-  for rule in RULES:
-    lo, hi = rule.fractions
-    fractions = ('any' if (lo, hi) == (0.0, 1.0)
-                 else f'{lo:g} < {_fraction_name(rule.what)} <= {hi:g}')
-    name = rule.evidence.split('/')[-1]
-    link = f'[{"/".join(rule.evidence.split("/")[2:])}](../{rule.evidence})' if name else '-'
-    lines.append(f'| {rule.chip} | {rule.what} | {rule.choice} | '
-                 f'{rule.attention or "both"} | {fractions} | {interval(*rule.lengths)} | '
-                 f'{interval(*rule.tokens)} | {link} |')
-  return '\n'.join(lines)
+# The choices, formulations and measured rows (data: `coda_jax.plan_rules`),
+# re-exported: the names plans speak.
+from coda_jax.plan_rules import (  # noqa: F401
+    ACM, ACM_TIE, ANY_LENGTH, ATTENTION, BEAM_ATTENTION, CHOICES, DECODE_ATTENTION, DECODE_MLP,
+    DECODE_TIE, DEFAULTS, DISPATCH, GATHER, KERNELS, MASKED, MLP, NATIVE_PLATFORM, ONE_HOT,
+    OUTPUT, PALLAS, ROUTE, RULES, SETTING, SOFT_TOPK, XLA, Rule, _ALTERNATIVE, rules_table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +176,7 @@ class _Resolver:
     if chip is None:
       return default, f'auto: {self.target.describe()} has no measured rule (default)'
     if any(rule.what == what and rule.chip == chip for rule in RULES):
-      at = (f'{self.tokens} tokens a call' if what == ACM
+      at = (f'{self.tokens} tokens a call' if what in (ACM, DECODE_MLP)
             else f'k/n = {fraction:.2f}, n = {self.length}')
       return default, f'auto: no rule for {chip} at {at} (default)'
     return default, f'auto: no rule for {chip} (default)'
@@ -399,11 +211,13 @@ def _attention_blockers(config: T5Config, kv_length: int, training: bool,
 
 def _mlp_blockers(config: T5Config, coda: Optional[CodaConfig], acm: Optional[AcmConfig],
                   rows: int, training: bool, sharded: FrozenSet[str],
-                  vmem_bytes: int) -> List[str]:
+                  vmem_bytes: int, stack: str = 'encoder') -> List[str]:
+  # A decoding step's rows go to the kernel as one block of tokens.
+  single_block = stack == 'decoder'
   out = []
   if coda is not None and coda.lora:
     out.append('LoRA')
-  if acm is not None and acm.replaces('mlp', 'encoder'):
+  if acm is not None and acm.replaces('mlp', stack):
     out.append('an ACM MLP')
   if training and config.dropout_rate > 0:
     out.append('intermediate dropout')
@@ -411,7 +225,7 @@ def _mlp_blockers(config: T5Config, coda: Optional[CodaConfig], acm: Optional[Ac
   if split:
     out.append(f'{" and ".join(split)} split over devices')
   if not mlp_kernel.fits((1, rows, config.emb_dim), config.mlp_dim,
-                         len(config.mlp_activations), config.dtype, vmem_bytes):
+                         len(config.mlp_activations), config.dtype, vmem_bytes, single_block):
     out.append(f'its weights do not fit {vmem_bytes / 2 ** 20:g} MiB of VMEM')
   return out
 
@@ -493,7 +307,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
 
 @dataclasses.dataclass(frozen=True)
 class DecoderPlan:
-  """How a program's decoding step runs its cross-attention, with why.
+  """How a program's decoding step runs its attention, with why.
 
   Attributes:
     target: the chip.
@@ -501,10 +315,17 @@ class DecoderPlan:
     batch: the decoder rows (batch x beams).
     cross_attention: XLA or PALLAS (`kernels.decode_attention`): the
       cross-attention of a step with one query token per row.
-    interpret: run the kernel in Pallas interpret mode (not on a TPU).
+    interpret: run the kernels in Pallas interpret mode (not on a TPU).
     reasons: `{choice: why}`, one line each.
     acm: how its ACMs run their learners on a step's `batch` tokens
       (`MASKED`, `GATHER`; None: no ACM).
+    beam_attention: beam search's self-attention (None: one row per
+      example): PALLAS, the cache addressed by slot and read by
+      `kernels.slot_attention`; XLA, by slot or reordered, whichever moves
+      fewer bytes (`beam_attention.by_slot`). `decoding.init_decode_cache`
+      lays the cache out by it.
+    mlp: XLA or PALLAS (`kernels.mlp` on the step's rows as `[1, rows,
+      emb]`, the pre-MLP norm with it).
   """
   target: Target
   length: int
@@ -513,20 +334,33 @@ class DecoderPlan:
   interpret: bool
   reasons: Tuple[Tuple[str, str], ...]
   acm: Optional[str] = None
+  beam_attention: Optional[str] = None
+  mlp: str = XLA
+
+  @property
+  def vmem_bytes(self) -> int:
+    """The chip's VMEM, which the MLP kernel's blocks must fit."""
+    chip = self.target.chip
+    return chip.vmem_bytes if chip is not None else tpu_blocks.SMALLEST_VMEM
 
   def kernels(self) -> Tuple[str, ...]:
-    return (DECODE_ATTENTION,) if self.cross_attention == PALLAS else ()
+    return tuple(name for name, choice in ((MLP, self.mlp),
+                                           (DECODE_ATTENTION, self.cross_attention),
+                                           (BEAM_ATTENTION, self.beam_attention))
+                 if choice == PALLAS)
 
   def as_dict(self) -> Dict[str, Any]:
     return {'target': self.target.describe(), 'device_kind': self.target.device_kind,
             'program': 'decoder', 'length': self.length, 'batch': self.batch,
-            'cross_attention': self.cross_attention, 'acm': self.acm,
-            'kernels': list(self.kernels()), 'reasons': dict(self.reasons)}
+            'cross_attention': self.cross_attention, 'beam_attention': self.beam_attention,
+            'mlp': self.mlp, 'acm': self.acm, 'kernels': list(self.kernels()), 'reasons': dict(self.reasons)}
 
   def summary(self) -> str:
-    """'tpu v4: decoder cross-attention pallas'."""
+    """'tpu v4: decoder cross-attention pallas, beam attention pallas'."""
     acm = '' if self.acm is None else f', acm {self.acm}'
-    return f'{self.target.describe()}: decoder cross-attention {self.cross_attention}{acm}'
+    beam = '' if self.beam_attention is None else f', beam attention {self.beam_attention}'
+    return (f'{self.target.describe()}: decoder cross-attention {self.cross_attention}'
+            f'{beam}, mlp {self.mlp}{acm}')
 
   def describe(self) -> str:
     lines = [f'decoder plan for {self.target.describe()}, n = {self.length}, '
@@ -536,12 +370,18 @@ class DecoderPlan:
 
 
 def resolve_decoder(config: T5Config, acm: Optional[AcmConfig] = None, *, target: Target,
-                    length: int, batch: int, beams: int = 1) -> DecoderPlan:
+                    length: int, batch: int, beams: int = 1,
+                    cache_length: Optional[int] = None,
+                    coda: Optional[CodaConfig] = None,
+                    sharded: FrozenSet[str] = frozenset()) -> DecoderPlan:
   """The plan of a decoding step compiled for `target` over `length` encoder
   positions, `batch` rows of cross-attention keys/values and `beams` decoder
   rows for each (beam search; the kernel's rows then hold `beams * heads`
-  query heads). `network.Decoder` resolves it while decoding with the
-  cross-attention cache."""
+  query heads), with a self-attention cache of `cache_length` positions
+  (None: unknown, and beam search's self-attention is XLA's), `coda` (its
+  LoRA) and the mesh axes that split (`sharded`, as `resolve`'s).
+  `network.Decoder` resolves it while decoding with the cross-attention
+  cache, `decoding.init_decode_cache` to lay out the cache."""
   n, rows = int(length), int(batch) * int(beams)
   rules = _Resolver(target, None, 1.0, n)
   blockers = []
@@ -554,11 +394,42 @@ def resolve_decoder(config: T5Config, acm: Optional[AcmConfig] = None, *, target
     blockers.append(f'its blocks do not fit {tpu_blocks.VMEM_BUDGET} B of VMEM')
   choice, why = rules.choose(DECODE_ATTENTION, config.decode_attention_kernel, blockers)
   reasons = [(DECODE_ATTENTION, f'{choice}: {why}')]
+  beam = None
+  if beams > 1:
+    beam, why = rules.choose(BEAM_ATTENTION, config.beam_attention_kernel,
+                             _beam_blockers(config, int(batch), int(beams), cache_length))
+    reasons.append((BEAM_ATTENTION, f'{beam}: {why}'))
+  chip = target.chip
+  # The MLP's rows are by the rows of a step (greedy's, or beam search's).
+  mlp_blockers = _mlp_blockers(
+      config, coda, acm, rows, False, frozenset(sharded),
+      chip.vmem_bytes if chip is not None else tpu_blocks.SMALLEST_VMEM, 'decoder')
+  mlp, why = _Resolver(target, None, 1.0, n, rows).choose(DECODE_MLP, config.mlp_kernel,
+                                                          mlp_blockers)
+  reasons.append((DECODE_MLP, f'{mlp}: {why}'))
   acm_inference, why = resolve_acm(acm, target, rows, 'decoder')
   if acm_inference is not None:
     reasons.append((ACM, why))
   return DecoderPlan(target, n, rows, choice, target.platform != 'tpu', tuple(reasons),
-                     acm_inference)
+                     acm_inference, beam, mlp)
+
+
+def _beam_blockers(config: T5Config, batch: int, beams: int,
+                   cache_length: Optional[int]) -> List[str]:
+  """What keeps beam search's self-attention from `kernels.slot_attention`."""
+  out = []
+  if config.float32_attention_logits:
+    out.append('float32 attention logits')
+  if config.head_dim % tpu_blocks.LANES:
+    out.append(f'head_dim {config.head_dim} is not a multiple of {tpu_blocks.LANES} (the TPU '
+               'keeps such a cache batch-minor)')
+  if cache_length is None:
+    out.append('the cache length is unknown')
+  elif not slot_attention_kernel.supported(batch, beams, config.num_heads, config.kv_heads,
+                                           config.head_dim, int(cache_length), config.dtype):
+    out.append(f'{beams} slots of {cache_length} cached positions do not fit '
+               f'{tpu_blocks.VMEM_BUDGET} B of VMEM')
+  return out
 
 
 def resolve_acm(acm: Optional[AcmConfig], target: Target, tokens: int,
@@ -665,6 +536,18 @@ def recording() -> Iterator[List[Any]]:
     yield plans
   finally:
     stack.pop()
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+  """Traces inside note no plan in the enclosing `recording`s (shapes made
+  for a program, such as its decoding cache, outside the program itself)."""
+  saved = getattr(_RECORDED, 'stack', [])
+  _RECORDED.stack = []
+  try:
+    yield
+  finally:
+    _RECORDED.stack = saved
 
 
 def note(plan: Any) -> None:

@@ -43,21 +43,25 @@ from coda_jax.kernel_checks import Case, Result, cases, run_case  # noqa: F401
 _SWITCH = {'attention': ('config', 'attention_kernel'), 'mlp': ('config', 'mlp_kernel'),
            'route': ('coda', 'route_kernel'), 'output': ('coda', 'unroute_kernel'),
            'soft_topk': ('soft_topk', 'impl'),
-           'decode_attention': ('config', 'decode_attention_kernel')}
+           'decode_attention': ('config', 'decode_attention_kernel'),
+           'beam_attention': ('config', 'beam_attention_kernel')}
 # ----------------------------------------------------------------------------
 # Which kernels a run uses, and falling back from one.
 # ----------------------------------------------------------------------------
 
 def planned_kernels(config, coda, acm, length: int, ks: Sequence[int],
-                    training: bool = False) -> Tuple[str, ...]:
+                    training: bool = False, beams: int = 1,
+                    cache_length: Optional[int] = None) -> Tuple[str, ...]:
   """The kernels the plans of a run (its encoder at each k of `ks`, its
-  decoding steps over `length` positions) select for the devices present
+  decoding steps over `length` positions: with `beams` > 1, beam search's
+  over a cache of `cache_length`) select for the devices present
   (`target.current()`)."""
   from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from coda_jax import target  # pylint: disable=g-import-not-at-top
   here = target.current()
   selected = set(plan_lib.resolve_decoder(config, acm, target=here, length=length,
-                                          batch=1).kernels())
+                                          batch=1, beams=beams,
+                                          cache_length=cache_length).kernels())
   for k in sorted(set(ks)) or [length]:
     run_coda = coda if coda is None else dataclasses.replace(coda, num_routed_tokens=k)
     selected |= set(plan_lib.resolve(config, run_coda, acm, target=here,
@@ -126,10 +130,12 @@ def _store_cache(cache: Dict[str, Any]) -> None:
 
 
 def check_run(model, length: int, ks: Sequence[int], *, dtype: str, training: bool = False,
-              mode: str = 'auto', log: Callable[[str], None] = print):
+              mode: str = 'auto', log: Callable[[str], None] = print, beams: int = 1,
+              cache_length: Optional[int] = None):
   """Before a run's first step: its planned kernels against XLA at its shapes
-  (batch 1, its dtype, no edges); returns `model` with each kernel that is
-  off switched to XLA, one `log` line each.
+  (batch 1, its dtype, no edges; decoding with `beams` over a cache of
+  `cache_length`); returns `model` with each kernel that is off switched to
+  XLA, one `log` line each.
 
   `mode`: 'auto' (on an accelerator: a TPU or GPU), 'always', 'never'. The
   verdicts are cached per chip, jax, jaxlib and libtpu version and case
@@ -141,7 +147,7 @@ def check_run(model, length: int, ks: Sequence[int], *, dtype: str, training: bo
   if mode == 'never' or (mode == 'auto' and jax.default_backend() not in ('tpu', 'gpu')):
     return model
   kernels = planned_kernels(model.config, model.coda, getattr(model, 'acm', None), length,
-                            ks, training)
+                            ks, training, beams, cache_length)
   if not kernels:
     return model
   cache, key = _load_cache(), _versions_key()

@@ -220,20 +220,20 @@ def test_each_program_s_plan_is_printed_and_recorded(data_parallel_run):
   assert 'no rule for v5e at k/n = 0.' in plan['reasons']['route']
   assert 'plan: resolved' not in ' '.join(train['notes'])
   # The decoding program and its encoder: the same encoder, not training;
-  # the decoding program and its step: the decoder's plan (v5e's row: the
-  # cross-attention kernel).
+  # the decoding program and its step: the decoder's plan (v5e's rows: the
+  # MLP and cross-attention kernels).
   for name in ('infer', 'encode'):
     p = rows[name]['plan'][0]
     assert p['kernels'] == ['attention', 'mlp'] and p['k'] == 24
   for name in ('infer', 'decode step'):
     p = rows[name]['plan'][-1]
     assert p['program'] == 'decoder' and p['cross_attention'] == 'pallas', p
-    assert p['kernels'] == ['decode_attention'] and p['length'] == 48
+    assert p['kernels'] == ['mlp', 'decode_attention'] and p['length'] == 48
   assert len(rows['encode']['plan']) == 1 and len(rows['decode step']['plan']) == 1
   lines = out[out.index('plans (coda_jax.plan'):].splitlines()[1:]
   by_name = {line.split('  ')[1].strip(): line for line in lines if line.strip()}
   assert set(by_name) == set(rows)
-  decoder = 'tpu v5e: decoder cross-attention pallas'
+  decoder = 'tpu v5e: decoder cross-attention pallas, mlp pallas'
   for name in by_name:
     want = {'infer': f'{V5E_QUICKSTART} | {decoder}', 'decode step': decoder}.get(
         name, V5E_QUICKSTART)

@@ -220,3 +220,61 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate(pod, resident):
   assert estimate.bytes_accessed >= moved
   assert cost['bytes accessed'] >= estimate.bytes_accessed
   assert cost['flops'] >= estimate.flops >= 2 * b * n * e * h * 3
+
+
+def test_a_decoding_steps_rows_compile_single_buffered_for_v4():
+  """A decoding step's 512 rows (a §6-shaped beam search step) as one block
+  of tokens on a v4 (16 MiB of VMEM): weights of 24 MiB in blocks of hidden
+  units, x and y in one buffer each, compiled by Mosaic; the weights read once, as the estimate declares."""
+  pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
+  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
+  device = topology.devices(chips.parse_pod('v4-8'))[0]
+  n, e, h = 512, 1024, 4096
+  vmem = chips.by_device_kind(device.device_kind).vmem_bytes
+  p = kernel.plan(1, n, e, h, 2, 2, vmem, single_block=True)
+  assert p.fits and p.single_buffered and not p.resident and p.vmem_limit <= vmem
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  shapes = [(1, n, e), (e,), (e, h), (e, h), (h, e)]
+  abstract = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in shapes]
+  acts = [jax.nn.gelu, lambda a: a]
+  with target.targeting('tpu', device.device_kind):
+    compiled = jax.jit(lambda x, s, w0, w1, wo: kernel.mlp(
+        x, s, [w0, w1], wo, acts, vmem_bytes=vmem, single_block=True)).lower(
+        *abstract).compile()
+  assert 'tpu_custom_call' in compiled.as_text()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  estimate = kernel.cost_estimate(1, n, e, h, acts, jnp.bfloat16, vmem, single_block=True)
+  weights = 3 * e * h * 2
+  # Not asked for (an encoder's row, whose plan is by one row of a batch):
+  # blocks of rows, and this one does not fit.
+  assert not kernel.plan(1, n, e, h, 2, 2, vmem).fits
+  assert weights < estimate.bytes_accessed <= weights + 2 * n * e * 2 + 2 * e * 16
+  assert cost['bytes accessed'] >= estimate.bytes_accessed
+
+
+@pytest.mark.parametrize('method', ['greedy', 'beam'])
+def test_a_decoding_step_runs_its_mlp_in_the_kernel(method):
+  """A tiny model decoded with the MLP kernel in its decoding steps (the
+  step's rows as one block of tokens; interpret mode) or XLA's: the same
+  tokens and scores, and the decoder's plan says which ran."""
+  import functools  # pylint: disable=g-import-not-at-top
+  from coda_jax import decoding  # pylint: disable=g-import-not-at-top
+  from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  models = _models(None, num_encoder_layers=1, num_decoder_layers=2)
+  rng = np.random.RandomState(0)
+  tokens = rng.randint(2, 64, (3, 9)).astype(np.int32)
+  params = models['xla'].init(jax.random.PRNGKey(1), tokens, tokens[:, :4], tokens[:, :4],
+                              enable_dropout=False)['params']
+  out = {}
+  for name, model in models.items():
+    decode = functools.partial(decoding.predict_batch, model, max_decode_length=5,
+                               method=method, num_beams=2, eos_id=1)
+    with plan_lib.recording() as plans:
+      out[name] = jax.jit(decode)(params, tokens)
+    rows = 3 * (2 if method == 'beam' else 1)
+    assert {p.mlp for p in plans if isinstance(p, plan_lib.DecoderPlan)
+            and p.batch == rows} == {name}
+  np.testing.assert_array_equal(out['pallas'][0], out['xla'][0])
+  np.testing.assert_allclose(out['pallas'][1], out['xla'][1], rtol=1e-5, atol=1e-5)

@@ -119,7 +119,7 @@ def test_the_decoder_plan_from_chip_and_shapes(chip, model, n, batch, expected):
   config = preset(model, dtype=jnp.bfloat16)
   plan = plan_lib.resolve_decoder(config, target=_target(chip), length=n, batch=batch)
   assert plan.cross_attention == expected, plan.describe()
-  assert plan.kernels() == (('decode_attention',) if expected == 'pallas' else ())
+  assert ('decode_attention' in plan.kernels()) == (expected == 'pallas')
   assert plan.interpret == (chip not in KIND and chip != 'unknown tpu')
   assert json.loads(json.dumps(plan.as_dict()))['cross_attention'] == expected
   # Forced: obeyed where the kernel serves; float32 logits it does not.
@@ -129,6 +129,68 @@ def test_the_decoder_plan_from_chip_and_shapes(chip, model, n, batch, expected):
   blocked = dataclasses.replace(forced, float32_attention_logits=True)
   plan = plan_lib.resolve_decoder(blocked, target=_target(chip), length=n, batch=batch)
   assert plan.cross_attention == 'xla' and 'float32 attention logits' in plan.describe()
+
+
+@pytest.mark.parametrize('chip,model,length,expected', [
+    ('v4', 'text_xl', 64, 'pallas'), ('v5e', 'text_base', 8, 'pallas'),
+    ('v6e', 'text_xl', 512, 'pallas'), ('v4', 'base', 64, 'xla'),
+    ('v4', 'text_xl', None, 'xla'), ('v4', 'text_xl', 8192, 'xla'),
+    ('cpu', 'text_xl', 64, 'xla'), ('gpu', 'text_base', 64, 'xla')])
+def test_beam_search_self_attention_in_the_decoder_plan(chip, model, length, expected):
+  """Beam search's self-attention: the kernel on the TPU chips (heads of 128
+  lanes, a cache that fits VMEM, a known length), with the reason when not;
+  no choice for one row per example; forcing it is obeyed where it serves."""
+  config = preset(model, dtype=jnp.bfloat16)
+  resolve = lambda cfg, beams: plan_lib.resolve_decoder(
+      cfg, target=_target(chip), length=384, batch=128, beams=beams, cache_length=length)
+  plan = resolve(config, 4)
+  assert plan.beam_attention == expected, plan.describe()
+  assert ('beam_attention' in plan.kernels()) == (expected == 'pallas')
+  assert 'beam_attention' in dict(plan.reasons) and 'beam attention' in plan.summary()
+  assert resolve(config, 1).beam_attention is None
+  why = dict(plan.reasons)['beam_attention']
+  if model == 'base':
+    assert 'head_dim 64' in why, why
+  if length is None:
+    assert 'cache length is unknown' in why, why
+  if length == 8192:
+    assert 'do not fit' in why, why
+  forced = resolve(dataclasses.replace(config, beam_attention_kernel='pallas'), 4)
+  assert forced.beam_attention == ('xla' if model == 'base' or length in (None, 8192)
+                                   else 'pallas'), forced.describe()
+  blocked = resolve(dataclasses.replace(config, beam_attention_kernel='pallas',
+                                        float32_attention_logits=True), 4)
+  assert blocked.beam_attention == 'xla' and 'float32 attention logits' in blocked.describe()
+
+
+@pytest.mark.parametrize('chip,model,beams,expected', [
+    ('v4', 'text_xl', 4, 'pallas'), ('v4', 'base', 1, 'pallas'), ('v5e', 'text_xl', 1, 'pallas'),
+    ('v6e', 'text_xl', 1, 'pallas'), ('v6e', 'text_xl', 4, 'xla'), ('cpu', 'text_xl', 4, 'xla'),
+    ('gpu', 'base', 1, 'xla')])
+def test_a_decoding_steps_mlp_in_the_decoder_plan(chip, model, beams, expected):
+  """The MLP kernel on a decoding step's rows where the chip's rows say (the
+  weights read once for all of them), with the encoder's blockers: LoRA, an
+  ACM MLP, units split over devices; 'xla' is obeyed."""
+  config = preset(model, dtype=jnp.bfloat16)
+  resolve = lambda cfg, **kw: plan_lib.resolve_decoder(
+      cfg, target=_target(chip), length=1664, batch=128, beams=beams, cache_length=64, **kw)
+  plan = resolve(config)
+  assert plan.mlp == expected, plan.describe()
+  assert ('mlp' in plan.kernels()) == (expected == 'pallas') and 'mlp ' in plan.summary()
+  assert json.loads(json.dumps(plan.as_dict()))['mlp'] == expected
+  if chip not in KIND:
+    return
+  assert 'MiB' not in dict(plan.reasons)['decode_mlp']
+  if expected == 'xla':                                  # v6e's rows: up to 128 a step
+    assert 'no rule for v6e at 512 tokens a call' in dict(plan.reasons)['decode_mlp']
+    return
+  lora = resolve(config, coda=CodaConfig(adapter='lora'))
+  assert lora.mlp == 'xla' and 'LoRA' in dict(lora.reasons)['decode_mlp']
+  acm = resolve(config, acm=AcmConfig(num_learners=4))
+  assert acm.mlp == 'xla' and 'ACM MLP' in dict(acm.reasons)['decode_mlp']
+  split = resolve(config, sharded=frozenset({'mlp'}))
+  assert split.mlp == 'xla' and 'mlp split' in dict(split.reasons)['decode_mlp']
+  assert resolve(dataclasses.replace(config, mlp_kernel='xla')).mlp == 'xla'
 
 
 def test_the_factored_norm_goes_with_the_output_kernel_and_an_xla_mlp():
@@ -287,16 +349,28 @@ def _decoder_evidence_agrees(evidence):
   formulation with the lower roofline, or one within `DECODE_TIE` of it."""
   chip = evidence['chip']
   assert evidence['measure'] == 'traffic_roofline_seconds'
+  tool = _tool('decode_plan_evidence')
+  measured = evidence.get('choice', 'attention')
   for point in evidence['points']:
+    beams = tool.point_beams(evidence, point)
+    # The attention files measure the cross-attention (greedy) or beam
+    # search's self-attention, the mlp files the MLP.
+    choice, kernel = (('mlp', 'mlp') if measured == 'mlp' else
+                      ('beam_attention', 'beam_attention') if beams > 1 else
+                      ('cross_attention', 'decode_attention'))
     config = preset(point["model"], dtype=jnp.bfloat16)
     plan = plan_lib.resolve_decoder(config, target=_tpu(chip), length=point['length'],
-                                    batch=evidence['batch_size'])
+                                    batch=evidence['batch_size'], beams=beams,
+                                    cache_length=point['decode_steps'])
     seconds = {f: p['traffic_roofline_seconds'] for f, p in point['programs'].items()}
-    where = f'{chip} {point["model"]} n {point["length"]}'
-    assert seconds[plan.cross_attention] <= (1 + DECODE_TIE) * min(seconds.values()), (
+    where = f'{chip} {point["model"]} n {point["length"]} beams {beams}'
+    assert seconds[getattr(plan, choice)] <= (1 + DECODE_TIE) * min(seconds.values()), (
         where, seconds)
-    # The program measured as 'pallas' ran the kernel (its plan says so).
-    assert point['programs']['pallas']['plan']['kernels'] == ['decode_attention'], where
+    # The program measured as 'pallas' ran the kernel, the other not (their
+    # plans say so).
+    programs = point['programs']
+    assert kernel in programs['pallas']['plan']['kernels'], where
+    assert kernel not in programs['xla']['plan']['kernels'], where
   return len(evidence['points'])
 
 

@@ -214,9 +214,11 @@ def test_the_tool_prints_each_encoder_s_plan_and_keeps_it_in_the_json(tmp_path, 
   assert coda['plan']['kernels'] == ['attention', 'mlp', 'output']
   assert coda['plan']['k'] == math.ceil(128 / 5) and coda['plan']['target'] == 'tpu v5e'
   assert 'measured on v5e k_to_k' in coda['plan']['reasons']['output']
-  # The decoding step's own plan (v5e's decoder row: the cross-attention
-  # kernel); the prefill has none.
+  # The decoding step's own plan (v5e's decoder rows: the MLP and
+  # cross-attention kernels); the prefill has none.
   assert prefill['plan'] is None
   assert step['plan']['program'] == 'decoder' and step['plan']['cross_attention'] == 'pallas'
-  assert step['plan']['kernels'] == ['decode_attention'] and step['plan']['length'] == 128
+  assert step['plan']['mlp'] == 'pallas'
+  assert step['plan']['kernels'] == ['mlp', 'decode_attention']
+  assert step['plan']['length'] == 128
   assert step['floor_bytes']['total'] > 0 and prefill['floor_bytes'] is None

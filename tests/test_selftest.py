@@ -36,14 +36,15 @@ def test_every_kernel_matches_xla_at_the_run_shapes_and_the_edges(tmp_path, dtyp
   code = selftest.main(['--model', 'tiny', '--length', '64', '--reduction_factors', '3',
                         '--attentions', 'k_to_k', '--batch_size', '1', '--dtypes', dtype,
                         '--out', str(out)] + ([] if edges else ['--no_edges']) + (
-                            ['--kernels', 'attention,mlp,route,output,decode_attention']
+                            ['--kernels',
+                             'attention,mlp,route,output,decode_attention,beam_attention']
                             if edges else []))
   assert code == 0
   report = json.loads(out.read_text())
   assert report['off'] == [] and report['platform'] == 'cpu'
   results = report['results']
   assert {r['kernel'] for r in results} == {'attention', 'mlp', 'route', 'output',
-                                            'decode_attention'} | (
+                                            'decode_attention', 'beam_attention'} | (
       set() if edges else {'soft_topk'})
   labels = {(r['kernel'], r['case']) for r in results}
   assert ('attention', 'k_to_k k = 22 of 64') in labels and ('mlp', '22 rows') in labels
@@ -56,18 +57,24 @@ def test_every_kernel_matches_xla_at_the_run_shapes_and_the_edges(tmp_path, dtyp
             ('mlp', '77 rows, 3 sequences'),
             ('decode_attention', 'one step over n = 77, 3 sequences'),
             ('decode_attention', 'one step over n = 64, multi-query heads'),
-            ('decode_attention', 'one step over n = 300, key blocks')} <= labels
+            ('decode_attention', 'one step over n = 300, key blocks'),
+            ('beam_attention', '4 beams over 64 cached positions'),
+            ('beam_attention', '4 beams over 128 cached positions'),
+            ('beam_attention', '4 beams over 64 cached positions, a bias per row, '
+             '3 sequences')} <= labels
     assert all(r['shape']['batch'] == 3 for r in results if '3 sequences' in r['case'])
   skipped = {(r['kernel'], r['case']) for r in results if r['skipped'] is not None}
   # XLA on a CPU cannot differentiate the route kernel's bfloat16 reference
   # (a bfloat16 dot into float32); the tiny MLP has no non-resident split.
-  assert skipped <= {('mlp', '64 rows, non-resident weights')} | (
+  assert skipped <= {('mlp', '64 rows, non-resident weights'),
+                     ('mlp', "a decoding step's 64 rows in one block, x and y "
+                             'single-buffered')} | (
       {l for l in labels if l[0] == 'route'} if dtype == 'bfloat16' else set()), skipped
   for r in results:
     assert r['error'] is None, r
     if r['skipped'] is None:
       assert r['forward_error'] <= r['tolerance']['forward'], r
-      if r['kernel'] == 'decode_attention':                   # forward only
+      if r['kernel'] in ('decode_attention', 'beam_attention'):   # forward only
         assert r['gradient_error'] is None, r
       else:
         assert r['gradient_error'] <= r['tolerance']['gradient'], r
@@ -85,6 +92,22 @@ def test_the_mlp_kernel_with_its_weights_in_blocks_matches_xla():
   # On an accelerator the table has each kernel's time beside XLA's.
   assert result.kernel_ms > 0 and result.xla_ms > 0
   assert 'kernel ms' in selftest.table([result], timing=True)
+
+
+def test_the_mlp_kernel_on_a_decoding_steps_rows_in_one_block_matches_xla():
+  """A decoding step's rows as one block of tokens, x and y single-buffered
+  while the hidden units go in blocks (the weights read once: a §6 XL beam
+  search step on a v4), at a shape that has one."""
+  from coda_jax.kernels import mlp as mlp_kernel  # pylint: disable=g-import-not-at-top
+  config = T5Config(emb_dim=256, num_heads=2, head_dim=32, mlp_dim=2048, vocab_size=64)
+  [case] = [c for c in selftest.cases(['mlp'], config, CodaConfig(), 128, [128], ['float32'],
+                                      batch=2) if 'single-buffered' in c.label]
+  assert case.shape['batch'] == 1
+  result = selftest.run_case(case, interpret=True)
+  assert result.error is None and result.skipped is None and result.ok, result.as_dict()
+  # The plan of the §6 XL beam step's MLP on a v4 is this one.
+  plan = mlp_kernel.plan(1, 512, 2048, 8192, 2, 2, 16 * 2 ** 20, single_block=True)
+  assert plan.fits and plan.single_buffered and plan.hidden_block == 128
 
 
 def test_a_bucket_shift_at_a_boundary_is_caught(monkeypatch):

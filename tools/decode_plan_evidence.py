@@ -6,12 +6,19 @@ Adapter model's decoder, its cache donated as the loop carries it:
 in both formulations (`T5Config.decode_attention_kernel` 'xla' and 'pallas',
 `coda_jax.kernels.decode_attention`), and records each program's HBM
 traffic (`hlo_costs.hbm_bytes`), flops and the roofline at them, with what
-the rules plan there. `tests/test_plan.py` holds the rules to the committed
-files: at every point the plan runs the formulation with the lower
-roofline.
+the rules plan there. With `--num_beams` > 1, a step of beam search, its
+self-attention in both formulations instead (`T5Config.beam_attention_kernel`:
+XLA's by slot or reordered, `beam_attention.by_slot`; the kernel over the
+cache addressed by slot, `coda_jax.kernels.slot_attention`). With `--choice
+mlp`, the step's pre-MLP norm and MLP (`T5Config.mlp_kernel`: XLA's fusions,
+or `coda_jax.kernels.mlp` on the step's rows), greedy and beam search
+(`--num_beams 1,4`).
+`tests/test_plan.py` holds the rules to the committed files: at every point
+the plan runs the formulation with the lower roofline.
 
   python tools/decode_plan_evidence.py --chip v4 [--models base,text_base,text_xl]
-      [--points 384:8,512:32,1664:64] [--batch_size 128]
+      [--points 384:8,512:32,1664:64] [--batch_size 128] [--num_beams 4]
+      [--choice attention|mlp]
       [--out benchmarks/plan/decode/b128_v4.json]
   python tools/decode_plan_evidence.py --table benchmarks/plan/decode/*.json
 
@@ -37,6 +44,8 @@ from coda_jax.compile import chips, topology, variant_costs
 from coda_jax.config import CodaConfig
 
 FORMULATIONS = (plan_lib.XLA, plan_lib.PALLAS)
+# What a file's two formulations differ in (`--choice`).
+CHOICES = ('attention', 'mlp')
 # What the faster formulation has less of.
 MEASURE = 'traffic_roofline_seconds'
 
@@ -63,6 +72,12 @@ def parse_args(argv):
                  help='N:STEPS, comma-separated: encoder positions and decoding steps (the '
                       'self-attention cache\'s length) of BoolQ, SQuAD and XSum')
   p.add_argument('--batch_size', type=flags.at_least_one, default=128)
+  p.add_argument('--num_beams', type=lambda s: [flags.at_least_one(x) for x in s.split(',')],
+                 default=[1], help='comma-separated; > 1: a step of beam search (with '
+                 '--choice attention: its self-attention in both formulations)')
+  p.add_argument('--choice', choices=CHOICES, default='attention',
+                 help='what the two formulations differ in: the attention (greedy: the '
+                      'cross-attention; beam search: the self-attention) or the MLP')
   p.add_argument('--out', default=None, help='write the JSON here')
   p.add_argument('--table', nargs='+', metavar='EVIDENCE.json',
                  help='print the Markdown table of these files and exit')
@@ -74,32 +89,55 @@ def parse_args(argv):
   return args
 
 
-def measure_point(chip: str, model: str, batch: int, n: int, steps: int, log) -> Dict[str, Any]:
+def _choice(beams: int, choice: str = 'attention'):
+  """(the config field a point's formulations set, the plan's field of it)."""
+  if choice == 'mlp':
+    return 'mlp_kernel', 'mlp'
+  return (('beam_attention_kernel', 'beam_attention') if beams > 1
+          else ('decode_attention_kernel', 'cross_attention'))
+
+
+def planned(model: str, chip: str, batch: int, n: int, steps: int, beams: int,
+            choice: str = 'attention') -> str:
+  """What the rules plan today at a point."""
+  plan = plan_lib.resolve_decoder(
+      models.make_config(model, jnp.bfloat16),
+      target=target_lib.Target('tpu', chips.CHIPS[chip].device_kind), length=n, batch=batch,
+      beams=beams, cache_length=steps)
+  return getattr(plan, _choice(beams, choice)[1])
+
+
+def measure_point(chip: str, model: str, batch: int, n: int, steps: int, log,
+                  beams: int = 1, choice: str = 'attention') -> Dict[str, Any]:
   """Both formulations of `model`'s decoding step at (n, steps) on `chip`."""
   pod = chips.parse_pod(variant_costs.ONE_CHIP[chip])
   config = models.make_config(model, jnp.bfloat16)
-  planned = plan_lib.resolve_decoder(config, target=target_lib.Target('tpu', pod.chip.device_kind),
-                                     length=n, batch=batch)
-  out = {'model': model, 'length': n, 'decode_steps': steps,
-         'plan': planned.cross_attention, 'programs': {}}
+  field, chosen = _choice(beams, choice)
+  out = {'model': model, 'length': n, 'decode_steps': steps, 'num_beams': beams,
+         'plan': planned(model, chip, batch, n, steps, beams, choice), 'programs': {}}
   for setting in FORMULATIONS:
-    config = dataclasses.replace(config, decode_attention_kernel=setting)
+    config = dataclasses.replace(config, **{field: setting})
     [baseline] = [v for v in models.make_variants(config, CodaConfig(), [3.0], ['k_to_all'])
                   if v.attention is None]
     start = time.perf_counter()
-    row = variant_costs.decode_step_row(baseline, pod, batch, n, steps, jnp.bfloat16)
-    choice = row.plan['cross_attention']
+    row = variant_costs.decode_step_row(baseline, pod, batch, n, steps, jnp.bfloat16, beams)
+    formulation = row.plan[chosen]
     floor = row.floor_bytes['total']
-    out['programs'][choice] = {
+    out['programs'][formulation] = {
         'hbm_traffic': row.hbm_traffic, 'bytes_accessed': row.bytes_accessed,
         'flops': row.flops, 'model_flops': row.model_flops, 'floor_bytes': floor,
         'traffic_over_floor': row.hbm_traffic / floor,
         'flops_over_analytic': row.flops / row.model_flops,
         MEASURE: row.traffic_roofline_seconds, 'plan': row.plan}
-    log(f'{chip} {model} n {n} T {steps} {choice}: traffic {row.hbm_traffic / 1e9:.3f} GB '
+    log(f'{chip} {model} n {n} T {steps} beams {beams} {formulation}: traffic {row.hbm_traffic / 1e9:.3f} GB '
         f'({row.hbm_traffic / floor:.3f}x floor), flops {row.flops / row.model_flops:.3f}x, '
         f'{row.traffic_roofline_seconds * 1e3:.3f} ms ({time.perf_counter() - start:.0f} s)')
   return out
+
+
+def point_beams(evidence: Dict[str, Any], point: Dict[str, Any]) -> int:
+  """A point's beams (files from before `--num_beams` took a list: the file's)."""
+  return int(point.get('num_beams', evidence.get('num_beams', 1)))
 
 
 def faster(point: Dict[str, Any]) -> str:
@@ -109,23 +147,23 @@ def faster(point: Dict[str, Any]) -> str:
 
 def table(paths: Iterable[str]) -> str:
   """The files' points, with what the rules plan there today."""
-  header = ['chip', 'model', 'n', 'steps', 'plan', 'xla ms', 'pallas ms',
+  header = ['chip', 'choice', 'model', 'n', 'steps', 'beams', 'plan', 'xla ms', 'pallas ms',
             'xla traffic / floor', 'pallas traffic / floor', 'xla flops / analytic',
             'pallas flops / analytic']
   lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
   for path in paths:
     with open(path) as f:
       evidence = json.load(f)
-    chip = chips.CHIPS[evidence['chip']]
+    choice = evidence.get('choice', 'attention')
     for point in evidence['points']:
       x, p = point['programs'][plan_lib.XLA], point['programs'][plan_lib.PALLAS]
-      planned = plan_lib.resolve_decoder(
-          models.make_config(point['model'], jnp.bfloat16),
-          target=target_lib.Target('tpu', chip.device_kind), length=point['length'],
-          batch=evidence['batch_size'])
+      beams = point_beams(evidence, point)
+      plan = planned(point['model'], evidence['chip'], evidence['batch_size'], point['length'],
+                     point['decode_steps'], beams, choice)
       lines.append('| ' + ' | '.join([
-          evidence['chip'], point['model'], str(point['length']), str(point['decode_steps']),
-          planned.cross_attention, f'{x[MEASURE] * 1e3:.3f}', f'{p[MEASURE] * 1e3:.3f}',
+          evidence['chip'], choice, point['model'], str(point['length']),
+          str(point['decode_steps']), str(beams), plan, f'{x[MEASURE] * 1e3:.3f}',
+          f'{p[MEASURE] * 1e3:.3f}',
           f'{x["traffic_over_floor"]:.3f}', f'{p["traffic_over_floor"]:.3f}',
           f'{x["flops_over_analytic"]:.3f}', f'{p["flops_over_analytic"]:.3f}']) + ' |')
   return '\n'.join(lines)
@@ -144,13 +182,17 @@ def main(argv=None) -> int:
     return 2
   log = lambda line: print(line, file=sys.stderr, flush=True)
   points: List[Dict[str, Any]] = []
-  for model in args.models:
-    for n, steps in args.points:
-      points.append(measure_point(args.chip, model, args.batch_size, n, steps, log))
+  for beams in args.num_beams:
+    for model in args.models:
+      for n, steps in args.points:
+        points.append(measure_point(args.chip, model, args.batch_size, n, steps, log, beams,
+                                    args.choice))
   out = {'command': 'python tools/decode_plan_evidence.py ' + ' '.join(argv),
          'device': 'the TPU compiler\'s cost model (compile only, no TPU)',
          'versions': topology.versions(), 'program': 'decode_step', 'chip': args.chip,
-         'batch_size': args.batch_size, 'dtype': 'bfloat16', 'measure': MEASURE,
+         'batch_size': args.batch_size, 'num_beams': args.num_beams, 'choice': args.choice,
+         'dtype': 'bfloat16',
+         'measure': MEASURE,
          'points': points}
   text = report.write_json(out, args.out)
   if args.out:

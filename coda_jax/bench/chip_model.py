@@ -198,7 +198,9 @@ def format_table(result: Dict[str, Any]) -> str:
     lines += report.paper_note(task)
     floor = task['step_floor']
     plan = task.get('step_plan') or {}
-    cross = f' (cross-attention {plan["cross_attention"]})' if plan else ''
+    cross = (f' (cross-attention {plan["cross_attention"]}' + (
+        f', beam attention {plan["beam_attention"]}' if plan.get('beam_attention') else '')
+             + ')') if plan else ''
     lines.append(f'decoding step{cross}: HBM traffic {task["step_over_floor"]:.2f}x its byte floor '
                  f'(the compiler\'s bytes accessed {task["step_compiler_bytes_over_floor"]:.2f}x) '
                  f'({floor["total"] / 1e9:.3f} GB: weights {floor["weights"] / 1e9:.3f}, '

@@ -264,16 +264,20 @@ def resolved_plan(model, mesh, rules, length: int, training: bool,
       length=length, training=training, packed=packed, sharded=sharded)
 
 
-def resolved_decoder_plan(model, mesh, length: int, batch: int, beams: int = 1
-                          ) -> plan_lib.DecoderPlan:
+def resolved_decoder_plan(model, mesh, rules, length: int, batch: int, beams: int = 1,
+                          cache_length: Optional[int] = None) -> plan_lib.DecoderPlan:
   """The plan `network.Decoder` resolves for `model`'s decoding step over
-  `length` encoder positions, `batch` examples and `beams` decoder rows each
-  in a program on `mesh`, without tracing anything."""
+  `length` encoder positions, `batch` examples and `beams` decoder rows each,
+  with a cache of `cache_length` positions, in a program on `mesh` under the
+  logical axis `rules`, without tracing anything."""
   devices = list(mesh.devices.flat)
+  with jax.set_mesh(mesh), partitioning.axis_rules(rules):
+    sharded = tpu_blocks.split_axes('mlp', 'embed')
   return plan_lib.resolve_decoder(
       model.config, getattr(model, 'acm', None),
       target=target_lib.Target(target_lib.platform_of(devices), target_lib.kind_of(devices)),
-      length=length, batch=batch, beams=beams)
+      length=length, batch=batch, beams=beams, cache_length=cache_length,
+      coda=model.coda, sharded=sharded)
 
 
 def check_mesh(name: str, mesh_shape: Sequence[int], pod: Pod) -> tuple:
@@ -404,7 +408,8 @@ def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Prog
                     predictor._rows(inputs.shape, inputs.dtype))  # pylint: disable=protected-access
   encoder = lambda: resolved_plan(predictor.model, mesh, predictor.trainer.rules, n,
                                   training=False, packed=False)
-  decoder = lambda: resolved_decoder_plan(predictor.model, mesh, n, batch, beams)
+  decoder = lambda: resolved_decoder_plan(predictor.model, mesh, predictor.trainer.rules, n,
+                                          batch, beams, predictor.max_decode_length)
   return [
       Program('infer', INFER, lambda: predictor.lower(batch, n), mesh,
               None if costs is None else (per_chip('encoder') + per_chip('prefill')

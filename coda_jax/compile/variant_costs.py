@@ -171,8 +171,10 @@ def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, le
   with plan_lib.recording() as plans:
     lowered = p.lower_decode_step(batch_size, length, param_dtype=dtype)
   step = programs.decode_step_flops(variant.model, rows, length, decode_steps)
-  [plan] = [q for q in plans if isinstance(q, plan_lib.DecoderPlan)
-            and q.target.platform == 'tpu']                    # the step's, on the chip
+  # The step's, on the chip, on its rows (its cache's prefill, traced for
+  # the cache's shapes, plans one row per example).
+  [plan] = {q for q in plans if isinstance(q, plan_lib.DecoderPlan)
+            and q.target.platform == 'tpu' and q.batch == rows}
   row = _compiled_row(DECODE_STEP, lowered, p.mesh, pod, variant, length, step, plan=plan)
   row.floor_bytes = programs.decode_step_floor(variant.model, rows, length, decode_steps,
                                                param_dtype=dtype,

@@ -18,6 +18,9 @@ tested against that reference in Pallas interpret mode on CPU:
 * `coda_jax.kernels.decode_attention` -- a decoding step's cross-attention
   over the cached encoder keys/values on TPU, its logits kept in VMEM
   (`T5Config.decode_attention_kernel`).
+* `coda_jax.kernels.slot_attention` -- beam search's self-attention over a
+  cache addressed by slot on TPU, each beam's ancestors' keys/values gathered
+  in VMEM, the cache never reordered (`T5Config.beam_attention_kernel`).
 
 `coda_jax.kernels.tpu_blocks` holds what the TPU kernels share: their VMEM
 budget, each chip's VMEM, row blocks and mesh axes.

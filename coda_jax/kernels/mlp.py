@@ -22,8 +22,11 @@ y written once. When the weights fit the chip's VMEM beside the blocks
 (`plan`, the chip's `vmem_bytes`) they stay there for the whole call and
 are read once; otherwise a second grid axis walks blocks of hidden units,
 adding each one's share of y to a float32 accumulator, and the weights are
-read once per block of rows. Where even that does not fit (one row's blocks
-too large, as xl's on a v4), the plan keeps XLA (`fits`). `cost_estimate`
+read once per block of rows, or, where every row fits one block with x and
+y in one buffer each (a decoding step's rows, `[1, rows, emb]`: xl's 512
+rows of beam search on a v4 in blocks of 128 hidden units), once. Where
+even that does not fit (one row's blocks too large, as xl's encoder on a
+v4), the plan keeps XLA (`fits`). `cost_estimate`
 declares those bytes, at the arrays' tiled sizes in HBM, and the
 arithmetic, which is what the TPU compiler's `cost_analysis()` reports.
 
@@ -74,17 +77,20 @@ class Plan:
   """How a call is split: `batch_block` rows per program, `hidden_block`
   units per step of the hidden axis (all of them when `resident`), `chunk`
   tokens of a row at a time, and the VMEM it needs (`vmem_limit`, within
-  the core's when `fits`)."""
+  the core's when `fits`). `single_buffered`: every row in one block
+  whose x and y stay put while the hidden axis walks its blocks, so they
+  take one buffer each (a decoding step's rows, as `[1, rows, emb]`)."""
   batch_block: int
   hidden_block: int
   chunk: int
   resident: bool
   vmem_limit: int
   fits: bool
+  single_buffered: bool = False
 
 
 def plan(batch: int, length: int, emb: int, hidden: int, projections: int,
-         itemsize: int, vmem: int) -> Plan:
+         itemsize: int, vmem: int, single_block: bool = False) -> Plan:
   """The blocks of a call on a core with `vmem` bytes of VMEM.
 
   The weights stay resident (single-buffered) when they fit beside one row's
@@ -116,18 +122,31 @@ def plan(batch: int, length: int, emb: int, hidden: int, projections: int,
   batch_block = max(b for b in range(1, batch + 1) if batch % b == 0 and b * row <= max(
       room, row))
   need = fixed + batch_block * row + _HEADROOM
-  return Plan(batch_block, hidden_block, chunk, resident, min(vmem, need), need <= vmem)
+  out = Plan(batch_block, hidden_block, chunk, resident, min(vmem, need), need <= vmem)
+  if not single_block or resident or (out.fits and batch_block == batch):
+    return out
+  # (`single_block`: the caller's rows are one block, a decoding step's.)
+  # Weights read more than once, or no fit: every row in one block, x and y
+  # in one buffer each, with the largest block of hidden units that fits.
+  for block in (512, 256, 128):
+    if hidden % block:
+      continue
+    need = (2 * (projections + 1) * emb * block * itemsize + temporaries(chunk, block)
+            + batch * length * emb * (2 * itemsize + 4) + _HEADROOM)
+    if need <= vmem:
+      return Plan(batch, block, chunk, False, need, True, single_buffered=True)
+  return out
 
 
 def fits(shape: Sequence[int], hidden: int, projections: int, dtype,
-         vmem_bytes: int = tpu_blocks.SMALLEST_VMEM) -> bool:
+         vmem_bytes: int = tpu_blocks.SMALLEST_VMEM, single_block: bool = False) -> bool:
   """Whether a call on x of `shape` `[batch, length, emb]` fits a core with
   `vmem_bytes` of VMEM (`compile.chips.Chip.vmem_bytes` of the chip the
   program is for); the plan (`coda_jax.plan`) keeps XLA where it does not
   (e.g. xl's 2048 x 5120 weights on v4)."""
   batch, length, emb = shape
   return plan(batch, length, emb, hidden, projections, jnp.dtype(dtype).itemsize,
-              vmem_bytes).fits
+              vmem_bytes, single_block).fits
 
 
 def _subjaxprs(params):
@@ -216,7 +235,8 @@ def _kernel(*refs, projections: int, activations, epsilon: float, plan_: Plan):
 
 
 def cost_estimate(batch: int, length: int, emb: int, hidden: int,
-                  activations: Sequence[Callable], dtype, vmem: int):
+                  activations: Sequence[Callable], dtype, vmem: int,
+                  single_block: bool = False):
   """What one call moves in HBM and computes (a `pl.CostEstimate`), with one
   input projection per activation of `activations`.
 
@@ -231,7 +251,7 @@ def cost_estimate(batch: int, length: int, emb: int, hidden: int,
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   projections = len(activations)
   itemsize = jnp.dtype(dtype).itemsize
-  p = plan(batch, length, emb, hidden, projections, itemsize, vmem)
+  p = plan(batch, length, emb, hidden, projections, itemsize, vmem, single_block)
   tokens = batch * length
   weight_reads = 1 if p.resident else batch // p.batch_block
   flops = (2 * tokens * emb * hidden * (projections + 1) + 4 * tokens * emb
@@ -246,14 +266,16 @@ def cost_estimate(batch: int, length: int, emb: int, hidden: int,
                          bytes_accessed=int(bytes_accessed))
 
 
-def _kernel_call(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem):
+def _kernel_call(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem,
+                 single_block=False):
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
   batch, length, emb = x.shape
   hidden, projections = wo.shape[0], len(wi)
   itemsize = jnp.dtype(x.dtype).itemsize
-  p = plan(batch, length, emb, hidden, projections, itemsize, vmem)
-  rows = pl.BlockSpec((p.batch_block, length, emb), lambda i, j: (i, 0, 0))
+  p = plan(batch, length, emb, hidden, projections, itemsize, vmem, single_block)
+  rows = pl.BlockSpec((p.batch_block, length, emb), lambda i, j: (i, 0, 0),
+                      **({'pipeline_mode': pl.Buffered(1)} if p.single_buffered else {}))
   if p.resident:
     # Whole arrays in VMEM, copied in once before the grid runs (one buffer).
     whole = pl.BlockSpec(memory_space=pltpu.VMEM)
@@ -271,7 +293,8 @@ def _kernel_call(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem):
       out_specs=rows,
       out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       scratch_shapes=scratch,
-      cost_estimate=cost_estimate(batch, length, emb, hidden, activations, x.dtype, vmem),
+      cost_estimate=cost_estimate(batch, length, emb, hidden, activations, x.dtype, vmem,
+                                  single_block),
       compiler_params=None if interpret else pltpu.CompilerParams(
           dimension_semantics=('parallel', 'arbitrary'),
           vmem_limit_bytes=p.vmem_limit),
@@ -279,18 +302,19 @@ def _kernel_call(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem):
   )(x, norm_scale.reshape(1, emb), *wi, wo)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _mlp(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem):
-  return _kernel_call(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _mlp(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem, single_block):
+  return _kernel_call(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem,
+                      single_block)
 
 
-def _mlp_fwd(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem):
-  return (_mlp(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem),
+def _mlp_fwd(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem, single_block):
+  return (_mlp(x, norm_scale, wi, wo, activations, epsilon, interpret, vmem, single_block),
           (x, norm_scale, wi, wo))
 
 
-def _mlp_bwd(activations, epsilon, interpret, vmem, saved, cotangent):
-  del interpret, vmem
+def _mlp_bwd(activations, epsilon, interpret, vmem, single_block, saved, cotangent):
+  del interpret, vmem, single_block
   _, vjp = jax.vjp(lambda *a: reference(*a, activations, epsilon), *saved)
   return vjp(cotangent)
 
@@ -300,7 +324,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 def mlp(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
         activations: Sequence[Callable], *, epsilon: float = 1e-6,
-        vmem_bytes: int = tpu_blocks.SMALLEST_VMEM,
+        vmem_bytes: int = tpu_blocks.SMALLEST_VMEM, single_block: bool = False,
         interpret: Optional[bool] = None) -> Array:
   """`(Π_a act_a(LN(x) @ wi_a)) @ wo`, `[batch, length, emb]` in x's dtype.
 
@@ -312,6 +336,9 @@ def mlp(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
     activations: jnp functions, one per kernel of `wi`.
     vmem_bytes: VMEM of a core of the chip the program is for
       (`compile.chips.Chip.vmem_bytes`): whether the weights stay resident.
+    single_block: x's rows are one block (a decoding step's rows, `[1, rows,
+      emb]`): where the weights neither stay resident nor are read once in
+      double-buffered blocks, x and y take one buffer each (`plan`).
     interpret: Pallas interpret mode (default: when not on a TPU).
   """
   if x.ndim != 3:
@@ -334,7 +361,7 @@ def mlp(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
               jnp.asarray(wo, dtype))
 
   def call(*args):
-    return _mlp(*args, tuple(activations), epsilon, interpret, vmem)
+    return _mlp(*args, tuple(activations), epsilon, interpret, vmem, bool(single_block))
 
   axis = tpu_blocks.mesh_axis('batch', x.shape[0])
   if axis is not None:

@@ -103,6 +103,16 @@ def mesh_axis(logical: str, *dims: int) -> Optional[str]:
   return axis if all(d % mesh.shape[axis] == 0 for d in dims) else None
 
 
+def shard_count(logical: str) -> int:
+  """Devices the current mesh splits the logical axis `logical` over (1
+  without a mesh of several devices)."""
+  found = _mesh_and_axes(logical)
+  if found is None:
+    return 1
+  mesh, axes = found
+  return math.prod(mesh.shape[a] for a in axes)
+
+
 def mesh_shards(logical: str) -> bool:
   """Whether the current mesh splits the logical axis `logical` over more
   than one device (its rules map it to a mesh axis of size > 1)."""
