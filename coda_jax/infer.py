@@ -421,7 +421,6 @@ def infer_calls() -> int:
   return _INFER_CALLS
 
 
-@gin.configurable(module='coda_jax.infer')
 def _checked_model(model, lengths: Mapping[str, int], selftest: str, beams: int):
   """`model` after `selftest.check_run` at the run's shapes (each kernel that
   is off switched to XLA)."""
@@ -434,6 +433,7 @@ def _checked_model(model, lengths: Mapping[str, int], selftest: str, beams: int)
       beams=beams, cache_length=lengths['targets'])
 
 
+@gin.configurable(module='coda_jax.infer')
 def infer(*,
           mode: str = 'infer',
           checkpoint_path: Optional[str] = None,
