@@ -135,17 +135,6 @@ class Plan:
     return min(tpu_blocks.SMALLEST_VMEM, self.vmem_bytes + _HEADROOM)
 
 
-def _vmem_bytes(shape, dtype) -> int:
-  """Bytes a block of `shape` takes in VMEM: the last dimension to 128
-  lanes, the second-to-last to a whole tile of rows (8, times the rows a
-  32-bit word packs)."""
-  *outer, rows, lanes = shape
-  itemsize = np.dtype(dtype).itemsize
-  tile = _SUBLANES * max(1, _WORD_BYTES // itemsize)
-  return (int(np.prod(outer, dtype=np.int64)) * -(-rows // tile) * tile
-          * -(-lanes // _LANES) * _LANES * itemsize)
-
-
 def _staged(heads: int, kv_heads: int, dtype) -> bool:
   """Whether a kv head's query rows start at an offset Mosaic cannot load
   from (or store to) a 16-bit block: one it cannot prove a multiple of 8
@@ -184,15 +173,16 @@ def plan(batch: int, heads: int, kv_heads: int, head_dim: int, kv_length: int, d
   f32 = jnp.float32
 
   def need(rows: int, block: int) -> int:
+    vmem = tpu_blocks.vmem_bytes
     value_block = (head_dim, block) if _values_transposed(head_dim) else (block, head_dim)
-    blocks = rows * (_vmem_bytes((head_dim, block), dtype) + _vmem_bytes(value_block, dtype)
-                     + _vmem_bytes((1, block), jnp.int32))
-    blocks += 2 * rows * _vmem_bytes((heads, head_dim), dtype)        # queries, output
-    scratch = 2 * rows * _vmem_bytes((heads, head_dim), f32) if staged else 0
-    temporaries = _TEMPORARIES * _vmem_bytes((groups, block), f32)
+    blocks = rows * (vmem((head_dim, block), dtype) + vmem(value_block, dtype)
+                     + vmem((1, block), jnp.int32))
+    blocks += 2 * rows * vmem((heads, head_dim), dtype)        # queries, output
+    scratch = 2 * rows * vmem((heads, head_dim), f32) if staged else 0
+    temporaries = _TEMPORARIES * vmem((groups, block), f32)
     if block < kv_length:
-      scratch += rows * (2 * _vmem_bytes((groups, 1), f32) + _vmem_bytes((groups, head_dim), f32))
-      temporaries += _vmem_bytes(value_block, dtype)                  # zeroed values
+      scratch += rows * (2 * vmem((groups, 1), f32) + vmem((groups, head_dim), f32))
+      temporaries += vmem(value_block, dtype)                  # zeroed values
     return 2 * blocks + scratch + temporaries
 
   if key_block is not None:

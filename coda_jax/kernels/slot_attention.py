@@ -68,15 +68,12 @@ from typing import Optional
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 
 from coda_jax.kernels import tpu_blocks
 
 Array = jax.Array
 
 _LANES = tpu_blocks.LANES
-_SUBLANES = tpu_blocks.SUBLANES
-_WORD_BYTES = 4
 # Float32 [groups, length] temporaries of a beam alive at once: the scores,
 # their rounding, the bias, the exponentials, the weights and their rounding.
 _TEMPORARIES = 6
@@ -104,17 +101,6 @@ class Plan:
     return min(tpu_blocks.SMALLEST_VMEM, self.vmem_bytes + _HEADROOM)
 
 
-def _vmem_bytes(shape, dtype) -> int:
-  """Bytes a block of `shape` takes in VMEM: the last dimension to 128 lanes,
-  the second-to-last to a whole tile of rows (8, times the rows a 32-bit word
-  packs)."""
-  *outer, rows, lanes = shape
-  itemsize = np.dtype(dtype).itemsize
-  tile = _SUBLANES * max(1, _WORD_BYTES // itemsize)
-  return (int(np.prod(outer, dtype=np.int64)) * -(-rows // tile) * tile
-          * -(-lanes // _LANES) * _LANES * itemsize)
-
-
 def _positions_on_lanes(head_dim: int, length: int) -> bool:
   """Whether the TPU compiler lays a `[.., head_dim, length]` cache out as it
   is, positions on the lanes: for a head_dim that fills whole 128-lane rows,
@@ -133,19 +119,20 @@ def plan(batch: int, beams: int, heads: int, kv_heads: int, head_dim: int, lengt
           else (length, head_dim))
 
   def need(examples: int) -> int:
-    per_example = (2 * beams * _vmem_bytes((groups, head_dim), dtype)       # q, out
-                   + 2 * beams * _vmem_bytes(slot, dtype)                   # keys, values
-                   + _vmem_bytes((beams, length), jnp.int32))               # slots
+    vmem = tpu_blocks.vmem_bytes
+    per_example = (2 * beams * vmem((groups, head_dim), dtype)      # q, out
+                   + 2 * beams * vmem(slot, dtype)                  # keys, values
+                   + vmem((beams, length), jnp.int32))              # slots
     if not shared_bias:
-      per_example += beams * _vmem_bytes((groups, length), dtype)
-    bias = 2 * _vmem_bytes((groups, length), dtype) if shared_bias else 0
+      per_example += beams * vmem((groups, length), dtype)
+    bias = 2 * vmem((groups, length), dtype) if shared_bias else 0
     # A beam's gathered keys and values, its float32 [groups, length]
     # temporaries and output, and the slots down the sublanes (and the
     # identity that puts them there).
-    temporaries = (2 * _vmem_bytes(slot, f32) + _TEMPORARIES * _vmem_bytes((groups, length), f32)
-                   + _vmem_bytes((groups, head_dim), f32))
+    temporaries = (2 * vmem(slot, f32) + _TEMPORARIES * vmem((groups, length), f32)
+                   + vmem((groups, head_dim), f32))
     if not _positions_on_lanes(head_dim, length):
-      temporaries += _vmem_bytes((length, length), f32) + _vmem_bytes((length, beams), f32)
+      temporaries += vmem((length, length), f32) + vmem((length, beams), f32)
     return 2 * examples * per_example + bias + temporaries
 
   most = max(1, batch // _MIN_PARALLEL_BLOCKS)

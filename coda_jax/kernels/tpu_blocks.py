@@ -80,6 +80,16 @@ def tiled_bytes(shape: Sequence[int], dtype) -> int:
   return math.prod(tiled_shape(shape, dtype)) * np.dtype(dtype).itemsize
 
 
+def vmem_bytes(shape: Sequence[int], dtype) -> int:
+  """Bytes a block of `shape` takes in VMEM: the last dimension to 128 lanes,
+  the second-to-last to a whole tile of rows (8, times the rows a 32-bit word
+  packs)."""
+  *outer, rows, lanes = (int(d) for d in shape)
+  itemsize = np.dtype(dtype).itemsize
+  tile = SUBLANES * max(1, _WORD_BYTES // itemsize)
+  return math.prod(outer) * -(-rows // tile) * tile * -(-lanes // LANES) * LANES * itemsize
+
+
 def _mesh_and_axes(logical: str):
   """The current mesh (`jax.set_mesh`) and the mesh axes flax's logical axis
   rules give `logical` (a tuple); None without a mesh of several devices."""
