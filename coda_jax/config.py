@@ -54,6 +54,13 @@ DECODE_ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
 # whole 128-lane rows without float32 logits or an ACM attention.
 BEAM_ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
 
+# Beam search's LM head: 'pallas' (a TPU kernel that keeps each row's top
+# logits and its log-softmax normaliser, never writing the logits:
+# `kernels.top_logits`), 'xla' (the float32 logits, then `lax.top_k` and the
+# normaliser), or 'auto' (as `coda_jax.plan`'s rules say for the chip). The
+# kernel serves an untied LM head whose vocabulary is not split over devices.
+LM_HEAD_KERNELS = ('auto', 'xla', 'pallas')
+
 # What the encoder reads: 'tokens' (T5: `[batch, length]` ids, 0 padding) or
 # 'patches' (Pix2Struct: `[batch, max_patches, 2 + patch_dim]` rows of
 # `image_patches.extract_patches`, row id 0 padding), embedded by a linear
@@ -97,6 +104,8 @@ class T5Config:
   decode_attention_kernel: str = 'auto'
   # 'auto' | 'xla' | 'pallas' (see BEAM_ATTENTION_KERNELS).
   beam_attention_kernel: str = 'auto'
+  # 'auto' | 'xla' | 'pallas' (see LM_HEAD_KERNELS).
+  lm_head_kernel: str = 'auto'
   # 'tokens' | 'patches' (see ENCODER_INPUTS); with patches, the values per
   # patch (16 x 16 x 3) and the rows (and columns) the position tables hold.
   encoder_input: str = 'tokens'
@@ -123,21 +132,16 @@ class T5Config:
           f'T5Config.relative_attention_max_distance ({self.relative_attention_max_distance}) '
           f'must exceed relative_attention_num_buckets // 2 '
           f'({self.relative_attention_num_buckets // 2})')
-    if self.attention_kernel not in ATTENTION_KERNELS:
-      raise ValueError(f'T5Config.attention_kernel must be one of {ATTENTION_KERNELS}, '
-                       f'got {self.attention_kernel!r}')
-    if self.mlp_kernel not in MLP_KERNELS:
-      raise ValueError(f'T5Config.mlp_kernel must be one of {MLP_KERNELS}, '
-                       f'got {self.mlp_kernel!r}')
+    for name, allowed in (('attention_kernel', ATTENTION_KERNELS), ('mlp_kernel', MLP_KERNELS),
+                          ('decode_attention_kernel', DECODE_ATTENTION_KERNELS),
+                          ('beam_attention_kernel', BEAM_ATTENTION_KERNELS),
+                          ('lm_head_kernel', LM_HEAD_KERNELS)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f'T5Config.{name} must be one of {allowed}, '
+                         f'got {getattr(self, name)!r}')
     if self.encoder_input not in ENCODER_INPUTS:
       raise ValueError(f'T5Config.encoder_input must be one of {ENCODER_INPUTS}, '
                        f'got {self.encoder_input!r}')
-    if self.decode_attention_kernel not in DECODE_ATTENTION_KERNELS:
-      raise ValueError(f'T5Config.decode_attention_kernel must be one of '
-                       f'{DECODE_ATTENTION_KERNELS}, got {self.decode_attention_kernel!r}')
-    if self.beam_attention_kernel not in BEAM_ATTENTION_KERNELS:
-      raise ValueError(f'T5Config.beam_attention_kernel must be one of '
-                       f'{BEAM_ATTENTION_KERNELS}, got {self.beam_attention_kernel!r}')
     kv = self.kv_heads
     if kv < 1 or self.num_heads % kv:
       raise ValueError(

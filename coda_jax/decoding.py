@@ -20,11 +20,14 @@ from coda_jax import beam_attention
 from coda_jax import plan as plan_lib
 from coda_jax import target as target_lib
 from coda_jax.config import PATCHES
+from coda_jax.kernels import top_logits as top_logits_lib
 from coda_jax.validation import positive_int
 
 Array = jax.Array
 Cache = Any
 TokensToLogits = Callable[[Array, Cache], Tuple[Array, Cache]]
+# A step's rows' top logits and normalisers (`make_tokens_to_logits(top_logits=...)`).
+Top = top_logits_lib.Top
 
 NEG_INF = -1.0e7
 DECODER_START_ID = 0
@@ -208,17 +211,21 @@ def beam_step(beams: Beams, tokens_to_logits: TokensToLogits, alpha: float,
   b, k, _ = beams.live_seqs.shape
   i = beams.i
   tokens = lax.dynamic_slice_in_dim(beams.live_seqs, i, 1, axis=2).reshape(b * k, 1)
-  logits, cache = tokens_to_logits(tokens, beams.cache)
+  out, cache = tokens_to_logits(tokens, beams.cache)
   # The 2k best extensions of all beams are among each beam's own 2k best:
   # a top-k per row of the logits (log-softmax keeps a row's order), then
   # over the k x 2k candidates, instead of a top-k over k x vocab log-probs
   # written out in float32. Their log-probabilities as log_softmax computes
-  # them: (logit - max) - log(sum(exp(logits - max))).
-  logits = logits.astype(jnp.float32)
-  peak = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  normalizer = jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))
-  row_top, row_token = lax.top_k(logits, 2 * k)                        # [b k, 2k]
-  candidates = beams.live_logprobs.reshape(b * k, 1) + ((row_top - peak) - normalizer)
+  # them: (logit - max) - log(sum(exp(logits - max))). A step that gives its
+  # rows' top logits (`make_tokens_to_logits(top_logits=2k)`) has done the
+  # first top-k itself.
+  top = out if isinstance(out, Top) else top_logits_lib.of_logits(out, 2 * k)
+  if top.values.shape[-1] < 2 * k:
+    raise ValueError(f'beam_step: the step gave {top.values.shape[-1]} top logits a row; '
+                     f'{k} beams need {2 * k}')
+  row_top, row_token = top.values[:, :2 * k], top.tokens[:, :2 * k]      # [b k, 2k]
+  candidates = beams.live_logprobs.reshape(b * k, 1) + (
+      (row_top - top.peak[:, None]) - top.log_sum[:, None])
   top_logprobs, top_idx = lax.top_k(candidates.reshape(b, k * 2 * k), 2 * k)
   top_beam = top_idx // (2 * k)
   top_token = jnp.take_along_axis(row_token.reshape(b, k * 2 * k), top_idx,
@@ -352,14 +359,17 @@ def init_decode_cache(model, params, encoded: Array, encoder_input_tokens: Array
 
 
 def make_tokens_to_logits(model, params, encoded: Array, encoder_input_tokens: Array,
-                          max_decode_length: int) -> TokensToLogits:
-  """One cached decoder step of `model` conditioned on `encoded`."""
+                          max_decode_length: int, top_logits: int = 0) -> TokensToLogits:
+  """One cached decoder step of `model` conditioned on `encoded`: its logits
+  `[batch, vocab]`, or with `top_logits` each row's best `top_logits` and
+  normaliser (a `Top`, which `beam_step` takes in place of the logits)."""
   def tokens_to_logits(tokens: Array, cache: Cache) -> Tuple[Array, Cache]:
-    logits, variables = model.apply(
+    out, variables = model.apply(
         {'params': params, 'cache': cache}, encoded, encoder_input_tokens, tokens,
         tokens, enable_dropout=False, decode=True, max_decode_length=max_decode_length,
-        mutable=['cache'], method=model.decode)
-    return logits[:, -1, :], variables['cache']
+        mutable=['cache'], method=model.decode, top_logits=top_logits)
+    last = jax.tree.map(lambda a: a[:, -1], out)
+    return (Top(*last) if top_logits else last), variables['cache']
   return tokens_to_logits
 
 
@@ -405,7 +415,8 @@ def predict_batch(model, params, encoder_input_tokens: Array, *,
     # keys/values, read once per step for all of them (`layers.
     # MultiHeadDotProductAttention`: the beams attend as one example's queries).
     cache = init_decode_cache(model, params, encoded, tokens, max_decode_length, num_beams)
-    step = make_tokens_to_logits(model, params, encoded, tokens, max_decode_length)
+    step = make_tokens_to_logits(model, params, encoded, tokens, max_decode_length,
+                                 top_logits=2 * num_beams)
     return beam_search(cache, step, batch_size=batch, max_decode_len=max_decode_length,
                        num_beams=num_beams, alpha=alpha, eos_id=eos_id)
   raise ValueError(f'unknown decoding method {method!r}; expected "greedy", "sample" '

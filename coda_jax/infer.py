@@ -330,7 +330,8 @@ class Predictor:
   def _beam_step_fn(self, params, encoded, tokens, beams):
     with partitioning.axis_rules(self.trainer.rules):
       step = decoding_lib.make_tokens_to_logits(self.model, params, encoded, tokens,
-                                                self.max_decode_length)
+                                                self.max_decode_length,
+                                                top_logits=2 * self.num_beams)
       return decoding_lib.beam_step(beams, step, self.alpha, decoding_lib.EOS_ID)
 
   @property

@@ -24,7 +24,7 @@ from coda_jax.config import PATCHES
 
 
 # Kernels compared forward only: they have no gradient (a decoding step's).
-FORWARD_ONLY = ('decode_attention', 'beam_attention')
+FORWARD_ONLY = ('decode_attention', 'beam_attention', 'lm_head')
 # Largest error relative to the largest XLA value, per dtype: float32
 # reorders sums (~1e-6); bfloat16 rounds each product's inputs and the
 # kernels keep float32 accumulators where XLA's fusions may round between
@@ -51,6 +51,10 @@ BEAM_CACHE_LENGTHS = (64, 128)
 # A decoding step's rows (batch x beams) for the MLP kernel's single-buffered
 # block.
 DECODE_ROWS = 64
+# Beam search's LM head: a vocabulary in 128-token blocks, the last partial
+# (and, in two splits, the second split's last block past it).
+LM_HEAD_VOCAB = 700
+LM_HEAD_BLOCK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +111,7 @@ def _model_dims(config, coda) -> Dict[str, Any]:
   # An image encoder's attention has no relative position bias ('relative').
   image = {'relative': False} if config.encoder_input == PATCHES else {}
   return dict(image, emb=config.emb_dim, heads=config.num_heads, kv_heads=config.kv_heads,
-              head_dim=config.head_dim, mlp_dim=config.mlp_dim,
+              head_dim=config.head_dim, mlp_dim=config.mlp_dim, vocab=config.vocab_size,
               activations=tuple(config.mlp_activations),
               buckets=config.relative_attention_num_buckets,
               max_distance=config.relative_attention_max_distance,
@@ -188,6 +192,12 @@ def cases(kernels: Sequence[str], config, coda, length: int, ks: Sequence[int],
         add(kernel, f'{BEAMS} beams over {cached[0]} cached positions, a bias per row, '
             f'{MEGACORE_BATCH} sequences', MEGACORE_BATCH, cache=cached[0], beams=BEAMS,
             bias_per_row=True)
+    elif kernel == 'lm_head':
+      add(kernel, f'{BEAMS} beams\' top {2 * BEAMS} of the vocabulary', beams=BEAMS)
+      if edges:
+        add(kernel, f'{BEAMS} beams\' top {2 * BEAMS} of {LM_HEAD_VOCAB} tokens in blocks of '
+            f'{LM_HEAD_BLOCK}, {MEGACORE_BATCH} sequences', MEGACORE_BATCH, beams=BEAMS,
+            vocab=LM_HEAD_VOCAB, vocab_block=LM_HEAD_BLOCK)
   return out
 
 
@@ -429,13 +439,32 @@ def _beam_attention(case: Case, interpret: bool):
   return kernel, xla, (query, key, value)
 
 
+def _lm_head(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import top_logits  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(11)
+  rows, k = s['batch'] * s['beams'], 2 * s['beams']
+  x = jnp.asarray(rng.randn(rows, s['emb']), dtype)
+  w = jnp.asarray(rng.randn(s['emb'], s['vocab']) / np.sqrt(s['emb']), dtype)
+
+  def kernel(x, w):
+    return top_logits.top_logits(x, w, k, vocab_block=s.get('vocab_block'), interpret=interpret)
+
+  def xla(x, w):
+    return top_logits.reference(x, w, k)
+
+  return kernel, xla, (x, w)
+
+
 class _Skip(Exception):
   """A case that does not apply to this chip (said in its row)."""
 
 
 _BUILDERS = {'attention': _attention, 'mlp': _mlp, 'route': _route, 'output': _output,
              'soft_topk': _soft_topk, 'decode_attention': _decode_attention,
-             'beam_attention': _beam_attention}
+             'beam_attention': _beam_attention, 'lm_head': _lm_head}
 
 
 def _vmem_bytes() -> int:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from coda_jax import acm as acm_lib
 from coda_jax import adapters
 from coda_jax import layers
+from coda_jax import lm_head
 from coda_jax import patch_embed
 from coda_jax import plan as plan_lib
 from coda_jax import routing
@@ -442,9 +443,11 @@ class Decoder(nn.Module):
                deterministic: bool = False, decode: bool = False,
                token_mask: Optional[Array] = None,
                encoder_token_mask: Optional[Array] = None,
-               cache_length: Optional[int] = None) -> Array:
-    """Returns float32 logits `[batch, length, vocab]`; `cache_length`: the
-    self-attention cache's positions while decoding (for the plan).
+               cache_length: Optional[int] = None, top_logits: int = 0):
+    """Returns float32 logits `[batch, length, vocab]`, or with `top_logits`
+    (beam search's step) each position's best `top_logits` and normaliser (a
+    `lm_head.Top`); `cache_length`: the self-attention cache's positions
+    while decoding (for the plan).
 
     While decoding with the cross-attention cache, its plan
     (`coda_jax.plan.resolve_decoder`: how a step's cross-attention and its
@@ -459,7 +462,7 @@ class Decoder(nn.Module):
           batch=encoded.shape[0],
           beams=_beams(decoder_input_tokens.shape[0], encoded.shape[0], decode),
           cache_length=cache_length, coda=self.coda,
-          sharded=tpu_blocks.split_axes('mlp', 'embed'))
+          sharded=tpu_blocks.split_axes('mlp', 'embed', 'vocab'))
       plan_lib.note(plan)
       acm = plan_lib.with_acm_inference(self.acm, plan.acm)
     else:
@@ -482,9 +485,14 @@ class Decoder(nn.Module):
     if cfg.logits_via_embedding:
       logits = self.shared_embedding.attend(y) / jnp.sqrt(y.shape[-1])
     else:
-      logits = layers.DenseGeneral(cfg.vocab_size, dtype=jnp.float32,
-                                   kernel_axes=('embed', 'vocab'), name='logits_dense')(y)
-    return layers.with_sharding_constraint(logits, ('batch', 'length', 'vocab'))
+      head = lm_head.LmHead(cfg.vocab_size, name='logits_dense',
+                            kernel_interpret=None if plan is None else plan.interpret)
+      if top_logits:
+        return head(y, top_logits, plan_lib.XLA if plan is None or plan.lm_head is None
+                    else plan.lm_head)
+      logits = head(y)
+    logits = layers.with_sharding_constraint(logits, ('batch', 'length', 'vocab'))
+    return lm_head.top_of_logits(logits, top_logits) if top_logits else logits
 
 
 class Transformer(nn.Module):
@@ -549,8 +557,10 @@ class Transformer(nn.Module):
              decoder_segment_ids: Optional[Array] = None,
              decoder_positions: Optional[Array] = None,
              enable_dropout: bool = True, decode: bool = False,
-             max_decode_length: Optional[int] = None) -> Array:
-    """Decoder logits `[batch, dec_length, vocab]` (float32).
+             max_decode_length: Optional[int] = None, top_logits: int = 0):
+    """Decoder logits `[batch, dec_length, vocab]` (float32); with
+    `top_logits` (beam search's step) each position's best `top_logits` and
+    normaliser instead (a `lm_head.Top`, by the decoder plan's LM head).
 
     `decoder_positions` and `max_decode_length` are t5x's interface: T5's
     relative attention needs no absolute positions, and the cache's own length
@@ -588,7 +598,8 @@ class Transformer(nn.Module):
                         deterministic=not enable_dropout, decode=decode,
                         token_mask=None if decode else target_real,
                         encoder_token_mask=real,
-                        cache_length=max_decode_length if decode else None)
+                        cache_length=max_decode_length if decode else None,
+                        top_logits=top_logits)
 
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
                decoder_target_tokens: Array,

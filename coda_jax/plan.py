@@ -43,12 +43,14 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import jax.numpy as jnp
 
+from coda_jax import flops
 from coda_jax.config import PARALLEL, AcmConfig, CodaConfig, T5Config
 from coda_jax.kernels import decode_attention as decode_attention_kernel
 from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import relpos_attention
 from coda_jax.kernels import route_adapter
 from coda_jax.kernels import slot_attention as slot_attention_kernel
+from coda_jax.kernels import top_logits as top_logits_kernel
 from coda_jax.kernels import tpu_blocks
 from coda_jax.target import Target
 
@@ -56,8 +58,9 @@ from coda_jax.target import Target
 # re-exported: the names plans speak.
 from coda_jax.plan_rules import (  # noqa: F401
     ACM, ACM_TIE, ANY_LENGTH, ATTENTION, BEAM_ATTENTION, CHOICES, DECODE_ATTENTION, DECODE_MLP,
-    DECODE_TIE, DEFAULTS, DISPATCH, GATHER, KERNELS, MASKED, MLP, NATIVE_PLATFORM, ONE_HOT,
-    OUTPUT, PALLAS, ROUTE, RULES, SETTING, SOFT_TOPK, XLA, Rule, _ALTERNATIVE, rules_table)
+    DECODE_TIE, DEFAULTS, DISPATCH, GATHER, KERNELS, LM_HEAD, MASKED, MLP, NATIVE_PLATFORM,
+    ONE_HOT, OUTPUT, PALLAS, ROUTE, RULES, SETTING, SOFT_TOPK, XLA, Rule, _ALTERNATIVE,
+    rules_table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +180,7 @@ class _Resolver:
       return default, f'auto: {self.target.describe()} has no measured rule (default)'
     if any(rule.what == what and rule.chip == chip for rule in RULES):
       at = (f'{self.tokens} tokens a call' if what in (ACM, DECODE_MLP)
+            else 'this LM head share' if what == LM_HEAD
             else f'k/n = {fraction:.2f}, n = {self.length}')
       return default, f'auto: no rule for {chip} at {at} (default)'
     return default, f'auto: no rule for {chip} (default)'
@@ -326,6 +330,9 @@ class DecoderPlan:
       lays the cache out by it.
     mlp: XLA or PALLAS (`kernels.mlp` on the step's rows as `[1, rows,
       emb]`, the pre-MLP norm with it).
+    lm_head: beam search's LM head (None: one row per example): PALLAS,
+      each row's top logits and normaliser by `kernels.top_logits`; XLA,
+      the logits, then `lax.top_k` and the normaliser.
   """
   target: Target
   length: int
@@ -336,6 +343,7 @@ class DecoderPlan:
   acm: Optional[str] = None
   beam_attention: Optional[str] = None
   mlp: str = XLA
+  lm_head: Optional[str] = None
 
   @property
   def vmem_bytes(self) -> int:
@@ -346,21 +354,24 @@ class DecoderPlan:
   def kernels(self) -> Tuple[str, ...]:
     return tuple(name for name, choice in ((MLP, self.mlp),
                                            (DECODE_ATTENTION, self.cross_attention),
-                                           (BEAM_ATTENTION, self.beam_attention))
+                                           (BEAM_ATTENTION, self.beam_attention),
+                                           (LM_HEAD, self.lm_head))
                  if choice == PALLAS)
 
   def as_dict(self) -> Dict[str, Any]:
     return {'target': self.target.describe(), 'device_kind': self.target.device_kind,
             'program': 'decoder', 'length': self.length, 'batch': self.batch,
             'cross_attention': self.cross_attention, 'beam_attention': self.beam_attention,
-            'mlp': self.mlp, 'acm': self.acm, 'kernels': list(self.kernels()), 'reasons': dict(self.reasons)}
+            'mlp': self.mlp, 'lm_head': self.lm_head, 'acm': self.acm,
+            'kernels': list(self.kernels()), 'reasons': dict(self.reasons)}
 
   def summary(self) -> str:
     """'tpu v4: decoder cross-attention pallas, beam attention pallas'."""
     acm = '' if self.acm is None else f', acm {self.acm}'
     beam = '' if self.beam_attention is None else f', beam attention {self.beam_attention}'
+    head = '' if self.lm_head is None else f', lm head {self.lm_head}'
     return (f'{self.target.describe()}: decoder cross-attention {self.cross_attention}'
-            f'{beam}, mlp {self.mlp}{acm}')
+            f'{beam}, mlp {self.mlp}{head}{acm}')
 
   def describe(self) -> str:
     lines = [f'decoder plan for {self.target.describe()}, n = {self.length}, '
@@ -394,11 +405,16 @@ def resolve_decoder(config: T5Config, acm: Optional[AcmConfig] = None, *, target
     blockers.append(f'its blocks do not fit {tpu_blocks.VMEM_BUDGET} B of VMEM')
   choice, why = rules.choose(DECODE_ATTENTION, config.decode_attention_kernel, blockers)
   reasons = [(DECODE_ATTENTION, f'{choice}: {why}')]
-  beam = None
+  beam = head = None
   if beams > 1:
     beam, why = rules.choose(BEAM_ATTENTION, config.beam_attention_kernel,
                              _beam_blockers(config, int(batch), int(beams), cache_length))
     reasons.append((BEAM_ATTENTION, f'{beam}: {why}'))
+    share = lm_head_share(config)
+    head, why = _Resolver(target, None, share, n, rows).choose(
+        LM_HEAD, config.lm_head_kernel, _lm_head_blockers(config, rows, 2 * int(beams),
+                                                          frozenset(sharded)))
+    reasons.append((LM_HEAD, f'{head}: {why} (LM head share {share:.3f})'))
   chip = target.chip
   # The MLP's rows are by the rows of a step (greedy's, or beam search's).
   mlp_blockers = _mlp_blockers(
@@ -411,7 +427,32 @@ def resolve_decoder(config: T5Config, acm: Optional[AcmConfig] = None, *, target
   if acm_inference is not None:
     reasons.append((ACM, why))
   return DecoderPlan(target, n, rows, choice, target.platform != 'tpu', tuple(reasons),
-                     acm_inference, beam, mlp)
+                     acm_inference, beam, mlp, head)
+
+
+def lm_head_share(config: T5Config) -> float:
+  """The LM head's share of a decoding step's weights (emb x vocab over
+  them all: what a step multiplies by per row at its first position, the
+  attention over one position aside), the `fractions` of the `LM_HEAD`
+  rules."""
+  macs = flops.decoder_step_macs(config, 1, 1)
+  return macs['logits_dense'] / macs['total']
+
+
+def _lm_head_blockers(config: T5Config, rows: int, k: int,
+                      sharded: FrozenSet[str]) -> List[str]:
+  """What keeps beam search's LM head (k = 2 x beams logits a row) from
+  `kernels.top_logits`."""
+  out = []
+  if config.logits_via_embedding:
+    out.append('the logits come from the tied embedding (logits_via_embedding)')
+  split = sorted(sharded & {'embed', 'vocab'})
+  if split:
+    out.append(f'the mesh splits the LM head ({", ".join(split)})')
+  if not top_logits_kernel.supported(rows, config.emb_dim, config.vocab_size, k, config.dtype):
+    out.append(f'{rows} rows and their top {k} of {config.vocab_size} do not fit '
+               f'{tpu_blocks.VMEM_BUDGET} B of VMEM')
+  return out
 
 
 def _beam_blockers(config: T5Config, batch: int, beams: int,

@@ -24,27 +24,33 @@ DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION, BEAM_ATTEN
 # A decoding step's pre-MLP norm and MLP: the MLP kernel (`kernels.mlp`) on
 # the step's rows, a choice of the decoder's plan with rows of its own.
 DECODE_MLP = 'decode_mlp'
+# Beam search's LM head: each row's top logits and normaliser in a kernel
+# (`kernels.top_logits`), the decoder's.
+LM_HEAD = 'lm_head'
 CHOICES = (DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION,
-           BEAM_ATTENTION, DECODE_MLP, ACM)
+           BEAM_ATTENTION, DECODE_MLP, LM_HEAD, ACM)
 # The Pallas kernels among them (`coda-jax selftest` checks each one a plan
 # selects): the formulation that is not XLA's.
-KERNELS = (ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION, BEAM_ATTENTION)
+KERNELS = (ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION, BEAM_ATTENTION,
+           LM_HEAD)
 # Where the kernels run natively; elsewhere 'pallas' runs in interpret mode.
 NATIVE_PLATFORM = {ATTENTION: 'tpu', MLP: 'tpu', ROUTE: 'tpu', OUTPUT: 'tpu',
-                   SOFT_TOPK: 'gpu', DECODE_ATTENTION: 'tpu', BEAM_ATTENTION: 'tpu'}
+                   SOFT_TOPK: 'gpu', DECODE_ATTENTION: 'tpu', BEAM_ATTENTION: 'tpu',
+                   LM_HEAD: 'tpu'}
 # A chip with no row gets these: XLA's fusions, tokens moved by gathers.
 DEFAULTS = {DISPATCH: GATHER, ATTENTION: XLA, MLP: XLA, ROUTE: XLA, OUTPUT: XLA,
             SOFT_TOPK: XLA, DECODE_ATTENTION: XLA, BEAM_ATTENTION: XLA, DECODE_MLP: XLA,
-            ACM: GATHER}
+            LM_HEAD: XLA, ACM: GATHER}
 _ALTERNATIVE = {DISPATCH: ONE_HOT, ATTENTION: PALLAS, MLP: PALLAS, ROUTE: PALLAS,
                 OUTPUT: PALLAS, SOFT_TOPK: PALLAS, DECODE_ATTENTION: PALLAS,
-                BEAM_ATTENTION: PALLAS, DECODE_MLP: PALLAS, ACM: MASKED}
+                BEAM_ATTENTION: PALLAS, DECODE_MLP: PALLAS, LM_HEAD: PALLAS, ACM: MASKED}
 # The config field that asks for each choice, for messages.
 SETTING = {DISPATCH: 'CodaConfig.dispatch', ATTENTION: 'T5Config.attention_kernel',
            MLP: 'T5Config.mlp_kernel', ROUTE: 'CodaConfig.route_kernel',
            OUTPUT: 'CodaConfig.unroute_kernel', SOFT_TOPK: 'SoftTopKConfig.impl',
            DECODE_ATTENTION: 'T5Config.decode_attention_kernel',
            BEAM_ATTENTION: 'T5Config.beam_attention_kernel', DECODE_MLP: 'T5Config.mlp_kernel',
+           LM_HEAD: 'T5Config.lm_head_kernel',
            ACM: 'AcmConfig.inference'}
 
 _BASE = 'benchmarks/plan/base_b128_n384_{}.json'
@@ -66,7 +72,8 @@ class Rule:
     fractions: the routed fractions k / n it holds for, `lo < k / n <= hi`
       (dense layers: k / n = 1); for `ACM`, the learner work its
       capacities keep, sum_n C_n / (N x tokens) (1: every learner on every
-      token).
+      token); for `LM_HEAD`, the LM head's share of a decoding step's
+      weights (`plan.lm_head_share`).
     lengths: the input lengths n it holds for, `lo < n <= hi`.
     tokens: the tokens of one call it holds for (batch x length: a
       decoding step's rows), `lo < tokens <= hi`.
@@ -126,6 +133,17 @@ _BEAM = 'benchmarks/plan/decode/beam4_b128_{}.json'
 # (T5 v1.1 base, the §6 text base and XL models at BoolQ's and XSum's
 # shapes), each step compiled with both `T5Config.mlp_kernel` formulations.
 _DECODE_MLP = 'benchmarks/plan/decode/mlp_b128_{}.json'
+# Beam search's LM head: the same tool with `--choice lm_head --num_beams 4`
+# (T5 v1.1 base, the §6 text base and XL models at BoolQ's and XSum's
+# shapes), each step compiled with both `T5Config.lm_head_kernel`
+# formulations. On v4 the kernel pays where the LM head is a small share of
+# the step's weights (T5 v1.1 base 0.20, §6 XL 0.11: the XL step moves 1.36
+# -> 1.12 times its floor): XLA then writes the float32 logits to HBM. Where
+# it is a large share (§6 base 0.25) XLA keeps the head and its logits in
+# v4's CMEM, and with the kernel (whose operands it does not prefetch) it
+# prefetches the embedding table instead: XLA's formulation moves 4% less.
+# On v5e XLA's formulation is as fast or faster at every point (no row).
+_LM_HEAD = 'benchmarks/plan/decode/lm_head_beam4_b128_{}.json'
 # The ACM rows are timings on a shared machine (`tools/acm_plan_evidence.py`,
 # the fastest of 15 round-robin calls: over three runs a time moved by up to
 # 10%, and gather / masked at 256 tokens, β = 0.5, from 1.00 to 1.05): a
@@ -166,6 +184,7 @@ RULES: Tuple[Rule, ...] = (
     Rule(DECODE_ATTENTION, 'v4', PALLAS, evidence=_DECODE.format('v4')),
     Rule(BEAM_ATTENTION, 'v4', PALLAS, evidence=_BEAM.format('v4')),
     Rule(DECODE_MLP, 'v4', PALLAS, evidence=_DECODE_MLP.format('v4')),
+    Rule(LM_HEAD, 'v4', PALLAS, fractions=(0.0, 0.2), evidence=_LM_HEAD.format('v4')),
     # v5e: the same, the route kernel for both variants, and for k-to-k up to
     # k / n = 0.3 the output kernel instead (it computes the adapter).
     Rule(DISPATCH, 'v5e', ONE_HOT, evidence=_BASE.format('v5e')),
@@ -210,8 +229,9 @@ RULES: Tuple[Rule, ...] = (
 
 
 def _fraction_name(what: str) -> str:
-  """What a rule's `fractions` measure: k/n, or an ACM's learner work."""
-  return 'learner work' if what == ACM else 'k/n'
+  """What a rule's `fractions` measure: k/n, an ACM's learner work, or the
+  LM head's share of a decoding step's weights."""
+  return {ACM: 'learner work', LM_HEAD: 'LM head share'}.get(what, 'k/n')
 
 
 def rules_table() -> str:

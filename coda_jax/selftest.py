@@ -44,7 +44,8 @@ _SWITCH = {'attention': ('config', 'attention_kernel'), 'mlp': ('config', 'mlp_k
            'route': ('coda', 'route_kernel'), 'output': ('coda', 'unroute_kernel'),
            'soft_topk': ('soft_topk', 'impl'),
            'decode_attention': ('config', 'decode_attention_kernel'),
-           'beam_attention': ('config', 'beam_attention_kernel')}
+           'beam_attention': ('config', 'beam_attention_kernel'),
+           'lm_head': ('config', 'lm_head_kernel')}
 # ----------------------------------------------------------------------------
 # Which kernels a run uses, and falling back from one.
 # ----------------------------------------------------------------------------

@@ -354,8 +354,9 @@ def _decoder_evidence_agrees(evidence):
   for point in evidence['points']:
     beams = tool.point_beams(evidence, point)
     # The attention files measure the cross-attention (greedy) or beam
-    # search's self-attention, the mlp files the MLP.
-    choice, kernel = (('mlp', 'mlp') if measured == 'mlp' else
+    # search's self-attention, the mlp files the MLP, the lm_head files beam
+    # search's LM head.
+    choice, kernel = ((measured, measured) if measured in ('mlp', 'lm_head') else
                       ('beam_attention', 'beam_attention') if beams > 1 else
                       ('cross_attention', 'decode_attention'))
     config = preset(point["model"], dtype=jnp.bfloat16)

@@ -37,14 +37,16 @@ def test_every_kernel_matches_xla_at_the_run_shapes_and_the_edges(tmp_path, dtyp
                         '--attentions', 'k_to_k', '--batch_size', '1', '--dtypes', dtype,
                         '--out', str(out)] + ([] if edges else ['--no_edges']) + (
                             ['--kernels',
-                             'attention,mlp,route,output,decode_attention,beam_attention']
+                             'attention,mlp,route,output,decode_attention,beam_attention,'
+                             'lm_head']
                             if edges else []))
   assert code == 0
   report = json.loads(out.read_text())
   assert report['off'] == [] and report['platform'] == 'cpu'
   results = report['results']
   assert {r['kernel'] for r in results} == {'attention', 'mlp', 'route', 'output',
-                                            'decode_attention', 'beam_attention'} | (
+                                            'decode_attention', 'beam_attention',
+                                            'lm_head'} | (
       set() if edges else {'soft_topk'})
   labels = {(r['kernel'], r['case']) for r in results}
   assert ('attention', 'k_to_k k = 22 of 64') in labels and ('mlp', '22 rows') in labels
@@ -61,7 +63,9 @@ def test_every_kernel_matches_xla_at_the_run_shapes_and_the_edges(tmp_path, dtyp
             ('beam_attention', '4 beams over 64 cached positions'),
             ('beam_attention', '4 beams over 128 cached positions'),
             ('beam_attention', '4 beams over 64 cached positions, a bias per row, '
-             '3 sequences')} <= labels
+             '3 sequences'),
+            ('lm_head', "4 beams' top 8 of the vocabulary"),
+            ('lm_head', "4 beams' top 8 of 700 tokens in blocks of 128, 3 sequences")} <= labels
     assert all(r['shape']['batch'] == 3 for r in results if '3 sequences' in r['case'])
   skipped = {(r['kernel'], r['case']) for r in results if r['skipped'] is not None}
   # XLA on a CPU cannot differentiate the route kernel's bfloat16 reference
@@ -74,7 +78,7 @@ def test_every_kernel_matches_xla_at_the_run_shapes_and_the_edges(tmp_path, dtyp
     assert r['error'] is None, r
     if r['skipped'] is None:
       assert r['forward_error'] <= r['tolerance']['forward'], r
-      if r['kernel'] in ('decode_attention', 'beam_attention'):   # forward only
+      if r['kernel'] in ('decode_attention', 'beam_attention', 'lm_head'):   # forward only
         assert r['gradient_error'] is None, r
       else:
         assert r['gradient_error'] <= r['tolerance']['gradient'], r

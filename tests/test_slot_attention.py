@@ -2,7 +2,6 @@
 equal to its reference and to attention over the reordered cache in
 interpret mode, the shapes it refuses, its declared cost, its compiled form
 for a TPU, and a model decoding with it."""
-import dataclasses
 import functools
 import re
 
@@ -13,7 +12,6 @@ import pytest
 
 from coda_jax import beam_attention
 from coda_jax import layers
-from coda_jax import plan as plan_lib
 from coda_jax import target
 from coda_jax.kernels import slot_attention as kernel
 from coda_jax.kernels import tpu_blocks
@@ -207,29 +205,12 @@ def test_the_model_decodes_the_same_with_the_kernel(kv_heads):
   (interpret mode, the cache addressed by slot and never reordered) or XLA:
   the same beams and scores; the plan says which ran, and why not where it
   cannot."""
-  from coda_jax import decoding  # pylint: disable=g-import-not-at-top
-  from coda_jax.network import Transformer  # pylint: disable=g-import-not-at-top
-  from tiny_models import tiny_config  # pylint: disable=g-import-not-at-top
+  from tiny_models import beam_decode_each, tiny_config  # pylint: disable=g-import-not-at-top
   config = tiny_config(num_kv_heads=kv_heads, head_dim=128, num_encoder_layers=1,
                        num_decoder_layers=2)
-  rng = np.random.RandomState(0)
-  tokens = rng.randint(2, 64, (3, 11)).astype(np.int32)
-  tokens[1, 7:] = 0
-  models = {k: Transformer(dataclasses.replace(config, beam_attention_kernel=k))
-            for k in ('xla', 'pallas')}
-  params = models['xla'].init(jax.random.PRNGKey(1), tokens, tokens[:, :4], tokens[:, :4],
-                              enable_dropout=False)['params']
-  out = {}
-  for name, model in models.items():
-    decode = functools.partial(decoding.predict_batch, model, max_decode_length=6,
-                               method='beam', num_beams=3, eos_id=1)
-    with plan_lib.recording() as plans:
-      out[name] = jax.jit(decode)(params, tokens)
-    chosen = {p.beam_attention for p in plans if isinstance(p, plan_lib.DecoderPlan)
-              and p.batch == 9}
-    assert chosen == {name}, (name, plans)
-    assert str(jax.make_jaxpr(decode)(params, tokens)).count('pallas_call') == (
-        2 if name == 'pallas' else 0)
-  (seqs, scores), (seqs_xla, scores_xla) = out['pallas'], out['xla']
+  out = beam_decode_each(config, 'beam_attention_kernel', 'beam_attention')
+  for name, (_, chosen, calls) in out.items():
+    assert chosen == {name} and calls == (2 if name == 'pallas' else 0), (name, chosen, calls)
+  (seqs, scores), (seqs_xla, scores_xla) = out['pallas'][0], out['xla'][0]
   np.testing.assert_array_equal(seqs, seqs_xla)
   np.testing.assert_allclose(scores, scores_xla, rtol=1e-5, atol=1e-5)

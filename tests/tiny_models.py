@@ -10,6 +10,38 @@ def tiny_config(**overrides):
   return t5_1_1('small', **{**TINY, **overrides})
 
 
+def beam_decode_each(config, field: str, plan_field: str):
+  """A tiny T5 of `config` beam-decoded (3 beams, 6 tokens) on three
+  examples (one padded) with `config.field` 'xla' and then 'pallas' (the
+  kernels in interpret mode), from the same parameters. Returns {setting:
+  ((sequences, scores), the decoder plans' `plan_field` at its 9 rows, the
+  Pallas calls in the program)}."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax import decoding  # pylint: disable=g-import-not-at-top
+  from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax.network import Transformer  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(0)
+  tokens = rng.randint(2, 64, (3, 11)).astype(np.int32)
+  tokens[1, 7:] = 0
+  models = {k: Transformer(dataclasses.replace(config, **{field: k})) for k in ('xla', 'pallas')}
+  params = models['xla'].init(jax.random.PRNGKey(1), tokens, tokens[:, :4], tokens[:, :4],
+                              enable_dropout=False)['params']
+  out = {}
+  for name, model in models.items():
+    decode = functools.partial(decoding.predict_batch, model, max_decode_length=6,
+                               method='beam', num_beams=3, eos_id=1)
+    with plan_lib.recording() as plans:
+      result = jax.jit(decode)(params, tokens)
+    chosen = {getattr(p, plan_field) for p in plans
+              if isinstance(p, plan_lib.DecoderPlan) and p.batch == 9}
+    calls = str(jax.make_jaxpr(decode)(params, tokens)).count('pallas_call')
+    out[name] = (result, chosen, calls)
+  return out
+
+
 def decode_step_by_step(step, tokens, cache):
   """Feeds `tokens [batch, length]` one position at a time to
   `step(tokens [batch, 1], cache) -> (logits [batch, vocab], cache)`

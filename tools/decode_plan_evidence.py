@@ -12,13 +12,15 @@ XLA's by slot or reordered, `beam_attention.by_slot`; the kernel over the
 cache addressed by slot, `coda_jax.kernels.slot_attention`). With `--choice
 mlp`, the step's pre-MLP norm and MLP (`T5Config.mlp_kernel`: XLA's fusions,
 or `coda_jax.kernels.mlp` on the step's rows), greedy and beam search
-(`--num_beams 1,4`).
+(`--num_beams 1,4`). With `--choice lm_head`, beam search's LM head
+(`T5Config.lm_head_kernel`: XLA's float32 logits, top-k and normaliser, or
+`coda_jax.kernels.top_logits`, which keeps each row's top logits).
 `tests/test_plan.py` holds the rules to the committed files: at every point
 the plan runs the formulation with the lower roofline.
 
   python tools/decode_plan_evidence.py --chip v4 [--models base,text_base,text_xl]
       [--points 384:8,512:32,1664:64] [--batch_size 128] [--num_beams 4]
-      [--choice attention|mlp]
+      [--choice attention|mlp|lm_head]
       [--out benchmarks/plan/decode/b128_v4.json]
   python tools/decode_plan_evidence.py --table benchmarks/plan/decode/*.json
 
@@ -45,7 +47,7 @@ from coda_jax.config import CodaConfig
 
 FORMULATIONS = (plan_lib.XLA, plan_lib.PALLAS)
 # What a file's two formulations differ in (`--choice`).
-CHOICES = ('attention', 'mlp')
+CHOICES = ('attention', 'mlp', 'lm_head')
 # What the faster formulation has less of.
 MEASURE = 'traffic_roofline_seconds'
 
@@ -77,13 +79,16 @@ def parse_args(argv):
                  '--choice attention: its self-attention in both formulations)')
   p.add_argument('--choice', choices=CHOICES, default='attention',
                  help='what the two formulations differ in: the attention (greedy: the '
-                      'cross-attention; beam search: the self-attention) or the MLP')
+                      'cross-attention; beam search: the self-attention), the MLP or beam '
+                      'search\'s LM head (--num_beams > 1 only)')
   p.add_argument('--out', default=None, help='write the JSON here')
   p.add_argument('--table', nargs='+', metavar='EVIDENCE.json',
                  help='print the Markdown table of these files and exit')
   args = p.parse_args(argv)
   if args.table is None and args.chip is None:
     p.error('--chip is required (or --table FILES)')
+  if args.choice == 'lm_head' and min(args.num_beams) < 2:
+    p.error('--choice lm_head measures beam search: --num_beams must be > 1')
   if args.out:
     flags.check_writable_file('--out', args.out)
   return args
@@ -91,8 +96,8 @@ def parse_args(argv):
 
 def _choice(beams: int, choice: str = 'attention'):
   """(the config field a point's formulations set, the plan's field of it)."""
-  if choice == 'mlp':
-    return 'mlp_kernel', 'mlp'
+  if choice in ('mlp', 'lm_head'):
+    return f'{choice}_kernel', choice
   return (('beam_attention_kernel', 'beam_attention') if beams > 1
           else ('decode_attention_kernel', 'cross_attention'))
 

@@ -199,8 +199,8 @@ def format_table(result: Dict[str, Any]) -> str:
     floor = task['step_floor']
     plan = task.get('step_plan') or {}
     cross = (f' (cross-attention {plan["cross_attention"]}' + (
-        f', beam attention {plan["beam_attention"]}' if plan.get('beam_attention') else '')
-             + ')') if plan else ''
+        f', beam attention {plan["beam_attention"]}' if plan.get('beam_attention') else '') + (
+            f', lm head {plan["lm_head"]}' if plan.get('lm_head') else '') + ')') if plan else ''
     lines.append(f'decoding step{cross}: HBM traffic {task["step_over_floor"]:.2f}x its byte floor '
                  f'(the compiler\'s bytes accessed {task["step_compiler_bytes_over_floor"]:.2f}x) '
                  f'({floor["total"] / 1e9:.3f} GB: weights {floor["weights"] / 1e9:.3f}, '

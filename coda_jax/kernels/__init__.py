@@ -21,6 +21,9 @@ tested against that reference in Pallas interpret mode on CPU:
 * `coda_jax.kernels.slot_attention` -- beam search's self-attention over a
   cache addressed by slot on TPU, each beam's ancestors' keys/values gathered
   in VMEM, the cache never reordered (`T5Config.beam_attention_kernel`).
+* `coda_jax.kernels.top_logits` -- beam search's LM head on TPU: each row's
+  top logits and log-softmax normaliser, the logits kept in VMEM
+  (`T5Config.lm_head_kernel`).
 
 `coda_jax.kernels.tpu_blocks` holds what the TPU kernels share: their VMEM
 budget, each chip's VMEM, row blocks and mesh axes.
