@@ -58,7 +58,7 @@ BEAM_ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
 # logits and its log-softmax normaliser, never writing the logits:
 # `kernels.top_logits`), 'xla' (the float32 logits, then `lax.top_k` and the
 # normaliser), or 'auto' (as `coda_jax.plan`'s rules say for the chip). The
-# kernel serves an untied LM head whose vocabulary is not split over devices.
+# kernel serves an untied LM head not split over devices.
 LM_HEAD_KERNELS = ('auto', 'xla', 'pallas')
 
 # What the encoder reads: 'tokens' (T5: `[batch, length]` ids, 0 padding) or
