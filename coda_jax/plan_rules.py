@@ -142,7 +142,10 @@ _DECODE_MLP = 'benchmarks/plan/decode/mlp_b128_{}.json'
 # it is a large share (§6 base 0.25) XLA keeps the head and its logits in
 # v4's CMEM, and with the kernel (whose operands it does not prefetch) it
 # prefetches the embedding table instead: XLA's formulation moves 4% less.
-# On v5e XLA's formulation is as fast or faster at every point (no row).
+# On v5e XLA's formulation is as fast or faster at every point (no row). On
+# v5p the kernel is faster or within the tie everywhere; on v6e faster for
+# T5 v1.1 base and the §6 base model (share 0.197, 0.254) and 5% slower
+# for the §6 XL model (0.115) at XSum's shape.
 _LM_HEAD = 'benchmarks/plan/decode/lm_head_beam4_b128_{}.json'
 # The ACM rows are timings on a shared machine (`tools/acm_plan_evidence.py`,
 # the fastest of 15 round-robin calls: over three runs a time moved by up to
@@ -204,6 +207,7 @@ RULES: Tuple[Rule, ...] = (
     Rule(DECODE_ATTENTION, 'v5p', PALLAS, evidence=_DECODE.format('v5p')),
     Rule(BEAM_ATTENTION, 'v5p', PALLAS, evidence=_BEAM.format('v5p')),
     Rule(DECODE_MLP, 'v5p', PALLAS, evidence=_DECODE_MLP.format('v5p')),
+    Rule(LM_HEAD, 'v5p', PALLAS, evidence=_LM_HEAD.format('v5p')),
     # v6e: the same as v5p.
     Rule(DISPATCH, 'v6e', ONE_HOT, evidence=_BASE.format('v6e')),
     Rule(ATTENTION, 'v6e', PALLAS, evidence=_BASE.format('v6e')),
@@ -215,6 +219,7 @@ RULES: Tuple[Rule, ...] = (
     # search's 512 rows of the §6 XL model moved 6% more with it on BoolQ's
     # shape, the others tied.
     Rule(DECODE_MLP, 'v6e', PALLAS, tokens=(0, 128), evidence=_DECODE_MLP.format('v6e')),
+    Rule(LM_HEAD, 'v6e', PALLAS, fractions=(0.15, 1.0), evidence=_LM_HEAD.format('v6e')),
     # A CPU's ACMs (`tools/acm_plan_evidence.py`: one FFN ACM of T5 v1.1
     # small, 4 to 1536 tokens a call, the quickstart conversion's learner
     # usage at budgets 0.25, 0.5 and 0.75, timed on 2 cores): 'masked' on a
