@@ -368,8 +368,7 @@ def make_tokens_to_logits(model, params, encoded: Array, encoder_input_tokens: A
         {'params': params, 'cache': cache}, encoded, encoder_input_tokens, tokens,
         tokens, enable_dropout=False, decode=True, max_decode_length=max_decode_length,
         mutable=['cache'], method=model.decode, top_logits=top_logits)
-    last = jax.tree.map(lambda a: a[:, -1], out)
-    return (Top(*last) if top_logits else last), variables['cache']
+    return jax.tree.map(lambda a: a[:, -1], out), variables['cache']
   return tokens_to_logits
 
 

@@ -4,12 +4,12 @@ search's step, each row's top logits and log-softmax normaliser.
 `LmHead` keeps t5x's parameter (`logits_dense/kernel [emb, vocab]`, float32,
 axes ('embed', 'vocab')), so checkpoints load as they did when the head was a
 `layers.DenseGeneral`. Its logits are float32 (the activations and kernel
-cast up, as T5's). Asked for `top_k` logits a row, it gives a
-`kernels.top_logits.Top` instead, the formulation the decoder's plan chose
-(`plan.DecoderPlan.lm_head`): XLA's (those float32 logits, `lax.top_k` and the
-normaliser, `top_logits.of_logits`) or the TPU kernel, which never writes
-the logits (`top_logits.top_logits`, in the activations' and kernel's common
-dtype with float32 accumulation).
+cast up, as T5's). Asked for `top_k` logits a row, it gives the TPU
+kernel's `kernels.top_logits.Top` instead, which never writes the logits
+(`top_logits.top_logits`, in the activations' and kernel's common dtype
+with float32 accumulation): the decoder asks where its plan chose the kernel
+(`plan.DecoderPlan.lm_head`); elsewhere it takes the logits to
+`top_of_logits`, XLA's formulation (`lax.top_k` and the normaliser).
 """
 from __future__ import annotations
 
@@ -22,32 +22,30 @@ import jax.numpy as jnp
 
 from coda_jax import layers
 from coda_jax.kernels import top_logits as kernel_lib
-from coda_jax.plan_rules import PALLAS, XLA
 
 Array = jax.Array
 Top = kernel_lib.Top
 
 
 class LmHead(nn.Module):
-  """`[..., emb] -> [..., vocab]` float32 logits, or (`top_k`) a `Top` of
-  `[..., top_k]` values and tokens and `[...]` peak and log-sum."""
+  """`[..., emb] -> [..., vocab]` float32 logits, or (`top_k`: the kernel) a
+  `Top` of `[..., top_k]` values and tokens and `[...]` peak and log-sum."""
   vocab_size: int
   # Pallas interpret mode for the kernel (None: when not on a TPU).
   kernel_interpret: Optional[bool] = None
 
   @nn.compact
-  def __call__(self, y: Array, top_k: int = 0, formulation: str = XLA) -> Union[Array, Top]:
+  def __call__(self, y: Array, top_k: int = 0) -> Union[Array, Top]:
     kernel = layers.param_with_axes('kernel', layers.default_kernel_init,
                                     (y.shape[-1], self.vocab_size), jnp.float32,
                                     axes=('embed', 'vocab'))
-    f32 = jnp.float32
-    if top_k and formulation == PALLAS:
+    if top_k:
       top = kernel_lib.top_logits(y.reshape(-1, y.shape[-1]), kernel, top_k,
                                   interpret=self.kernel_interpret)
       return _unflatten(top, y.shape[:-1])
-    logits = lax.dot_general(jnp.asarray(y, f32), jnp.asarray(kernel, f32),
-                             (((y.ndim - 1,), (0,)), ((), ())))
-    return top_of_logits(logits, top_k) if top_k else logits
+    f32 = jnp.float32
+    return lax.dot_general(jnp.asarray(y, f32), jnp.asarray(kernel, f32),
+                           (((y.ndim - 1,), (0,)), ((), ())))
 
 
 def top_of_logits(logits: Array, k: int) -> Top:

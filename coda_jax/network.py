@@ -487,9 +487,8 @@ class Decoder(nn.Module):
     else:
       head = lm_head.LmHead(cfg.vocab_size, name='logits_dense',
                             kernel_interpret=None if plan is None else plan.interpret)
-      if top_logits:
-        return head(y, top_logits, plan_lib.XLA if plan is None or plan.lm_head is None
-                    else plan.lm_head)
+      if top_logits and plan is not None and plan.lm_head == plan_lib.PALLAS:
+        return head(y, top_logits)
       logits = head(y)
     logits = layers.with_sharding_constraint(logits, ('batch', 'length', 'vocab'))
     return lm_head.top_of_logits(logits, top_logits) if top_logits else logits

@@ -96,8 +96,6 @@ _WORD_BYTES = 4
 # logits, their rounding, the mask compare and select, the exponentials, the
 # weights and their rounding).
 _TEMPORARIES = 6
-# VMEM a call leaves to Mosaic's own scratch beyond what `plan` counts.
-_HEADROOM = 2 * 1024 * 1024
 # Programs along the 'parallel' batch axis at least (where the batch has as
 # many rows): a v4 chip's two TensorCores split that axis.
 _MIN_PARALLEL_BLOCKS = 2
@@ -132,7 +130,7 @@ class Plan:
 
   @property
   def vmem_limit(self) -> int:
-    return min(tpu_blocks.SMALLEST_VMEM, self.vmem_bytes + _HEADROOM)
+    return tpu_blocks.vmem_limit(self.vmem_bytes)
 
 
 def _staged(heads: int, kv_heads: int, dtype) -> bool:

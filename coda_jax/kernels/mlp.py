@@ -59,8 +59,7 @@ Array = jax.Array
 # Mosaic adds: measured on v4, where it ran out at 3).
 _CHUNK = 256
 _TEMPORARIES = 5
-# VMEM a call leaves to Mosaic's own scratch, beyond what `plan` counts.
-_HEADROOM = 2 * 1024 * 1024
+_HEADROOM = tpu_blocks.HEADROOM
 # Primitives that XLA's cost analysis counts as transcendental, one per
 # output element: what an activation's jaxpr is searched for
 # (`transcendentals_per_element`).

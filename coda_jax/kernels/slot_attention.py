@@ -77,8 +77,6 @@ _LANES = tpu_blocks.LANES
 # Float32 [groups, length] temporaries of a beam alive at once: the scores,
 # their rounding, the bias, the exponentials, the weights and their rounding.
 _TEMPORARIES = 6
-# VMEM a call leaves to Mosaic's own scratch beyond what `plan` counts.
-_HEADROOM = 2 * 1024 * 1024
 # Programs along the 'parallel' batch axis at least (a v4 chip's two
 # TensorCores split it).
 _MIN_PARALLEL_BLOCKS = 2
@@ -98,7 +96,7 @@ class Plan:
 
   @property
   def vmem_limit(self) -> int:
-    return min(tpu_blocks.SMALLEST_VMEM, self.vmem_bytes + _HEADROOM)
+    return tpu_blocks.vmem_limit(self.vmem_bytes)
 
 
 def _positions_on_lanes(head_dim: int, length: int) -> bool:

@@ -116,7 +116,7 @@ class Plan:
 
   @property
   def vmem_limit(self) -> int:
-    return min(tpu_blocks.SMALLEST_VMEM, self.vmem_bytes + 2 * 1024 * 1024)
+    return tpu_blocks.vmem_limit(self.vmem_bytes)
 
 
 def row_chunk(row_block: int) -> int:

@@ -25,6 +25,16 @@ VMEM_BUDGET = 12 * 1024 * 1024
 # (v4's 16 MiB): what a kernel assumes when it is not told its chip's.
 SMALLEST_VMEM = 16 * 1024 * 1024
 
+# VMEM a call leaves to Mosaic's own scratch beyond what a kernel's plan
+# counts.
+HEADROOM = 2 * 1024 * 1024
+
+
+def vmem_limit(need: int) -> int:
+  """The Mosaic VMEM limit of a call whose plan counts `need` bytes: with
+  `HEADROOM`, at most `SMALLEST_VMEM`."""
+  return min(SMALLEST_VMEM, need + HEADROOM)
+
 # How the TPU compiler lays out a kernel's operands and results in HBM
 # (row-major, as Pallas asks): in tiles over the last two dimensions, LANES
 # wide and SUBLANES rows high for every element width (16- and 8-bit types
