@@ -56,6 +56,32 @@ def test_random_params_are_made_in_the_target_dtype(bf16_task):
   assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in leaves)
 
 
+def test_random_params_ask_a_gpu_for_threefry_kernels_and_give_the_same_bits(monkeypatch):
+  """On a GPU the init's threefry is lowered as kernels (the flag set while it
+  is traced and put back after, an error included); elsewhere nothing changes."""
+  flag = 'jax_threefry_gpu_kernel_lowering'
+  before = getattr(jax.config, flag)
+  model = network.Transformer(models.make_config('tiny', jnp.float32))
+  plain = models.random_params(model, jax.random.PRNGKey(3))
+  with models.threefry_kernels():
+    assert getattr(jax.config, flag) == before  # this CPU: untouched
+  seen = []
+  real_jit = jax.jit
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  monkeypatch.setattr(jax, 'jit', lambda f: (seen.append(getattr(jax.config, flag)),
+                                             real_jit(f))[1])
+  on_gpu = models.random_params(model, jax.random.PRNGKey(3))
+  assert seen == [True] and getattr(jax.config, flag) == before
+  # The flag only changes a GPU's lowering: the bits are the same.
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(plain),
+                                                  jax.tree.leaves(on_gpu)))
+  with pytest.raises(RuntimeError, match='in the init'):
+    with models.threefry_kernels():
+      assert getattr(jax.config, flag) is True
+      raise RuntimeError('in the init')
+  assert getattr(jax.config, flag) == before
+
+
 def test_checkpoint_params_are_cast_and_put_on_the_device(bf16_task):
   params = bf16_task[0]
   config = models.make_config('tiny', jnp.bfloat16)

@@ -99,12 +99,13 @@ def test_readme_setup_is_install_then_test_then_the_main_job():
 
 
 GPU_RUN = os.path.join(REPO, 'benchmarks', 'gpu_nvidia_h100_80gb_hbm3',
-                       'decoding_base_boolq_k_to_all.json')
+                       'decoding_base_boolq.json')
 
 
 def test_readme_gpu_column_is_the_committed_gpu_run():
   """The first screen's GPU cells: the end-to-end speed-up and its bound of
-  each variant the committed H100 run measured, 'not measured' for the rest."""
+  each variant the committed H100 run of the main job measured, 'not measured' for
+  the rest."""
   import json  # pylint: disable=g-import-not-at-top
   with open(GPU_RUN) as f:
     run = json.load(f)

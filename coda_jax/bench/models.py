@@ -19,6 +19,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -128,7 +129,25 @@ def random_params(model: network.Transformer, rng: jax.Array) -> Dict[str, Any]:
   """
   dtype = model.config.dtype
   init = params_lib.init_fn(model)
-  return jax.jit(lambda key: jax.tree.map(lambda x: x.astype(dtype), init(key)))(rng)
+  with threefry_kernels():
+    return jax.jit(lambda key: jax.tree.map(lambda x: x.astype(dtype), init(key)))(rng)
+
+
+@contextlib.contextmanager
+def threefry_kernels():
+  """On a GPU, the random bits of an init as one threefry kernel per leaf
+  (jax's `jax_threefry_gpu_kernel_lowering`, the same bits) instead of its
+  rounds unrolled into fusions XLA compiles one by one: compiling a T5's init
+  otherwise takes longer than compiling its encoder. Elsewhere it does nothing."""
+  if jax.default_backend() != 'gpu':
+    yield
+    return
+  previous = jax.config.jax_threefry_gpu_kernel_lowering
+  jax.config.update('jax_threefry_gpu_kernel_lowering', True)
+  try:
+    yield
+  finally:
+    jax.config.update('jax_threefry_gpu_kernel_lowering', previous)
 
 
 def _params_on_device(model: network.Transformer, seed: int,
