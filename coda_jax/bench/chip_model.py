@@ -28,7 +28,9 @@ as `tools/routed_cost.py` reports it), the soft top-k's share of the
 end-to-end roofline (its bytes at the chip's bandwidth; the paper's Table 12
 measured under 2%) and, for an image task, the paper's Table 6 speed-up. An
 image model's encoder reads `[batch, n, 2 + 768]` patch rows; its prefill
-and step read their row ids `[batch, n]`, all a decoder needs of them.
+and step read their row ids `[batch, n]`, all a decoder needs of them. With
+--acm_budgets, the ACM block (the dense T5 and an ACM model per budget, each
+with its own three programs) is priced the same way (`chip_acm`).
 
 HBM traffic is what the compiled program moves to and from HBM
 (`hlo_costs.hbm_bytes`: every top-level op's operands and results at their
@@ -51,6 +53,8 @@ from typing import Any, Dict, List, Sequence
 import jax.numpy as jnp
 
 from coda_jax import flops as flops_lib
+from coda_jax.bench import acm_block
+from coda_jax.bench import chip_acm
 from coda_jax.bench import models
 from coda_jax.bench import report
 from coda_jax.bench.decoding_programs import paper_record, paper_speedup
@@ -207,6 +211,8 @@ def format_table(result: Dict[str, Any]) -> str:
                  f'cross K/V {floor["cross_kv"] / 1e9:.3f}, cache '
                  f'{floor["self_cache"] / 1e9:.3f}), flops '
                  f'{task["step_flops_over_analytic"]:.2f}x the analytic count')
+    if task.get('acm'):
+      lines += chip_acm.format_rows(task['task'], task['acm'])
   lines.append('')
   for c in result['checks']:
     lines.append(f'  [{"ok" if c["ok"] else "MISS"}] {c["check"]}: {c["value"]:.3f}')
@@ -230,12 +236,21 @@ def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaCo
       'encoder_input': config.encoder_input,
       'reduction_factors': args.reduction_factors, 'attention': args.attention},
       'tasks': []}
+  profile, budgets = acm_block.acm_profile(args) if args.acm_budgets else (None, [])
+  if profile is not None:
+    template = profile.template(args.acm_capacity_factor)
+    result['meta']['acm'] = {'usage_profile': profile.as_dict(), 'budgets': budgets,
+                             'num_learners': template.num_learners,
+                             'capacity_factor': template.capacity_factor}
   for name, n, decoded in tasks:
     steps = args.decode_steps or decoded
     task = measure_task(config, coda_template, args.chip, batch, n, steps,
                         args.reduction_factors, args.attention, dtype, log, beams)
     for row in task['variants']:
       row['paper_speedup'] = paper_speedup(name, row['reduction_factor'], row['attention'])
+    if profile is not None:
+      task['acm'] = chip_acm.measure_task(config, profile, template, budgets, args.chip,
+                                          batch, n, steps, dtype, log, beams)
     result['tasks'].append({'task': name, **task, 'paper': paper_record(name)})
   result['checks'] = checks(result)
   return result

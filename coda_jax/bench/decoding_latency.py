@@ -206,11 +206,10 @@ def check_args(args: argparse.Namespace) -> None:
 def _check_chip_args(args: argparse.Namespace) -> None:
   """What the chip model does not do (yet), named before anything compiles."""
   refused = [flag for flag, given in (
-      ('--checkpoint', args.checkpoint), ('--acm_budgets', bool(args.acm_budgets)),
-      ('--cross_kv', args.cross_kv)) if given]
+      ('--checkpoint', args.checkpoint), ('--cross_kv', args.cross_kv)) if given]
   if refused:
-    raise ValueError(f'--chip models the CoDA and Parallel Adapter variants with random '
-                     f'weights of --model; not with {", ".join(refused)}')
+    raise ValueError(f'--chip models the variants with random weights of --model; not with '
+                     f'{", ".join(refused)}')
 
 
 def image_model(args: argparse.Namespace) -> bool:
@@ -422,7 +421,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   g.add_argument('--acm_budgets', default=None, type=flags.budgets,
                  help='comma-separated ACM budgets β in (0, 1]: the dense T5 and an ACM '
                  'model at each β, timed against it (default: every budget --acm_usage '
-                 'records; empty: no ACM rows)')
+                 'records; empty: no ACM rows; with --chip: no ACM rows unless given)')
   g.add_argument('--acm_usage', default=None,
                  help="where the ACM rows' learner usage u_n = P(k >= n) comes from "
                  "('gather' capacity of learner n: ceil(capacity factor * u_n * tokens)): "

@@ -67,6 +67,13 @@ def paper_note(task: Mapping[str, Any]) -> List[str]:
   return [f'paper x: {paper["source"]} (end to end, k-to-all)'] if paper else []
 
 
+def ffn_cell(acm: Optional[Mapping[str, Any]]) -> str:
+  """An ACM row's 'ffn enc/dec' cell: the FFN work its capacities keep in the
+  encoder and in a decoding step ('1/1' for the dense model)."""
+  return (f'{acm["encoder_ffn_fraction"]:.2f}/{acm["decoder_ffn_fraction"]:.2f}' if acm
+          else '1/1')
+
+
 def _acm_lines(task: Mapping[str, Any]) -> list:
   """The ACM block of a task: the dense model and each budget, speed-ups over dense."""
   acm = task['acm']
@@ -78,11 +85,9 @@ def _acm_lines(task: Mapping[str, Any]) -> list:
            "below say), capacities from a recorded learner usage", head, '-' * len(head)]
   for row in acm['variants']:
     med, sp, bd = row['median_ms'], row['speedup'], row['flop_bound']
-    a = row['acm']
-    ffn = (f'{a["encoder_ffn_fraction"]:.2f}/{a["decoder_ffn_fraction"]:.2f}' if a
-           else '1/1')
     lines.append(
-        f'{row["name"]:22s} {ffn:>11s} {med["encoder"]:9.1f} {med["decoder"]:9.1f} '
+        f'{row["name"]:22s} {ffn_cell(row["acm"]):>11s} {med["encoder"]:9.1f} '
+        f'{med["decoder"]:9.1f} '
         f'{med["end_to_end"]:9.1f} {sp["encoder"]:6.2f} ({bd["encoder"]:5.2f}) '
         f'{sp["decoder"]:6.2f} ({bd["decoder"]:5.2f}) '
         f'{sp["end_to_end"]:6.2f} ({bd["end_to_end"]:5.2f}) '

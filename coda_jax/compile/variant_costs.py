@@ -11,9 +11,10 @@ back: flops and bytes accessed of the compiled program (`cost_analysis`), the
 roofline time max(flops / peak, bytes / HBM bandwidth) at the chip's figures
 (`chips.CHIPS`), while loops in the TPU HLO, and the bytes of each stage of
 the layers (norm, adapter, router, soft top-k, route, attention and its
-position bias, MLP, un-route) from the `jax.named_scope`s and module names the
-compiled ops carry in their `op_name`, and the encoder's plan (`coda_jax.plan`:
-which formulation and kernel each step of its layers runs).
+position bias, MLP or its ACM, un-route) from the `jax.named_scope`s and
+module names the compiled ops carry in their `op_name`, and the encoder's
+plan (`coda_jax.plan`: which formulation and kernel each step of its layers
+runs).
 
 Per variant, against the baseline on the same chip: the roofline speed-up,
 the compiled-flops speed-up and `flops.py`'s analytic bound. The ratio of the
@@ -48,14 +49,16 @@ PREFILL = 'prefill'
 DECODE_STEP = 'decode step'
 
 # (stage, op_name pattern), first match wins: the model's named scopes
-# (network.EncoderLayer: 'router', 'route', 'unroute'; soft_topk's solvers)
-# and module names (flax puts them in op_name).
+# (network.EncoderLayer: 'router', 'route', 'unroute'; soft_topk's solvers;
+# an ACM's 'acm_order' and 'acm_learner_n') and module names (flax puts them
+# in op_name: an ACM's 'acm_mlp', 'acm_query', ...).
 STAGES = (
     ('soft_topk', r'soft_topk'),
     ('router', r'/router(/|$)'),
     ('unroute', r'/unroute(/|$)'),
     ('route', r'/route(/|$)'),
     ('adapter', r'/adapter[\w]*(/|$)'),
+    ('acm', r'acm_'),
     ('position_bias', r'relpos_bias'),
     ('attention', r'attention(/|$)'),
     ('mlp', r'/mlp(/|$)'),
