@@ -130,6 +130,43 @@ def test_beam_search_prices_its_whole_step(run, tmp_path):
   assert 'decoding beam x2' in table.splitlines()[0]
 
 
+def test_acm_budgets_add_the_acm_block_to_the_run(tmp_path, capsys):
+  """--chip with --acm_budgets: the dense T5 and the ACM model of each budget,
+  each with its own encoder, prefill and step, in the JSON and the table;
+  none without the flag (the fixture's run)."""
+  out = tmp_path / 'acm.json'
+  argv = [a for a in ARGV]
+  argv[argv.index('--attention') + 1] = 'k_to_all'
+  assert decoding_latency.main([*argv, '--acm_budgets', '0.5', '--out', str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert result['meta']['acm']['budgets'] == [0.5]
+  [task] = result['tasks']
+  block = task['acm']
+  assert [r['name'] for r in block['rows']] == ['dense', 'acm_b0.5']
+  dense, acm = block['rows']
+  assert acm['acm']['decoder_step_capacities'] == list(
+      acm_usage_profile().config(acm_usage_profile().template(), 0.5).capacities(BATCH))
+  for row in block['rows']:
+    assert set(row['programs']) == {'encoder', 'prefill', 'step'}
+    ms = row['roofline_ms']
+    assert ms['end_to_end'] == pytest.approx(ms['encoder'] + ms['prefill'] + T * ms['step'])
+    assert row['speedup']['end_to_end'] == pytest.approx(
+        dense['roofline_ms']['end_to_end'] / ms['end_to_end'])
+  printed = capsys.readouterr().out
+  assert 'ACM (custom): speed-ups over dense' in printed
+  assert any(line.startswith('acm_b0.5 ') for line in printed.splitlines())
+
+
+def test_the_run_without_acm_budgets_has_no_acm_block(run):
+  _, result = run
+  assert 'acm' not in result['meta'] and 'acm' not in result['tasks'][0]
+
+
+def acm_usage_profile():
+  from coda_jax.bench import acm_usage  # pylint: disable=g-import-not-at-top
+  return acm_usage.read(acm_usage.default_path())
+
+
 @pytest.mark.parametrize('extra,message', [
     (['--checkpoint', '/nonexistent'], 'not with --checkpoint'),
     (['--cross_kv'], 'not with --cross_kv'),
