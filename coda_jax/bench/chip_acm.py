@@ -115,8 +115,7 @@ def format_rows(task_name: str, block: Dict[str, Any]) -> List[str]:
     plan = f'{row["plan"]["encoder"] or "-"}/{row["plan"]["step"] or "-"}'
     lines.append(
         f'{row["name"]:22} {report.ffn_cell(row["acm"]):>11} {ms["encoder"]:8.2f} '
-        f'{ms["prefill"]:7.2f} '
-        f'{ms["step"]:7.3f} {ms["end_to_end"]:8.2f} '
+        f'{ms["prefill"]:7.2f} {ms["step"]:7.3f} {ms["end_to_end"]:8.2f} '
         + ' '.join(f'{x[s]:5.2f} ({b[s]:5.2f})  ' for s in STAGES)
         + f'{row["fraction_of_bound"]["end_to_end"]:7.2f} {gb["encoder"]:7.2f} '
         f'{gb["step"]:7.3f}  {plan}')

@@ -237,8 +237,8 @@ def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaCo
       'reduction_factors': args.reduction_factors, 'attention': args.attention},
       'tasks': []}
   profile, budgets = acm_block.acm_profile(args) if args.acm_budgets else (None, [])
+  template = None if profile is None else profile.template(args.acm_capacity_factor)
   if profile is not None:
-    template = profile.template(args.acm_capacity_factor)
     result['meta']['acm'] = {'usage_profile': profile.as_dict(), 'budgets': budgets,
                              'num_learners': template.num_learners,
                              'capacity_factor': template.capacity_factor}
