@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import beam_attention
+from coda_jax.dot_attention import KV_LAYOUTS, dot_product_attention  # noqa: F401
 from coda_jax import step_attention
 from coda_jax.config import LORA_AXIS
 from coda_jax.kernels import mlp as mlp_kernel
@@ -81,71 +82,8 @@ def lora_scaling(rank: int, alpha: float) -> float:
   return float(alpha) / positive_int(rank, 'LoRA rank')
 
 
-KV_LAYOUTS = ('bskd', 'heads_major')
 # A layer's formulation, as a plan (`coda_jax.plan`) chose it.
 _FORMULATIONS = ('xla', 'pallas')
-
-
-def dot_product_attention(query: Array,
-                          key: Array,
-                          value: Array,
-                          bias: Optional[Array] = None,
-                          dropout_rng: Optional[Array] = None,
-                          dropout_rate: float = 0.,
-                          deterministic: bool = False,
-                          dtype: DType = jnp.float32,
-                          float32_logits: bool = False,
-                          kv_layout: str = 'bskd',
-                          broadcast_dropout: bool = True) -> Array:
-  """Dot-product attention with grouped key/value heads; no 1/sqrt(d) scaling.
-
-  Args:
-    query: `[batch, q_length, num_heads, head_dim]`.
-    key: `[batch, kv_length, num_kv_heads, head_dim]`; num_kv_heads divides
-      num_heads (1: multi-query attention).
-    value: `[batch, kv_length, num_kv_heads, head_dim]`.
-    bias: broadcastable to `[batch, num_heads, q_length, kv_length]`.
-    kv_layout: 'bskd' (as above) or 'heads_major': key `[batch, num_kv_heads,
-      head_dim, kv_length]` and value `[batch, num_kv_heads, kv_length,
-      head_dim]`, the operands of the two matmuls as they are (a cached
-      cross-attention reads them with no transpose per decoding step).
-    broadcast_dropout: one dropout mask `[batch, num_heads, 1, kv_length]`
-      shared by every query, as T5 and t5x's `dot_product_attention` drop
-      attention weights (a mask per query draws q_length times the random
-      bits, which dominates the TPU compile time of a train step).
-
-  Returns:
-    `[batch, q_length, num_heads, head_dim]`.
-  """
-  batch, q_len, num_heads, head_dim = query.shape
-  if kv_layout not in KV_LAYOUTS:
-    raise ValueError(f'kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}')
-  heads_major = kv_layout == 'heads_major'
-  num_kv_heads = key.shape[1] if heads_major else key.shape[-2]
-  kv_len = key.shape[-1] if heads_major else key.shape[1]
-  if num_heads % num_kv_heads:
-    raise ValueError(f'num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}')
-  groups = num_heads // num_kv_heads
-  if float32_logits:
-    query = query.astype(jnp.float32)
-    key = key.astype(jnp.float32)
-  # Heads h = kv_head * groups + g, the layout of HF/t5x grouped attention.
-  query = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
-  logits = jnp.einsum('bqkgd,bkds->bkgqs' if heads_major else 'bqkgd,bskd->bkgqs',
-                      query, key)
-  logits = logits.reshape(batch, num_heads, q_len, kv_len)
-  if bias is not None:
-    logits = logits + bias.astype(logits.dtype)
-  weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(dtype)
-  if not deterministic and dropout_rate > 0.:
-    keep_prob = 1.0 - dropout_rate
-    mask_shape = weights.shape[:2] + (1,) + weights.shape[3:] if broadcast_dropout else weights.shape
-    keep = jax.random.bernoulli(dropout_rng, keep_prob, mask_shape)
-    weights = weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype))
-  weights = weights.reshape(batch, num_kv_heads, groups, q_len, kv_len)
-  out = jnp.einsum('bkgqs,bksd->bqkgd' if heads_major else 'bkgqs,bskd->bqkgd',
-                   weights, value.astype(dtype))
-  return out.reshape(batch, q_len, num_heads, head_dim)
 
 
 class DenseGeneral(nn.Module):
