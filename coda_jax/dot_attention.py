@@ -4,10 +4,11 @@
 values with grouped heads (multi-query included) in one of `KV_LAYOUTS`, and
 adds a precomputed bias (mask and relative positions) to the logits. The two
 matmuls are written for the backend that runs them (`coda_jax.target`): on a
-CPU, with their batch axes (example, key/value head, group) leading in every
-operand, as XLA:CPU's batched matmul takes them; elsewhere as einsums over
-the layouts as they are, whose layouts the TPU and GPU compilers choose. Both
-compute the same products and sums. `coda_jax.layers` re-exports both names.
+CPU with their batch axes (example, key/value head) leading in every operand,
+as XLA:CPU's batched matmul takes them; elsewhere as einsums over the
+operands as they come, the TPU and GPU compilers choosing the layouts. Both
+compute the same products and sums. `coda_jax.layers` imports it (t5x's
+layers.py has it).
 """
 from __future__ import annotations
 

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import beam_attention
-from coda_jax.dot_attention import KV_LAYOUTS, dot_product_attention  # noqa: F401
 from coda_jax import step_attention
 from coda_jax.config import LORA_AXIS
+from coda_jax.dot_attention import dot_product_attention
 from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import relpos_attention as relpos_kernel
 from coda_jax.kernels import tpu_blocks
