@@ -99,3 +99,20 @@ def test_progress_is_lines_where_stderr_is_not_a_terminal(monkeypatch, capsys):
   assert isinstance(timing.progress_bar(3, enabled=False), metrics.ProgressBar)
   monkeypatch.setattr('sys.stderr.isatty', lambda: True, raising=False)
   assert isinstance(timing.progress_bar(3), metrics.ProgressBar)
+
+
+def test_bench_attention_times_both_forms_and_they_agree(tmp_path):
+  """Multi-query, so the grouped heads take both forms' reshapes."""
+  tool = _tool('bench_attention')
+  report = tool.main(['--batch_size', '2', '--length', '16', '--heads', '4',
+                      '--kv_heads', '1', '--head_dim', '8', '--repeats', '2',
+                      '--out', str(tmp_path / 'a.json')])
+  assert json.loads((tmp_path / 'a.json').read_text()) == report
+  assert set(report['forms']) == {'batch_major', 'einsums'}
+  assert report['max_abs_difference'] < 1e-5
+  for row in report['forms'].values():
+    assert len(row['times_s']) == 2 and row['median_ms'] > 0 and row['compile_s'] > 0
+  assert report['forms']['einsums']['speedup'] == 1.0
+  assert report['speedup_of_batch_major'] == report['forms']['batch_major']['speedup'] > 0
+  with pytest.raises(SystemExit):
+    tool.main(['--heads', '4', '--kv_heads', '3'])
