@@ -107,9 +107,9 @@ def format_rows(task_name: str, block: Dict[str, Any]) -> List[str]:
   head = (f'{"variant":22} {"ffn enc/dec":>11} {"enc ms":>8} {"pre ms":>7} {"step ms":>7} '
           f'{"e2e ms":>8} {"enc x (bound)":>14} {"dec x (bound)":>14} {"e2e x (bound)":>14} '
           f'{"e2e/bnd":>7} {"enc GB":>7} {"step GB":>7}  plan enc/step')
-  lines = ['', f'ACM ({task_name}): speed-ups over {DENSE}; roofline ms; each model its own '
-           "encoder, prefill and step; 'auto' inference, capacities from a recorded learner "
-           'usage', head, '-' * len(head)]
+  lines = report.table_lines(
+      f'ACM ({task_name}): speed-ups over {DENSE}; roofline ms; each model its own encoder, '
+      "prefill and step; 'auto' inference, capacities from a recorded learner usage", head)
   for row in block['rows']:
     ms, gb, x, b = row['roofline_ms'], row['gigabytes'], row['speedup'], row['flop_bound']
     plan = f'{row["plan"]["encoder"] or "-"}/{row["plan"]["step"] or "-"}'

@@ -183,11 +183,11 @@ def format_table(result: Dict[str, Any]) -> str:
           f'{"e2e ms":>8} {"enc x (bound)":>14} {"enc eff":>7} {"e2e x (bound)":>14} '
           f'{"topk %":>6} {"enc GB":>7} {"pre GB":>6} {"step GB":>7}')
   for task in result['tasks']:
-    task_head = head + (report.PAPER_HEAD if task.get('paper') else '')
-    lines += ['', f'{task["task"]}: input {task["input_length"]}, {task["decode_steps"]} '
-              f'decoding steps, batch {task["batch_size"]} (speed-ups over '
-              f'{models.BASELINE}; roofline ms; GB: HBM traffic; enc eff: encoder speed-up '
-              '/ its compiled-flops speed-up)', task_head, '-' * len(task_head)]
+    lines += report.table_lines(
+        f'{task["task"]}: input {task["input_length"]}, {task["decode_steps"]} decoding '
+        f'steps, batch {task["batch_size"]} (speed-ups over {models.BASELINE}; roofline ms; '
+        'GB: HBM traffic; enc eff: encoder speed-up / its compiled-flops speed-up)',
+        head + (report.PAPER_HEAD if task.get('paper') else ''))
     for row in task['variants']:
       ms, gb = row['roofline_ms'], row['gigabytes']
       lines.append(

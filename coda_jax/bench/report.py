@@ -10,6 +10,12 @@ import json
 from typing import Any, List, Mapping, Optional, Sequence
 
 
+def table_lines(title: str, head: str) -> List[str]:
+  """A table's opening lines: a blank line, its title, its column header and
+  a rule as wide as the header."""
+  return ['', title, head, '-' * len(head)]
+
+
 def write_json(result: Mapping[str, Any], path: Optional[str], indent: int = 1) -> str:
   """`result` as JSON text, also written to `path` (with a final newline) when given."""
   text = json.dumps(result, indent=indent)
@@ -80,9 +86,9 @@ def _acm_lines(task: Mapping[str, Any]) -> list:
   head = (f'{"variant":22s} {"ffn enc/dec":>11s} {"enc ms":>9s} {"dec ms":>9s} '
           f'{"e2e ms":>9s} {"enc x (bound)":>15s} {"dec x (bound)":>15s} '
           f'{"e2e x (bound)":>15s} {"e2e/bnd":>7s} {"comp s":>7s}')
-  lines = ['', f'ACM ({task["task"]}): speed-ups over {acm["baseline"]}; each model its own '
-           "encoder and decoder; 'auto' inference (gather or masked, as the plans "
-           "below say), capacities from a recorded learner usage", head, '-' * len(head)]
+  lines = table_lines(f'ACM ({task["task"]}): speed-ups over {acm["baseline"]}; each model '
+                      "its own encoder and decoder; 'auto' inference (gather or masked, as the "
+                      'plans below say), capacities from a recorded learner usage', head)
   for row in acm['variants']:
     med, sp, bd = row['median_ms'], row['speedup'], row['flop_bound']
     lines.append(
@@ -112,15 +118,12 @@ def format_table(result: Mapping[str, Any]) -> str:
           f'{"enc x (bound)":>15s} {"e2e x (bound)":>15s} {"enc/bnd":>7s} '
           f'{"topk %":>6s} {"e2e x min":>9s} {"enc comp s":>10s}')
   for task in result['tasks']:
-    lines.append('')
-    lines.append(f'{task["task"]}: input {task["input_length"]}, output '
-                 f'{task["output_length"]}, batch {task["batch_size"]} '
-                 f'(speed-ups over {task["baseline"]}; one decoder for all, '
-                 f'compiled in {task["decoder"]["compile_s"]:.1f} s; '
-                 f'{task["xla_compilations"]["compile"]} XLA compilations)')
-    task_head = head + (PAPER_HEAD if task.get('paper') else '')
-    lines.append(task_head)
-    lines.append('-' * len(task_head))
+    lines += table_lines(
+        f'{task["task"]}: input {task["input_length"]}, output {task["output_length"]}, '
+        f'batch {task["batch_size"]} (speed-ups over {task["baseline"]}; one decoder for '
+        f'all, compiled in {task["decoder"]["compile_s"]:.1f} s; '
+        f'{task["xla_compilations"]["compile"]} XLA compilations)',
+        head + (PAPER_HEAD if task.get('paper') else ''))
     for row in task['variants']:
       med, sp, bd = row['median_ms'], row['speedup'], row['flop_bound']
       topk = row['soft_topk']
