@@ -14,6 +14,11 @@ README's targets are stated for):
                        soft top-k kernel against the XLA path (agreement, ms)
   routing              tools/bench_routing.py: each routing primitive next to one
                        FFN matmul (base / boolq shape: 128 x 384 x 768, r = 3)
+  acm_plan             tools/acm_plan_evidence.py --model base: one FFN ACM run
+                       'gather' and 'masked' at 128 and 512 tokens a call (a
+                       greedy and a 4-beam decoding step at batch 128) and 24576
+                       and 49152 (an encoder at batch 64 and 128, n = 384): the
+                       evidence for the plan's ACM rows on a GPU
   decoding_text_base   coda-jax benchmark --model text_base: the paper's own Text
                        Base (multi-query attention, 6 decoder layers), boolq and
                        xsum shapes, k-to-all r = 1, 3, 5 against the Parallel Adapter
@@ -90,6 +95,11 @@ STEPS = (
          ['tools/bench_routing.py'],
          ['tools/bench_routing.py', '--batch_size', '2', '--length', '64', '--emb_dim', '32',
           '--mlp_dim', '64', '--repeats', '2']),
+    Step('acm_plan', "an FFN ACM 'gather' and 'masked' at a decoding step's rows and an "
+         "encoder's tokens, T5 v1.1-base: the evidence a GPU row of the plan's ACM rules needs",
+         ['tools/acm_plan_evidence.py', '--model', 'base', '--tokens', '128,512,24576,49152'],
+         ['tools/acm_plan_evidence.py', '--model', 'tiny', '--tokens', '4,64', '--repeats',
+          '1']),
     Step('decoding_text_base', "decoding latency, the paper's Text Base (Table 7), boolq and "
          'xsum shapes, batch 128, k-to-all',
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'text_base', '--tasks', 'boolq,xsum',
@@ -215,7 +225,8 @@ def outcome(record: Dict[str, object], out_file: str) -> str:
 
 def headline(record: Dict[str, object], out_file: str) -> str:
   """What the table's last column can say without reading the numbers: the
-  target lines met, the XL decoding run's wall time against its target."""
+  target lines met, the XL decoding run's wall time against its target, the
+  ACM formulation that was faster at how many points."""
   parts = []
   if record['status'] == 'timed out':
     parts.append(f'stopped after {float(record["wall_s"]):.0f} s (--time_limit_s)')
@@ -229,6 +240,10 @@ def headline(record: Dict[str, object], out_file: str) -> str:
     parts.append(f'{sum(bool(r.get("ok")) for r in results)} of {len(results)} cases '
                  'within tolerance' + (f'; off: {", ".join(result["off"])}'
                                        if result.get('off') else ''))
+  if record['name'] == 'acm_plan' and isinstance(result, dict):
+    faster = [p.get('faster') for p in result.get('points', [])]
+    parts.append(f"'masked' faster at {faster.count('masked')} of {len(faster)} points, "
+                 f"'gather' at {faster.count('gather')}")
   checks = result.get('checks') if isinstance(result, dict) else None
   if isinstance(checks, list) and checks:
     parts.append(f'{sum(bool(c.get("ok")) for c in checks)} of {len(checks)} target lines ok')

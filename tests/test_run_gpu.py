@@ -30,6 +30,7 @@ def test_dry_run_prints_each_tool_of_the_readme(run_gpu, capsys):
       ['-m', 'coda_jax.cli', 'selftest'],
       ['tools/bench_soft_topk.py', '--pallas_vs_xla', '128x384,128x512,4096x512'],
       ['tools/bench_routing.py', '--out', '/tmp/x/routing.json'],
+      ['tools/acm_plan_evidence.py', '--model', 'base'],
       ['-m', 'coda_jax.cli', 'benchmark'], ['-m', 'coda_jax.cli', 'benchmark'],
       ['tools/bench_encoder.py', '--model', 'xl'],
       ['tools/bench_acm.py', '--model', 'base'], ['-m', 'coda_jax.cli', 'benchmark']]
@@ -118,3 +119,22 @@ def test_smoke_step_writes_its_json_the_run_record_and_the_table_row(run_gpu, tm
   assert out[0] == '| file | device | jax | what | headline |'
   assert out[2].startswith(f'| [{tmp_path}/routing.json]({tmp_path}/routing.json) | ')
   assert '--smoke: toy sizes' in out[2]
+
+
+def test_the_acm_plan_step_runs_the_evidence_tool_and_names_the_faster_formulation(
+    run_gpu, tmp_path):
+  """The acm_plan step's smoke flags run tools/acm_plan_evidence.py (here in
+  this process); its headline counts the points each formulation won."""
+  [step] = [s for s in run_gpu.STEPS if s.name == 'acm_plan']
+  spec = importlib.util.spec_from_file_location(
+      'acm_plan_evidence', os.path.join(REPO, step.smoke[0]))
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  out = tmp_path / 'acm_plan.json'
+  result = tool.main(list(step.smoke[1:]) + ['--out', str(out)])
+  faster = [p['faster'] for p in result['points']]
+  assert len(faster) == 2 * len(result['usage_profile']['learner_usage'])  # tokens x budgets
+  record = {'name': 'acm_plan', 'status': 'ok'}
+  assert run_gpu.headline(record, str(out)) == (
+      f"'masked' faster at {faster.count('masked')} of {len(faster)} points, "
+      f"'gather' at {faster.count('gather')}")
