@@ -378,9 +378,10 @@ def _decoder_evidence_agrees(evidence):
 def _acm_evidence_agrees(evidence):
   """A `tools/acm_plan_evidence.py` file (an FFN ACM timed 'gather' and
   'masked' at each token count and budget): at every point, 'auto' runs the
-  faster formulation, or one within `plan.ACM_TIE` of it; and the file's
-  points cover both choices."""
-  cpu = target.Target('cpu')
+  faster formulation, or one within `plan.ACM_TIE` of it, on the file's
+  chip (the platform, 'cpu' or 'gpu', that the plan's ACM rows name); and
+  the file's points cover both choices."""
+  where = target.Target(evidence['chip'])
   chosen = set()
   for point in evidence['points']:
     acm = AcmConfig(num_learners=evidence['num_learners'], inference='auto',
@@ -388,7 +389,7 @@ def _acm_evidence_agrees(evidence):
                         str(point['budget'])],
                     capacity_factor=evidence['capacity_factor'])
     assert list(acm.capacities(point['tokens'])) == point['capacities'], point
-    choice, why = plan_lib.resolve_acm(acm, cpu, point['tokens'])
+    choice, why = plan_lib.resolve_acm(acm, where, point['tokens'])
     seconds = point['seconds']
     assert seconds[choice] <= (1 + plan_lib.ACM_TIE) * min(seconds.values()), (
         point['tokens'], point['budget'], seconds, why)
@@ -410,7 +411,7 @@ def test_rules_agree_with_their_evidence(path):
     assert _decoder_evidence_agrees(evidence) >= 6
     return
   if evidence.get('program') == 'acm_ffn':
-    assert evidence['chip'] == 'cpu' and _acm_evidence_agrees(evidence) >= 10
+    assert evidence['chip'] in ('cpu', 'gpu') and _acm_evidence_agrees(evidence) >= 10
     return
   assert not evidence['search']
   measure = evidence.get('measure', 'bytes_accessed')
