@@ -490,9 +490,10 @@ def test_the_kernels_page_shows_the_rules():
     ('cpu', None, 4, (0.9, 0.4, 0.15, 0.05), 'auto', False, 'masked', 'tokens <= 32'),
     # An encoder's 1536 tokens that keep 0.46 of the learner work: gathered.
     ('cpu', None, 1536, (0.9, 0.4, 0.15, 0.05), 'auto', False, 'gather', 'no rule for cpu'),
-    # ... and 0.89 of it: masked.
-    ('cpu', None, 1536, (0.98, 0.87, 0.76, 0.48), 'auto', False, 'masked',
-     '0.8 < learner work <= 1'),
+    # ... and 0.89 of it: gathered too; 256 tokens at 0.89: masked.
+    ('cpu', None, 1536, (0.98, 0.87, 0.76, 0.48), 'auto', False, 'gather', 'no rule for cpu'),
+    ('cpu', None, 256, (0.98, 0.87, 0.76, 0.48), 'auto', False, 'masked',
+     '0.8 < learner work <= 1, tokens <= 256'),
     # A chip with no ACM row gets the default, gathers.
     ('tpu', 'v4', 4, (0.9, 0.4, 0.15, 0.05), 'auto', False, 'gather', 'no rule for v4'),
     # Training, or no recorded usage: masked; a setting by name is obeyed.
