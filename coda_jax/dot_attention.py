@@ -2,13 +2,15 @@
 
 `dot_product_attention` takes queries `[batch, q, heads, head_dim]` and keys /
 values with grouped heads (multi-query included) in one of `KV_LAYOUTS`, and
-adds a precomputed bias (mask and relative positions) to the logits. The two
-matmuls are written for the backend that runs them (`coda_jax.target`): on a
-CPU with their batch axes (example, key/value head) leading in every operand,
-as XLA:CPU's batched matmul takes them; elsewhere as einsums over the
-operands as they come, the TPU and GPU compilers choosing the layouts. Both
-compute the same products and sums. `coda_jax.layers` imports it (t5x's
-layers.py has it).
+adds a precomputed bias (mask and relative positions) to the logits. Its two
+matmuls take one of two forms, the same products and sums: 'batch_major',
+their batch axes (example, key/value head) leading in every operand, as
+XLA:CPU's batched matmul takes them, or 'einsums' over the operands as they
+come, the compiler choosing the layouts. `coda_jax.plan` picks the form for
+the chip the program is traced for (`plan.resolve_xla_attention`, from rows
+measured by `tools/bench_attention.py`: batch-major on a CPU; the einsums
+where no row says otherwise). `coda_jax.layers` imports it (t5x's layers.py
+has it).
 """
 from __future__ import annotations
 
@@ -17,11 +19,13 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from coda_jax import plan
 from coda_jax import target
 
 Array = jax.Array
 
 KV_LAYOUTS = ('bskd', 'heads_major')
+FORMS = ('auto', plan.BATCH_MAJOR, plan.EINSUMS)
 
 
 def dot_product_attention(query: Array,
@@ -34,7 +38,8 @@ def dot_product_attention(query: Array,
                           dtype: Any = jnp.float32,
                           float32_logits: bool = False,
                           kv_layout: str = 'bskd',
-                          broadcast_dropout: bool = True) -> Array:
+                          broadcast_dropout: bool = True,
+                          form: str = 'auto') -> Array:
   """Dot-product attention with grouped key/value heads; no 1/sqrt(d) scaling.
 
   Args:
@@ -51,6 +56,8 @@ def dot_product_attention(query: Array,
       shared by every query, as T5 and t5x's `dot_product_attention` drop
       attention weights (a mask per query draws q_length times the random
       bits, which dominates the TPU compile time of a train step).
+    form: 'batch_major' or 'einsums' (above); 'auto': the plan's for the
+      chip being traced for.
 
   Returns:
     `[batch, q_length, num_heads, head_dim]`.
@@ -58,6 +65,8 @@ def dot_product_attention(query: Array,
   batch, q_len, num_heads, head_dim = query.shape
   if kv_layout not in KV_LAYOUTS:
     raise ValueError(f'kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}')
+  if form not in FORMS:
+    raise ValueError(f'form must be one of {FORMS}, got {form!r}')
   heads_major = kv_layout == 'heads_major'
   num_kv_heads = key.shape[1] if heads_major else key.shape[-2]
   kv_len = key.shape[-1] if heads_major else key.shape[1]
@@ -69,11 +78,11 @@ def dot_product_attention(query: Array,
     key = key.astype(jnp.float32)
   # Heads h = kv_head * groups + g, the layout of HF/t5x grouped attention.
   query = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
-  batch_major = target.platform() == 'cpu'
+  if form == 'auto':
+    form = plan.resolve_xla_attention(target.current())[0]
+  batch_major = form == plan.BATCH_MAJOR
   if batch_major:
-    # [b, k, g, q, d], [b, k, d, s], [b, k, s, d]. T5 v1.1-small's encoder
-    # attention (4 x 384 tokens, 6 heads, float32) on 2 CPU cores: 11.0-11.3
-    # ms against the einsums' 16.2-17.1 (fastest of 15 alternating calls, 3 runs).
+    # [b, k, g, q, d], [b, k, d, s], [b, k, s, d].
     query = query.transpose(0, 2, 3, 1, 4)
     if not heads_major:
       key, value = key.transpose(0, 2, 3, 1), value.transpose(0, 2, 1, 3)

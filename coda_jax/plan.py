@@ -7,7 +7,9 @@ encoder's attention, its pre-MLP norm and MLP, a routed layer's route (with
 its adapter's down projection) and its output (with the adapter), the soft
 top-k's solver kernel, and the routed MLP's factored norm; a decoding step's
 cross-attention, its MLP and beam search's self-attention have XLA's and a
-TPU kernel's. Which one runs is decided here, and only here, from
+TPU kernel's; XLA's attention writes its matmuls as einsums or batch-major
+(`resolve_xla_attention`, which `dot_attention` asks). Which one runs is
+decided here, and only here, from
 
 * the configs' settings (`T5Config.attention_kernel`, `mlp_kernel`,
   `decode_attention_kernel`, `beam_attention_kernel`, `CodaConfig.dispatch`,
@@ -57,10 +59,10 @@ from coda_jax.target import Target
 # The choices, formulations and measured rows (data: `coda_jax.plan_rules`),
 # re-exported: the names plans speak.
 from coda_jax.plan_rules import (  # noqa: F401
-    ACM, ACM_TIE, ANY_LENGTH, ATTENTION, BEAM_ATTENTION, CHOICES, DECODE_ATTENTION, DECODE_MLP,
-    DECODE_TIE, DEFAULTS, DISPATCH, GATHER, KERNELS, LM_HEAD, MASKED, MLP, NATIVE_PLATFORM,
-    ONE_HOT, OUTPUT, PALLAS, ROUTE, RULES, SETTING, SOFT_TOPK, XLA, Rule, _ALTERNATIVE,
-    rules_table)
+    ACM, ACM_TIE, ANY_LENGTH, ATTENTION, BATCH_MAJOR, BEAM_ATTENTION, CHOICES, DECODE_ATTENTION,
+    DECODE_MLP, DECODE_TIE, DEFAULTS, DISPATCH, EINSUMS, GATHER, KERNELS, LM_HEAD, MASKED, MLP,
+    NATIVE_PLATFORM, ONE_HOT, OUTPUT, PALLAS, ROUTE, RULES, SETTING, SOFT_TOPK, XLA,
+    XLA_ATTENTION, XLA_ATTENTION_TIE, Rule, _ALTERNATIVE, rules_table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,8 @@ class Plan:
     routed: how its routed layers run (None: none routes).
     reasons: `{choice: why}`, one line each.
     acm: how its ACMs run their learners (`MASKED`, `GATHER`; None: no ACM).
+    xla_attention: how XLA's attention writes its matmuls (`EINSUMS`,
+      `BATCH_MAJOR`: `resolve_xla_attention`), wherever no kernel runs it.
   """
   target: Target
   length: int
@@ -114,6 +118,7 @@ class Plan:
   routed: Optional[LayerPlan]
   reasons: Tuple[Tuple[str, str], ...]
   acm: Optional[str] = None
+  xla_attention: str = EINSUMS
 
   def kernels(self) -> Tuple[str, ...]:
     """The Pallas kernels this program runs (`KERNELS` order)."""
@@ -129,7 +134,8 @@ class Plan:
     return {'target': self.target.describe(), 'device_kind': self.target.device_kind,
             'length': self.length, 'k': self.k, 'attention': self.attention_variant,
             'dense': layer(self.dense), 'routed': layer(self.routed), 'acm': self.acm,
-            'kernels': list(self.kernels()), 'reasons': dict(self.reasons)}
+            'xla_attention': self.xla_attention, 'kernels': list(self.kernels()),
+            'reasons': dict(self.reasons)}
 
   def summary(self) -> str:
     """The choices in one line: 'tpu v5e: attention pallas, mlp pallas,
@@ -262,6 +268,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
   acm_inference, why = resolve_acm(acm, target, int(batch) * n, 'encoder', training)
   if acm_inference is not None:
     reasons.append((ACM, why))
+  form, why_form = resolve_xla_attention(target)
   chip = target.chip
   common = dict(interpret=target.platform != 'tpu',
                 vmem_bytes=chip.vmem_bytes if chip is not None else tpu_blocks.SMALLEST_VMEM)
@@ -281,7 +288,8 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
     att, mlp = attention_and_mlp(n, n, 1.0, 'dense ' if routes else '')
     dense = LayerPlan(attention=att, mlp=mlp, k=n, **common)
   if not routes:
-    return Plan(target, n, n, None, dense, None, tuple(reasons), acm_inference)
+    reasons.append((XLA_ATTENTION, f'{form}: {why_form}'))
+    return Plan(target, n, n, None, dense, None, tuple(reasons), acm_inference, form)
 
   dispatch, why = rules.choose(DISPATCH, coda.dispatch, [])
   reasons.append((DISPATCH, f'{dispatch}: {why}'))
@@ -306,7 +314,8 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
   routed = LayerPlan(attention=att, mlp=mlp, route=route, output=output,
                      factored_norm=factored, dispatch=dispatch, soft_topk=soft_topk, k=k,
                      **common)
-  return Plan(target, n, k, variant, dense, routed, tuple(reasons), acm_inference)
+  reasons.append((XLA_ATTENTION, f'{form}: {why_form}'))
+  return Plan(target, n, k, variant, dense, routed, tuple(reasons), acm_inference, form)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +342,8 @@ class DecoderPlan:
     lm_head: beam search's LM head (None: one row per example): PALLAS,
       each row's top logits and normaliser by `kernels.top_logits`; XLA,
       the logits, then `lax.top_k` and the normaliser.
+    xla_attention: as `Plan.xla_attention`, the step's attention that no
+      kernel runs.
   """
   target: Target
   length: int
@@ -344,6 +355,7 @@ class DecoderPlan:
   beam_attention: Optional[str] = None
   mlp: str = XLA
   lm_head: Optional[str] = None
+  xla_attention: str = EINSUMS
 
   @property
   def vmem_bytes(self) -> int:
@@ -363,7 +375,8 @@ class DecoderPlan:
             'program': 'decoder', 'length': self.length, 'batch': self.batch,
             'cross_attention': self.cross_attention, 'beam_attention': self.beam_attention,
             'mlp': self.mlp, 'lm_head': self.lm_head, 'acm': self.acm,
-            'kernels': list(self.kernels()), 'reasons': dict(self.reasons)}
+            'xla_attention': self.xla_attention, 'kernels': list(self.kernels()),
+            'reasons': dict(self.reasons)}
 
   def summary(self) -> str:
     """'tpu v4: decoder cross-attention pallas, beam attention pallas'."""
@@ -426,8 +439,17 @@ def resolve_decoder(config: T5Config, acm: Optional[AcmConfig] = None, *, target
   acm_inference, why = resolve_acm(acm, target, rows, 'decoder')
   if acm_inference is not None:
     reasons.append((ACM, why))
+  form, why = resolve_xla_attention(target)
+  reasons.append((XLA_ATTENTION, f'{form}: {why}'))
   return DecoderPlan(target, n, rows, choice, target.platform != 'tpu', tuple(reasons),
-                     acm_inference, beam, mlp, head)
+                     acm_inference, beam, mlp, head, form)
+
+
+def resolve_xla_attention(target: Target) -> Tuple[str, str]:
+  """How XLA's attention writes its two matmuls in a program compiled for
+  `target`: (`EINSUMS` or `BATCH_MAJOR`, why), as the rules say for its chip
+  (`dot_attention.dot_product_attention`'s 'auto' asks here)."""
+  return _Resolver(target, None, 1.0, ANY_LENGTH).choose(XLA_ATTENTION, 'auto', [])
 
 
 def lm_head_share(config: T5Config) -> float:

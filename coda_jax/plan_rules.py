@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 
 XLA, PALLAS = 'xla', 'pallas'
 GATHER, ONE_HOT, MASKED = 'gather', 'one_hot', 'masked'
+EINSUMS, BATCH_MAJOR = 'einsums', 'batch_major'
 # The choices a plan makes: `what` of a `Rule`. DECODE_ATTENTION and
 # BEAM_ATTENTION are the decoder's (a decoding step's cross-attention, and
 # beam search's self-attention over its slot-addressed cache:
@@ -27,8 +28,14 @@ DECODE_MLP = 'decode_mlp'
 # Beam search's LM head: each row's top logits and normaliser in a kernel
 # (`kernels.top_logits`), the decoder's.
 LM_HEAD = 'lm_head'
+# How XLA's attention (`dot_attention.dot_product_attention`, every layer's
+# where the plan gives no kernel) writes its two matmuls: as einsums over the
+# operands as they come, the compiler choosing the layouts, or batch-major
+# (example and key/value head leading every operand, as XLA:CPU's batched
+# matmul takes them). Both stacks'; no config setting: the rows decide.
+XLA_ATTENTION = 'xla_attention'
 CHOICES = (DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION,
-           BEAM_ATTENTION, DECODE_MLP, LM_HEAD, ACM)
+           BEAM_ATTENTION, DECODE_MLP, LM_HEAD, ACM, XLA_ATTENTION)
 # The Pallas kernels among them (`coda-jax selftest` checks each one a plan
 # selects): the formulation that is not XLA's.
 KERNELS = (ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION, BEAM_ATTENTION,
@@ -40,10 +47,11 @@ NATIVE_PLATFORM = {ATTENTION: 'tpu', MLP: 'tpu', ROUTE: 'tpu', OUTPUT: 'tpu',
 # A chip with no row gets these: XLA's fusions, tokens moved by gathers.
 DEFAULTS = {DISPATCH: GATHER, ATTENTION: XLA, MLP: XLA, ROUTE: XLA, OUTPUT: XLA,
             SOFT_TOPK: XLA, DECODE_ATTENTION: XLA, BEAM_ATTENTION: XLA, DECODE_MLP: XLA,
-            LM_HEAD: XLA, ACM: GATHER}
+            LM_HEAD: XLA, ACM: GATHER, XLA_ATTENTION: EINSUMS}
 _ALTERNATIVE = {DISPATCH: ONE_HOT, ATTENTION: PALLAS, MLP: PALLAS, ROUTE: PALLAS,
                 OUTPUT: PALLAS, SOFT_TOPK: PALLAS, DECODE_ATTENTION: PALLAS,
-                BEAM_ATTENTION: PALLAS, DECODE_MLP: PALLAS, LM_HEAD: PALLAS, ACM: MASKED}
+                BEAM_ATTENTION: PALLAS, DECODE_MLP: PALLAS, LM_HEAD: PALLAS, ACM: MASKED,
+                XLA_ATTENTION: BATCH_MAJOR}
 # The config field that asks for each choice, for messages.
 SETTING = {DISPATCH: 'CodaConfig.dispatch', ATTENTION: 'T5Config.attention_kernel',
            MLP: 'T5Config.mlp_kernel', ROUTE: 'CodaConfig.route_kernel',
@@ -51,7 +59,8 @@ SETTING = {DISPATCH: 'CodaConfig.dispatch', ATTENTION: 'T5Config.attention_kerne
            DECODE_ATTENTION: 'T5Config.decode_attention_kernel',
            BEAM_ATTENTION: 'T5Config.beam_attention_kernel', DECODE_MLP: 'T5Config.mlp_kernel',
            LM_HEAD: 'T5Config.lm_head_kernel',
-           ACM: 'AcmConfig.inference'}
+           ACM: 'AcmConfig.inference',
+           XLA_ATTENTION: "dot_product_attention's form"}
 
 _BASE = 'benchmarks/plan/base_b128_n384_{}.json'
 # A rule's input lengths when it holds for any.
@@ -154,6 +163,10 @@ _LM_HEAD = 'benchmarks/plan/decode/lm_head_beam4_b128_{}.json'
 # its evidence.
 ACM_TIE = 0.08
 _ACM = 'benchmarks/plan/acm/{}_small.json'
+# XLA's attention: timings too (`tools/bench_attention.py`, medians of
+# round-robin calls), held to the same tie.
+XLA_ATTENTION_TIE = ACM_TIE
+_XLA_ATTENTION = 'benchmarks/plan/attention/{}_{}.json'
 
 # The rows, first match wins. Measured with `tools/plan_evidence.py` (base,
 # batch 128, n 384, 12 layers, bf16, the encoder's bytes accessed as the TPU
@@ -232,6 +245,14 @@ RULES: Tuple[Rule, ...] = (
     Rule(ACM, 'cpu', MASKED, tokens=(0, 32), evidence=_ACM.format('cpu')),
     Rule(ACM, 'cpu', MASKED, fractions=(0.8, 1.0), tokens=(0, 256),
          evidence=_ACM.format('cpu')),
+    # A CPU's XLA attention (`tools/bench_attention.py`, 2 cores, float32, 4
+    # rows: T5 v1.1-small's 6 heads, cpu_small.json, and the §6 text base
+    # model's 12 query heads over one key/value head, cpu_text_base.json; the
+    # encoder's n x n, a routed layer's k x n and k x k, a decoding step's
+    # one query over the cached keys/values): batch-major, 1.2-1.6x faster
+    # than the einsums where the queries are many, 2.2x for the multi-query
+    # decoding step, within 2% for the multi-head one.
+    Rule(XLA_ATTENTION, 'cpu', BATCH_MAJOR, evidence=_XLA_ATTENTION.format('cpu', 'small')),
 )
 
 

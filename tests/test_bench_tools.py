@@ -102,17 +102,26 @@ def test_progress_is_lines_where_stderr_is_not_a_terminal(monkeypatch, capsys):
 
 
 def test_bench_attention_times_both_forms_and_they_agree(tmp_path):
-  """Multi-query, so the grouped heads take both forms' reshapes."""
+  """Multi-query, so the grouped heads take both forms' reshapes; an
+  encoder's, a routed layer's and a decoding step's shapes (the cache's
+  layout)."""
   tool = _tool('bench_attention')
-  report = tool.main(['--batch_size', '2', '--length', '16', '--heads', '4',
+  report = tool.main(['--batch_size', '2', '--shapes', '16:16,4:16,1:16:cache', '--heads', '4',
                       '--kv_heads', '1', '--head_dim', '8', '--repeats', '2',
                       '--out', str(tmp_path / 'a.json')])
   assert json.loads((tmp_path / 'a.json').read_text()) == report
-  assert set(report['forms']) == {'batch_major', 'einsums'}
-  assert report['max_abs_difference'] < 1e-5
-  for row in report['forms'].values():
-    assert len(row['times_s']) == 2 and row['median_ms'] > 0 and row['compile_s'] > 0
-  assert report['forms']['einsums']['speedup'] == 1.0
-  assert report['speedup_of_batch_major'] == report['forms']['batch_major']['speedup'] > 0
-  with pytest.raises(SystemExit):
-    tool.main(['--heads', '4', '--kv_heads', '3'])
+  assert report['program'] == 'xla_attention' and report['chip'] == 'cpu'
+  assert [(p['q_length'], p['kv_length'], p['kv_layout']) for p in report['points']] == [
+      (16, 16, 'bskd'), (4, 16, 'bskd'), (1, 16, 'heads_major')]
+  for point in report['points']:
+    assert set(point['forms']) == {'batch_major', 'einsums'}
+    assert point['max_abs_difference'] < 1e-5
+    for row in point['forms'].values():
+      assert len(row['times_s']) == 2 and row['median_ms'] > 0 and row['compile_s'] > 0
+    assert point['forms']['einsums']['speedup'] == 1.0
+    assert point['faster'] == min(point['forms'], key=lambda f: point['forms'][f]['median_ms'])
+    assert point['plan'] == 'batch_major' and 'measured on cpu' in point['why']
+  for bad in (['--heads', '4', '--kv_heads', '3'], ['--shapes', '16'], ['--shapes', '4:16:x'],
+              ['--shapes', '0:16']):
+    with pytest.raises(SystemExit):
+      tool.main(bad)

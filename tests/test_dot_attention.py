@@ -1,6 +1,7 @@
-"""`dot_attention.dot_product_attention`: the CPU's batch-major matmuls and the
-einsums the TPU and GPU compilers lay out compute the same attention, and the
-CPU's dots take their batch axes leading."""
+"""`dot_attention.dot_product_attention`: the batch-major matmuls (the plan's
+form on a CPU) and the einsums the TPU and GPU compilers lay out compute the
+same attention, the batch-major dots take their batch axes leading, and
+'auto' is the plan's form for the chip traced for."""
 import re
 
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from coda_jax import dot_attention
+from coda_jax import plan
 from coda_jax import target
 
 
@@ -60,6 +62,29 @@ def test_on_a_cpu_every_dot_has_its_batch_axes_leading():
   # The einsum form leaves the layout to the compiler: the logits' query
   # [b, q, k, g, d] and key [b, s, k, d] have them at 0 and 2.
   assert dims('tpu')[0] == ('0, 2', '0, 2')
+
+
+def test_auto_is_the_plans_form_and_a_form_by_name_is_obeyed():
+  query, key, value, bias, _ = _inputs(2, False)
+
+  def dims(platform, form):
+    with target.targeting(platform):
+      hlo = jax.jit(lambda q, k, v: dot_attention.dot_product_attention(
+          q, k, v, bias=bias, deterministic=True, form=form)).lower(query, key, value).as_text()
+    return re.findall(r'batching_dims = \[([0-9, ]+)\] x \[([0-9, ]+)\]', hlo)
+
+  batch_major, einsums = dims('cpu', plan.BATCH_MAJOR), dims('cpu', plan.EINSUMS)
+  assert batch_major != einsums and dims('gpu', plan.BATCH_MAJOR) == batch_major
+  assert dims('gpu', plan.EINSUMS) == einsums
+  for platform in ('cpu', 'gpu'):
+    form, why = plan.resolve_xla_attention(target.Target(platform))
+    assert dims(platform, 'auto') == {plan.BATCH_MAJOR: batch_major,
+                                      plan.EINSUMS: einsums}[form], why
+  # The rows: batch-major on a CPU (measured), the einsums where no row says.
+  assert plan.resolve_xla_attention(target.Target('cpu'))[0] == plan.BATCH_MAJOR
+  assert plan.resolve_xla_attention(target.Target('gpu'))[0] == plan.EINSUMS
+  with pytest.raises(ValueError, match="form must be one of .* got 'rows'"):
+    dot_attention.dot_product_attention(query, key, value, form='rows')
 
 
 def test_a_bad_layout_or_head_count_is_named():

@@ -398,6 +398,38 @@ def _acm_evidence_agrees(evidence):
   return len(evidence['points'])
 
 
+def _xla_attention_evidence_agrees(evidence):
+  """A `tools/bench_attention.py` file (XLA's attention timed in both
+  forms at each shape): at every shape the plan's form on the file's chip is
+  the faster, or within `plan.XLA_ATTENTION_TIE` of it, and both forms
+  computed the same attention."""
+  form, _ = plan_lib.resolve_xla_attention(target.Target(evidence['chip']))
+  for point in evidence['points']:
+    median = {f: row['median_ms'] for f, row in point['forms'].items()}
+    assert set(median) == {plan_lib.BATCH_MAJOR, plan_lib.EINSUMS}
+    assert median[form] <= (1 + plan_lib.XLA_ATTENTION_TIE) * min(median.values()), point
+    assert point['plan'] == form and point['max_abs_difference'] < 1e-4, point
+  return len(evidence['points'])
+
+
+def _attention_evidence_files():
+  folder = os.path.join(ROOT, 'benchmarks', 'plan', 'attention')
+  return sorted(os.path.join('benchmarks', 'plan', 'attention', name)
+                for name in os.listdir(folder) if name.endswith('.json'))
+
+
+def test_every_xla_attention_file_agrees_with_the_rows():
+  """Both files of benchmarks/plan/attention/ (the rule cites one), T5
+  v1.1-small's heads and the §6 models' multi-query heads."""
+  files = _attention_evidence_files()
+  assert set(files) >= {e for e in _evidence_files() if '/attention/' in e} and len(files) >= 2
+  for path in files:
+    with open(os.path.join(ROOT, path)) as f:
+      evidence = json.load(f)
+    assert evidence['program'] == 'xla_attention', path
+    assert _xla_attention_evidence_agrees(evidence) >= 5, path
+
+
 @pytest.mark.parametrize('path', _evidence_files())
 def test_rules_agree_with_their_evidence(path):
   """In each committed measurement (`tools/plan_evidence.py`: a plan and its
@@ -412,6 +444,9 @@ def test_rules_agree_with_their_evidence(path):
     return
   if evidence.get('program') == 'acm_ffn':
     assert evidence['chip'] in ('cpu', 'gpu') and _acm_evidence_agrees(evidence) >= 10
+    return
+  if evidence.get('program') == 'xla_attention':
+    assert _xla_attention_evidence_agrees(evidence) >= 5
     return
   assert not evidence['search']
   measure = evidence.get('measure', 'bytes_accessed')

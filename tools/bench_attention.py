@@ -1,43 +1,73 @@
 """XLA attention on this machine: the batch-major matmuls against the einsums.
 
-`coda_jax.dot_attention.dot_product_attention` writes its two matmuls for the
-backend it is traced for: on a CPU with their batch axes (example, key/value
-head) leading in every operand, elsewhere as einsums whose layouts the TPU
-and GPU compilers choose. This tool compiles both for the machine it runs on
-(the einsum form traced as for a GPU, `coda_jax.target.targeting`), checks
-that they agree, and times them round-robin on one encoder layer's attention
-(queries, keys and values of `--batch_size` x `--length` tokens, a bias as
-T5's relative positions give one). Prints JSON (and writes it to --out).
+`coda_jax.dot_attention.dot_product_attention` writes its two matmuls in one
+of two forms, as `coda_jax.plan` says for the chip (`plan.XLA_ATTENTION`):
+'batch_major', the batch axes (example, key/value head) leading every
+operand, or 'einsums' whose layouts the compiler chooses. This tool
+compiles both for the machine it runs on, checks that they agree, and times
+them round-robin (`coda_jax.bench.timing`) at each shape of --shapes:
+`Q:N` is Q queries over N keys/values of `--batch_size` rows (an encoder's
+n x n, a routed layer's k x n or k x k), `Q:N:cache` the keys/values in the
+layout of the decoding step's cross-attention cache ('heads_major'); a
+bias as T5's relative positions give one. It records, per shape, the
+faster form and what the plan picks there: `tests/test_plan.py` holds the
+plan's rows to a committed file (the plan's form at most
+`plan.XLA_ATTENTION_TIE` slower than the faster, at every shape). Prints
+JSON (and writes it to --out).
 
-  python tools/bench_attention.py [--batch_size 4] [--length 384] [--heads 6]
-      [--kv_heads 6] [--head_dim 64] [--dtype float32] [--repeats 15] [--out FILE]
+  python tools/bench_attention.py [--batch_size 4] [--shapes 384:384,128:384]
+      [--heads 6] [--kv_heads 6] [--head_dim 64] [--dtype float32]
+      [--repeats 15] [--out FILE]
 
-The defaults are T5 v1.1-small's encoder on the `coda-jax benchmark` default
-shape.
+The defaults are T5 v1.1-small's encoder attention on the `coda-jax
+benchmark` default shape. The committed evidence
+(benchmarks/plan/attention/cpu_small.json) is:
+
+  python tools/bench_attention.py --repeats 25 \\
+      --shapes 384:384,128:384,128:128,77:384,77:77,1:384:cache,1:8 \\
+      --out benchmarks/plan/attention/cpu_small.json
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import List, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import dot_attention
+from coda_jax import plan
 from coda_jax import target
 from coda_jax.bench import flags
 from coda_jax.bench import report as bench_report
 from coda_jax.bench import timing
 
-# The forms and the platform each is traced for.
-FORMS = {'batch_major': 'cpu', 'einsums': 'gpu'}
+FORMS = (plan.BATCH_MAJOR, plan.EINSUMS)
+# `Q:N:cache`: the decoding cross-attention cache's layout.
+CACHE = 'cache'
+
+
+def _shapes(text: str) -> List[Tuple[int, int, str]]:
+  """'384:384,1:384:cache' -> [(384, 384, 'bskd'), (1, 384, 'heads_major')]."""
+  out = []
+  for item in flags.items(text):
+    parts = item.split(':')
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != CACHE):
+      raise argparse.ArgumentTypeError(f'{item!r} is not Q:N or Q:N:{CACHE}')
+    q, n = (flags.at_least_one(p) for p in parts[:2])
+    out.append((q, n, 'heads_major' if len(parts) == 3 else 'bskd'))
+  if not out:
+    raise argparse.ArgumentTypeError('no shape given')
+  return out
 
 
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--batch_size', type=flags.at_least_one, default=4)
-  parser.add_argument('--length', type=flags.at_least_one, default=384)
+  parser.add_argument('--shapes', type=_shapes, default='384:384',
+                      help=f'Q:N (queries : keys) or Q:N:{CACHE}, comma-separated')
   parser.add_argument('--heads', type=flags.at_least_one, default=6)
   parser.add_argument('--kv_heads', type=flags.at_least_one, default=None,
                       help='key/value heads, dividing --heads (default: --heads; 1: '
@@ -53,31 +83,46 @@ def parse_args(argv):
   return args
 
 
-def main(argv=None) -> dict:
-  args = parse_args(argv)
-  b, n, d, dtype = args.batch_size, args.length, args.head_dim, jnp.dtype(args.dtype)
-  rng = np.random.RandomState(0)
-  query = jnp.asarray(rng.standard_normal((b, n, args.heads, d)), dtype)
-  key, value = (jnp.asarray(rng.standard_normal((b, n, args.kv_heads, d)), dtype)
-                for _ in range(2))
-  bias = jnp.asarray(rng.standard_normal((1, args.heads, n, n)), dtype)
+def _operands(args, q: int, n: int, kv_layout: str, rng: np.random.RandomState):
+  b, d, dtype = args.batch_size, args.head_dim, jnp.dtype(args.dtype)
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+  if kv_layout == 'bskd':
+    key, value = normal(b, n, args.kv_heads, d), normal(b, n, args.kv_heads, d)
+  else:
+    key, value = normal(b, args.kv_heads, d, n), normal(b, args.kv_heads, n, d)
+  return normal(b, q, args.heads, d), key, value, normal(1, args.heads, q, n)
+
+
+def measure_point(args, q: int, n: int, kv_layout: str, here: target.Target) -> dict:
+  """Both forms at one shape: their times, the faster, the plan's form."""
+  operands = _operands(args, q, n, kv_layout, np.random.RandomState(0))
   timed, outputs = {}, {}
-  for form, platform in FORMS.items():
-    with target.targeting(platform):
-      timed[form] = timing.compile_call(jax.jit(
-          lambda q, k, v, bias: dot_attention.dot_product_attention(
-              q, k, v, bias=bias, deterministic=True, dtype=dtype)), query, key, value, bias)
+  for form in FORMS:
+    timed[form] = timing.compile_call(jax.jit(
+        lambda query, key, value, bias, form=form: dot_attention.dot_product_attention(
+            query, key, value, bias=bias, deterministic=True, dtype=jnp.dtype(args.dtype),
+            kv_layout=kv_layout, form=form)), *operands)
     outputs[form] = np.asarray(timed[form].call(), np.float32)
-  difference = float(np.max(np.abs(outputs['batch_major'] - outputs['einsums'])))
   times = timing.time_round_robin({f: t.call for f, t in timed.items()}, args.repeats)
   rows = {form: {'compile_s': timed[form].compile_s,
-                 **timing.summary(times[form], times['einsums'])} for form in FORMS}
-  report = {'tool': 'tools/bench_attention.py', **timing.environment(),
-            'batch_size': b, 'length': n, 'heads': args.heads, 'kv_heads': args.kv_heads,
-            'head_dim': d, 'dtype': args.dtype, 'repeats': args.repeats,
-            'max_abs_difference': difference, 'forms': rows,
-            'speedup_of_batch_major': rows['batch_major']['speedup'],
-            'speedup_of_batch_major_min': rows['batch_major']['speedup_of_min']}
+                 **timing.summary(times[form], times[plan.EINSUMS])} for form in FORMS}
+  choice, why = plan.resolve_xla_attention(here)
+  return {'q_length': q, 'kv_length': n, 'kv_layout': kv_layout,
+          'max_abs_difference': float(np.max(np.abs(outputs[FORMS[0]] - outputs[FORMS[1]]))),
+          'forms': rows, 'faster': min(FORMS, key=lambda f: rows[f]['median_ms']),
+          'plan': choice, 'why': why}
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  here = target.current()
+  points = [measure_point(args, q, n, layout, here) for q, n, layout in args.shapes]
+  report = {'tool': 'tools/bench_attention.py', 'program': 'xla_attention',
+            'command': ' '.join(['python', 'tools/bench_attention.py'] + list(argv or [])),
+            **timing.environment(), 'chip': here.name or here.platform,
+            'batch_size': args.batch_size, 'heads': args.heads, 'kv_heads': args.kv_heads,
+            'head_dim': args.head_dim, 'dtype': args.dtype, 'repeats': args.repeats,
+            'measure': 'median_ms', 'points': points}
   print(bench_report.write_json(report, args.out))
   return report
 
