@@ -19,6 +19,10 @@ README's targets are stated for):
                        greedy and a 4-beam decoding step at batch 128) and 24576
                        and 49152 (an encoder at batch 64 and 128, n = 384): the
                        evidence for the plan's ACM rows on a GPU
+  attention_plan       tools/bench_attention.py: XLA's attention in both forms
+                       (batch-major, einsums), T5 v1.1-base heads, bfloat16, batch
+                       128, at an encoder's, a routed layer's and a decoding step's
+                       shapes: the evidence for a GPU row of the plan's XLA attention
   decoding_text_base   coda-jax benchmark --model text_base: the paper's own Text
                        Base (multi-query attention, 6 decoder layers), boolq and
                        xsum shapes, k-to-all r = 1, 3, 5 against the Parallel Adapter
@@ -100,6 +104,13 @@ STEPS = (
          ['tools/acm_plan_evidence.py', '--model', 'base', '--tokens', '128,512,24576,49152'],
          ['tools/acm_plan_evidence.py', '--model', 'tiny', '--tokens', '4,64', '--repeats',
           '1']),
+    Step('attention_plan', "XLA's attention batch-major and as einsums at an encoder's, a "
+         "routed layer's and a decoding step's shapes, T5 v1.1-base heads, bfloat16, batch "
+         "128: the evidence a GPU row of the plan's XLA attention needs",
+         ['tools/bench_attention.py', '--batch_size', '128', '--heads', '12', '--head_dim',
+          '64', '--dtype', 'bfloat16', '--shapes', '384:384,128:384,128:128,1:384:cache,1:8'],
+         ['tools/bench_attention.py', '--batch_size', '2', '--heads', '4', '--head_dim', '8',
+          '--shapes', '16:16,1:16:cache', '--repeats', '2']),
     Step('decoding_text_base', "decoding latency, the paper's Text Base (Table 7), boolq and "
          'xsum shapes, batch 128, k-to-all',
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'text_base', '--tasks', 'boolq,xsum',
@@ -240,10 +251,12 @@ def headline(record: Dict[str, object], out_file: str) -> str:
     parts.append(f'{sum(bool(r.get("ok")) for r in results)} of {len(results)} cases '
                  'within tolerance' + (f'; off: {", ".join(result["off"])}'
                                        if result.get('off') else ''))
-  if record['name'] == 'acm_plan' and isinstance(result, dict):
+  forms = {'acm_plan': ('masked', 'gather'), 'attention_plan': ('batch_major', 'einsums')}
+  if record['name'] in forms and isinstance(result, dict):
     faster = [p.get('faster') for p in result.get('points', [])]
-    parts.append(f"'masked' faster at {faster.count('masked')} of {len(faster)} points, "
-                 f"'gather' at {faster.count('gather')}")
+    one, other = forms[record['name']]
+    parts.append(f"'{one}' faster at {faster.count(one)} of {len(faster)} points, "
+                 f"'{other}' at {faster.count(other)}")
   checks = result.get('checks') if isinstance(result, dict) else None
   if isinstance(checks, list) and checks:
     parts.append(f'{sum(bool(c.get("ok")) for c in checks)} of {len(checks)} target lines ok')

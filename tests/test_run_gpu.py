@@ -31,6 +31,7 @@ def test_dry_run_prints_each_tool_of_the_readme(run_gpu, capsys):
       ['tools/bench_soft_topk.py', '--pallas_vs_xla', '128x384,128x512,4096x512'],
       ['tools/bench_routing.py', '--out', '/tmp/x/routing.json'],
       ['tools/acm_plan_evidence.py', '--model', 'base'],
+      ['tools/bench_attention.py', '--batch_size', '128'],
       ['-m', 'coda_jax.cli', 'benchmark'], ['-m', 'coda_jax.cli', 'benchmark'],
       ['tools/bench_encoder.py', '--model', 'xl'],
       ['tools/bench_acm.py', '--model', 'base'], ['-m', 'coda_jax.cli', 'benchmark']]
@@ -138,3 +139,20 @@ def test_the_acm_plan_step_runs_the_evidence_tool_and_names_the_faster_formulati
   assert run_gpu.headline(record, str(out)) == (
       f"'masked' faster at {faster.count('masked')} of {len(faster)} points, "
       f"'gather' at {faster.count('gather')}")
+
+
+def test_the_attention_plan_step_times_both_forms_and_names_the_faster(run_gpu, tmp_path):
+  """The attention_plan step's smoke flags run tools/bench_attention.py (here
+  in this process, on the CPU); its headline counts the shapes each form won."""
+  [step] = [s for s in run_gpu.STEPS if s.name == 'attention_plan']
+  spec = importlib.util.spec_from_file_location(
+      'bench_attention', os.path.join(REPO, step.smoke[0]))
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  out = tmp_path / 'attention_plan.json'
+  result = tool.main(list(step.smoke[1:]) + ['--out', str(out)])
+  faster = [p['faster'] for p in result['points']]
+  assert len(faster) == 2 and result['program'] == 'xla_attention'
+  assert run_gpu.headline({'name': 'attention_plan', 'status': 'ok'}, str(out)) == (
+      f"'batch_major' faster at {faster.count('batch_major')} of 2 points, "
+      f"'einsums' at {faster.count('einsums')}")
