@@ -401,14 +401,15 @@ def _acm_evidence_agrees(evidence):
 def _xla_attention_evidence_agrees(evidence):
   """A `tools/bench_attention.py` file (XLA's attention timed in both
   forms at each shape): at every shape the plan's form on the file's chip is
-  the faster, or within `plan.XLA_ATTENTION_TIE` of it, and both forms
+  the faster, or within `plan.XLA_ATTENTION_TIE` of it (the file's own
+  `plan` is what the rows said when it was measured), and both forms
   computed the same attention."""
   form, _ = plan_lib.resolve_xla_attention(target.Target(evidence['chip']))
   for point in evidence['points']:
     median = {f: row['median_ms'] for f, row in point['forms'].items()}
     assert set(median) == {plan_lib.BATCH_MAJOR, plan_lib.EINSUMS}
     assert median[form] <= (1 + plan_lib.XLA_ATTENTION_TIE) * min(median.values()), point
-    assert point['plan'] == form and point['max_abs_difference'] < 1e-4, point
+    assert point['max_abs_difference'] < 1e-4, point
   return len(evidence['points'])
 
 
