@@ -122,37 +122,34 @@ def test_smoke_step_writes_its_json_the_run_record_and_the_table_row(run_gpu, tm
   assert '--smoke: toy sizes' in out[2]
 
 
-def test_the_acm_plan_step_runs_the_evidence_tool_and_names_the_faster_formulation(
-    run_gpu, tmp_path):
-  """The acm_plan step's smoke flags run tools/acm_plan_evidence.py (here in
-  this process); its headline counts the points each formulation won."""
-  [step] = [s for s in run_gpu.STEPS if s.name == 'acm_plan']
-  spec = importlib.util.spec_from_file_location(
-      'acm_plan_evidence', os.path.join(REPO, step.smoke[0]))
+def _run_smoke_step(run_gpu, name, out):
+  """A step's smoke flags run through its tool in this process (on the CPU):
+  the tool's result, and the step's headline for the file it wrote."""
+  [step] = [s for s in run_gpu.STEPS if s.name == name]
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, step.smoke[0]))
   tool = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(tool)
-  out = tmp_path / 'acm_plan.json'
   result = tool.main(list(step.smoke[1:]) + ['--out', str(out)])
+  return result, run_gpu.headline({'name': name, 'status': 'ok'}, str(out))
+
+
+def test_the_acm_plan_step_runs_the_evidence_tool_and_names_the_faster_formulation(
+    run_gpu, tmp_path):
+  """The acm_plan step's smoke flags run tools/acm_plan_evidence.py; its
+  headline counts the points each formulation won."""
+  result, headline = _run_smoke_step(run_gpu, 'acm_plan', tmp_path / 'acm_plan.json')
   faster = [p['faster'] for p in result['points']]
   assert len(faster) == 2 * len(result['usage_profile']['learner_usage'])  # tokens x budgets
-  record = {'name': 'acm_plan', 'status': 'ok'}
-  assert run_gpu.headline(record, str(out)) == (
-      f"'masked' faster at {faster.count('masked')} of {len(faster)} points, "
-      f"'gather' at {faster.count('gather')}")
+  assert headline == (f"'masked' faster at {faster.count('masked')} of {len(faster)} points, "
+                      f"'gather' at {faster.count('gather')}")
 
 
 def test_the_attention_plan_step_times_both_forms_and_names_the_faster(run_gpu, tmp_path):
-  """The attention_plan step's smoke flags run tools/bench_attention.py (here
-  in this process, on the CPU); its headline counts the shapes each form won."""
-  [step] = [s for s in run_gpu.STEPS if s.name == 'attention_plan']
-  spec = importlib.util.spec_from_file_location(
-      'bench_attention', os.path.join(REPO, step.smoke[0]))
-  tool = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(tool)
-  out = tmp_path / 'attention_plan.json'
-  result = tool.main(list(step.smoke[1:]) + ['--out', str(out)])
+  """The attention_plan step's smoke flags run tools/bench_attention.py; its
+  headline counts the shapes each form won."""
+  result, headline = _run_smoke_step(run_gpu, 'attention_plan',
+                                     tmp_path / 'attention_plan.json')
   faster = [p['faster'] for p in result['points']]
   assert len(faster) == 2 and result['program'] == 'xla_attention'
-  assert run_gpu.headline({'name': 'attention_plan', 'status': 'ok'}, str(out)) == (
-      f"'batch_major' faster at {faster.count('batch_major')} of 2 points, "
-      f"'einsums' at {faster.count('einsums')}")
+  assert headline == (f"'batch_major' faster at {faster.count('batch_major')} of 2 points, "
+                      f"'einsums' at {faster.count('einsums')}")
