@@ -45,7 +45,7 @@ def _learners_forward(module: nn.Module, z: Array, token_mask: Optional[Array],
                       sow: bool = True) -> Array:
   """The body of an ACM (`AcmMlp`, `AcmLinear`) on `z [batch, length, in]`.
 
-  Learner n is `hidden(z, [n h, (n+1) h)) @ out_kernel[n h:(n+1) h]`; the
+  Learner n is `hidden(z, Block(n h, h)) @ out_kernel[n h:(n+1) h]`; the
   gate, the phases, the statistics and 'gather' inference are the same for
   every kind of learner. Called from the module's compact `__call__`: the
   gate is its submodule `gate`. Returns `[batch, length, out]`.
@@ -173,10 +173,13 @@ class AcmMlp(_LearnerStack):
                                 (self.intermediate_dim, emb), jnp.float32, axes=('mlp', 'embed'))
     return wi, wo
 
-  def _hidden(self, z: Array, wi: Sequence[Array], columns=slice(None)) -> Array:
-    """act_0(z wi_0) * act_1(z wi_1) on the hidden `columns`: [..., width]."""
+  def _hidden(self, z: Array, wi: Sequence[Array], block: Optional[gather.Block] = None
+              ) -> Array:
+    """act_0(z wi_0) * act_1(z wi_1) on the hidden units `block` (None: all):
+    [..., width]."""
     z = jnp.asarray(z, self.dtype)
-    hidden = [layers.get_activation(act)(z @ jnp.asarray(w[:, columns], self.dtype))
+    hidden = [layers.get_activation(act)(z @ jnp.asarray(gather.block_of(w, block),
+                                                         self.dtype))
               for act, w in zip(self.activations, wi)]
     return functools.reduce(operator.mul, hidden)
 
@@ -201,7 +204,7 @@ class AcmMlp(_LearnerStack):
     wi, wo = self._kernels(z.shape[-1])
     return _learners_forward(
         self, z, token_mask, teacher, deterministic, learners,
-        hidden=lambda x, columns=slice(None): self._hidden(x, wi, columns), out_kernel=wo,
+        hidden=lambda x, block=None: self._hidden(x, wi, block), out_kernel=wo,
         learner_dim=self.learner_dim, gate_in_axis='embed',
         out_axes=('batch', 'length', 'embed'))
 
@@ -250,8 +253,8 @@ class AcmLinear(_LearnerStack):
     b = layers.param_with_axes('b', layers.default_kernel_init, (self.rank, self.features),
                                jnp.float32, axes=(RANK_AXIS, self.out_axis))
 
-    def hidden(x, columns=slice(None)):
-      return jnp.asarray(x, self.dtype) @ jnp.asarray(a[:, columns], self.dtype)
+    def hidden(x, block=None):
+      return jnp.asarray(x, self.dtype) @ jnp.asarray(gather.block_of(a, block), self.dtype)
 
     return _learners_forward(
         self, z, token_mask, teacher, deterministic, learners, hidden=hidden, out_kernel=b,

@@ -1,6 +1,7 @@
 """Reading what XLA is given and what it makes: lowered StableHLO and compiled HLO text.
 
-* `parse_hlo`: compiled HLO text -> its instructions and computations;
+* `parse_hlo`: compiled HLO text -> its instructions and computations
+  (`opcode`, `operands`: of one instruction);
 * `count_ops`: how many ops of one name a text holds, in either form
   (``stablehlo.while`` in `jax.jit(f).lower(...).as_text()`, ``while`` in
   `.compile().as_text()`);
@@ -59,6 +60,12 @@ def opcode(instruction_text: str) -> Optional[str]:
   """The opcode of an HLO instruction's text (`parse_hlo`'s values): 'dot', 'while'..."""
   m = _HLO_OPCODE.search(instruction_text)
   return m.group(1) if m else None
+
+
+def operands(instruction_text: str) -> List[str]:
+  """The names of an HLO instruction's operands (`parse_hlo`'s values)."""
+  m = _HLO_OPCODE.search(instruction_text)
+  return _operand_names(instruction_text, m.end() - 1) if m else []
 
 
 def _is_hlo(text: str) -> bool:
