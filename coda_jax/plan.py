@@ -269,6 +269,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
   if acm_inference is not None:
     reasons.append((ACM, why))
   form, why_form = resolve_xla_attention(target)
+  reasons.append((XLA_ATTENTION, f'{form}: {why_form}'))
   chip = target.chip
   common = dict(interpret=target.platform != 'tpu',
                 vmem_bytes=chip.vmem_bytes if chip is not None else tpu_blocks.SMALLEST_VMEM)
@@ -288,7 +289,6 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
     att, mlp = attention_and_mlp(n, n, 1.0, 'dense ' if routes else '')
     dense = LayerPlan(attention=att, mlp=mlp, k=n, **common)
   if not routes:
-    reasons.append((XLA_ATTENTION, f'{form}: {why_form}'))
     return Plan(target, n, n, None, dense, None, tuple(reasons), acm_inference, form)
 
   dispatch, why = rules.choose(DISPATCH, coda.dispatch, [])
@@ -314,7 +314,6 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
   routed = LayerPlan(attention=att, mlp=mlp, route=route, output=output,
                      factored_norm=factored, dispatch=dispatch, soft_topk=soft_topk, k=k,
                      **common)
-  reasons.append((XLA_ATTENTION, f'{form}: {why_form}'))
   return Plan(target, n, k, variant, dense, routed, tuple(reasons), acm_inference, form)
 
 

@@ -62,8 +62,7 @@ def test_each_learners_weights_are_copied_after_the_gate_chose_k():
   mlp, params, z, _ = _one_mlp(ks, 'gather', capacity_factor=1.0, usage=(1.0, 0.5, 0.5, 0.25))
   text = jax.jit(lambda p, z: mlp.apply({'params': p}, z)).lower(params, z).compile().as_text()
   instructions, computations = hlo.parse_hlo(text)
-  entry = {name: instructions[name]
-           for name in computations[re.search(r'ENTRY %?([\w.\-]+)', text).group(1)]}
+  entry = {name: instructions[name] for name in computations[hlo.entry_computation(text)]}
   kernels = {name for name, line in entry.items() if hlo.opcode(line) == 'parameter'
              and re.search(r"\[\\?'(wi_0|wi_1|wo)\\?'\]", line)}
   assert len(kernels) == 3, kernels

@@ -1,7 +1,8 @@
 """Reading what XLA is given and what it makes: lowered StableHLO and compiled HLO text.
 
 * `parse_hlo`: compiled HLO text -> its instructions and computations
-  (`opcode`, `operands`: of one instruction);
+  (`entry_computation`: its ENTRY's name; `opcode`, `operands`: of one
+  instruction);
 * `count_ops`: how many ops of one name a text holds, in either form
   (``stablehlo.while`` in `jax.jit(f).lower(...).as_text()`, ``while`` in
   `.compile().as_text()`);
@@ -21,6 +22,7 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 _HLO_INSTR = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$')
 _HLO_COMPUTATION = re.compile(r'^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$')
+_HLO_ENTRY = re.compile(r'^ENTRY %?([\w.\-]+)', re.M)
 _HLO_CALLEES = re.compile(
     r'(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)')
 _HLO_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
@@ -59,6 +61,13 @@ def parse_hlo(text: str) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
 def opcode(instruction_text: str) -> Optional[str]:
   """The opcode of an HLO instruction's text (`parse_hlo`'s values): 'dot', 'while'..."""
   m = _HLO_OPCODE.search(instruction_text)
+  return m.group(1) if m else None
+
+
+def entry_computation(text: str) -> Optional[str]:
+  """The name of compiled HLO's ENTRY computation (a key of `parse_hlo`'s
+  computations), or None."""
+  m = _HLO_ENTRY.search(text)
   return m.group(1) if m else None
 
 

@@ -105,7 +105,7 @@ def entry_parameters(hlo_text: str) -> List[Tuple[str, Tuple[int, ...], int]]:
   (dtype, per-device shape, bytes in the TPU tiled layout). Their bytes sum
   to the program's argument bytes (`memory_analysis().argument_size_in_bytes`)."""
   instructions, computations = hlo_lib.parse_hlo(hlo_text)
-  entry = next((m.group(1) for m in re.finditer(r'^ENTRY %?([\w.\-]+)', hlo_text, re.M)), None)
+  entry = hlo_lib.entry_computation(hlo_text)
   found = []
   for inst in computations.get(entry, []):
     text = instructions[inst]
@@ -460,7 +460,7 @@ def _top_level(hlo_text: str, instructions: Mapping[str, str],
                computations: Mapping[str, List[str]]) -> List[str]:
   """The entry computation and the loop bodies / conditions / branches /
   called computations reached from it (fusion bodies excluded)."""
-  entry = next((m.group(1) for m in re.finditer(r'^ENTRY %?([\w.\-]+)', hlo_text, re.M)), None)
+  entry = hlo_lib.entry_computation(hlo_text)
   if entry is None:
     return []
   return hlo_lib.reachable(instructions, computations, [entry],
