@@ -11,21 +11,21 @@
       TensorStore, or t5x's orbax layout). --adapters: the trained leaves of a
       MODEL_DIR (adapters, routers, layer norms) -> an adapter-only directory.
   coda-jax benchmark [--model small] [--tasks boolq] [--reduction_factors 1,3,5] ...
-      CoDA vs Parallel Adapter decoding latency (`coda_jax.bench.decoding_latency`).
+      CoDA vs Parallel Adapter decoding latency (`coda_jax.measure.bench.decoding_latency`).
   coda-jax train --gin_file=F [--gin.MACRO=VALUE ...]
       gin-configured training, the same as ``python -m coda_jax.train``.
   coda-jax infer|eval --gin_file=RUN --gin_file=gin_configs/runs/{infer,eval}.gin
       [--gin.MODEL_DIR=D] [--gin.INPUT_FILE=F] [--gin.DECODING=beam] ...
       a trained model's predictions (JSONL) and, for eval, the task's metrics
-      (`coda_jax.infer`).
+      (`coda_jax.inference.infer`).
   coda-jax compile --gin_file=RUN --topology=v5e-16 [--gin.MACRO=VALUE ...]
       the run's train steps and decoding program compiled for a TPU pod on this
       machine: HBM per chip, flops, bytes, roofline, collectives
-      (`coda_jax.compile`).
+      (`coda_jax.measure.compile`).
   coda-jax selftest [--gin_file=RUN ...] [--model base --length 384]
       every kernel the run's plan selects against its XLA formulation on the
       devices here, forward and gradients; exit 1 if one is off
-      (`coda_jax.selftest`).
+      (`coda_jax.measure.selftest`).
 
 Each subcommand is one entry of `SUBCOMMANDS`: (help, add_arguments, run),
 where ``run(args) -> exit code``; add a subcommand by adding an entry.
@@ -150,12 +150,12 @@ def _run_convert(args: argparse.Namespace) -> int:
 
 
 def _add_benchmark(parser: argparse.ArgumentParser) -> None:
-  from coda_jax.bench import decoding_latency  # pylint: disable=import-outside-toplevel
+  from coda_jax.measure.bench import decoding_latency  # pylint: disable=import-outside-toplevel
   decoding_latency.add_arguments(parser)
 
 
 def _run_benchmark(args: argparse.Namespace) -> int:
-  from coda_jax.bench import decoding_latency  # pylint: disable=import-outside-toplevel
+  from coda_jax.measure.bench import decoding_latency  # pylint: disable=import-outside-toplevel
   try:
     return decoding_latency.run(args)
   except ValueError as e:
@@ -175,10 +175,10 @@ SUBCOMMANDS: Dict[str, Tuple[str, Callable[[argparse.ArgumentParser], None],
 }
 # Subcommands with their own flag parsing (gin's --gin.NAME=VALUE flags),
 # handed the rest of the command line as is: (module, its main function).
-PASSTHROUGH = {'train': ('coda_jax.train', 'main'), 'infer': ('coda_jax.infer', 'main'),
-               'eval': ('coda_jax.infer', 'main_eval'),
-               'compile': ('coda_jax.compile.command', 'main'),
-               'selftest': ('coda_jax.selftest', 'main')}
+PASSTHROUGH = {'train': ('coda_jax.train', 'main'), 'infer': ('coda_jax.inference.infer', 'main'),
+               'eval': ('coda_jax.inference.infer', 'main_eval'),
+               'compile': ('coda_jax.measure.compile.command', 'main'),
+               'selftest': ('coda_jax.measure.selftest', 'main')}
 
 
 def build_parser() -> argparse.ArgumentParser:

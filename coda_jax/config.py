@@ -67,6 +67,9 @@ LM_HEAD_KERNELS = ('auto', 'xla', 'pallas')
 # projection of the pixel values plus learned row and column embeddings,
 # with no relative position bias in the encoder.
 TOKENS, PATCHES = 'tokens', 'patches'
+# A patch row's row id and column id before its pixel values (Pix2Struct's
+# `[row_id, col_id, values...]`: `data.images.patches`, `model.patch_embed`).
+PATCH_ID_COLUMNS = 2
 ENCODER_INPUTS = (TOKENS, PATCHES)
 
 
@@ -246,7 +249,7 @@ ATTENTION_VARIANTS = ('k_to_all', 'k_to_k')
 # Router normalisers f(s) (paper §3 and Table 3's baselines).
 NORMALIZERS = ('soft_topk', 'sigmoid', 'truncation')
 # How a routed layer moves its k tokens out of and back into the sequence
-# (`coda_jax.routing`), with identical results: 'gather' (row gathers with
+# (`coda_jax.model.routing`), with identical results: 'gather' (row gathers with
 # gather VJPs, MaxText's MoE permute), 'one_hot' (matmuls with a [k, n]
 # one-hot, GShard / flaxformer: TPUs charge a row gather whole tiles), or
 # 'auto' (as `coda_jax.plan`'s measured rules say for the chip; gathers where
@@ -267,7 +270,7 @@ UNROUTE_KERNELS = ('auto', 'xla', 'pallas')
 # tests; not where the output kernel computes the adapter), 'auto' (as
 # `coda_jax.plan`'s rules say).
 ROUTE_KERNELS = ('auto', 'xla', 'pallas')
-# Soft top-k solvers (`coda_jax.soft_topk`) and their implementations: 'xla'
+# Soft top-k solvers (`coda_jax.model.soft_topk`) and their implementations: 'xla'
 # (the reference), 'pallas' (a fused GPU kernel for the iterative solver,
 # `coda_jax.kernels.soft_topk`; interpret mode off GPU), 'auto' (as
 # `coda_jax.plan`'s measured rules say for the chip: XLA where none was).
@@ -282,7 +285,7 @@ SOFT_TOPK_IMPLS = ('auto', 'xla', 'pallas')
 # coor_descent) or 'zeros' (b₀ = 0, which the paper allows).
 SOFT_TOPK_B_INITS = ('colt5', 'zeros')
 
-# Adapter types and their defaults (`coda_jax.adapters`).
+# Adapter types and their defaults (`coda_jax.model.adapters`).
 PARALLEL = 'parallel'
 SEQUENTIAL_HOULSBY = 'sequential_houlsby'
 SEQUENTIAL_PFEIFFER = 'sequential_pfeiffer'
@@ -299,7 +302,7 @@ DEFAULT_ADAPTER_SCALE = 1.0
 # and Adafactor's factor rules): the adapter bottleneck and the LoRA rank.
 ADAPTER_AXIS = 'adapter'
 LORA_AXIS = 'lora'
-# An ACM gate's hidden width and its N + 1 choices (`coda_jax.acm`).
+# An ACM gate's hidden width and its N + 1 choices (`coda_jax.model.acm`).
 # A logical name may appear once per array, so the gate's square middle
 # kernel is (ACM_GATE_IN_AXIS, ACM_GATE_AXIS).
 ACM_GATE_AXIS = 'acm_gate'
@@ -478,7 +481,7 @@ def parallel_adapter_baseline(coda: CodaConfig) -> CodaConfig:
 # Modules an ACM can replace ('mlp': each FFN; 'attention': each of the
 # query / key / value / output projections of every attention, as low-rank
 # learners with a gate each), the conversion phases a forward pass serves,
-# and how inference runs the learners (`coda_jax.acm`).
+# and how inference runs the learners (`coda_jax.model.acm`).
 ACM_MODULES = ('mlp', 'attention')
 ACM_ATTENTION_PROJECTIONS = ('query', 'key', 'value', 'out')
 # Other names users reach for, for the did-you-mean of a bad `modules` entry.

@@ -8,18 +8,18 @@ import numpy as np
 import optax
 import pytest
 
-from coda_jax import acm
-from coda_jax import acmize
-from coda_jax import decoding
-from coda_jax import flops
-from coda_jax import params as params_lib
-from coda_jax import partitioning
+from coda_jax.model import acm
+from coda_jax.model.acm import acmize
+from coda_jax.model import decoding
+from coda_jax.plan import flops
+from coda_jax.model import params as params_lib
+from coda_jax.model import partitioning
 from coda_jax import plan as plan_lib
-from coda_jax import trainable
+from coda_jax.model import trainable
 from coda_jax.training import optimizer as optimizer_lib
 from coda_jax.training import trainer as trainer_lib
 from coda_jax.config import AcmConfig
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 from tiny_models import decode_step_by_step, tiny_config
 
 N = 4

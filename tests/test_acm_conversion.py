@@ -100,7 +100,7 @@ def test_open_training_streams_are_closed_at_exit():
   from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
   import seqio  # pylint: disable=g-import-not-at-top
   data_lib.prepare_task(acm_conversion.TASK, seqio.ByteVocabulary(extra_ids=100), True,
-                        ['coda_jax.tasks'])
+                        ['coda_jax.data.tasks'])
   cfg = data_lib.DatasetConfig(mixture_or_task_name=acm_conversion.TASK,
                                task_feature_lengths=acm_conversion.LENGTHS, split='train',
                                batch_size=2, shuffle=False, seed=0)

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax.acm import gather
-from coda_jax.bench import hlo
+from coda_jax.model.acm import gather
+from coda_jax.measure import hlo
 from test_acm import N, _dense_partial, _one_mlp
 
 

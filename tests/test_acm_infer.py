@@ -148,7 +148,7 @@ def test_the_benchmark_reads_the_runs_usage(scenario):
   """`coda-jax benchmark --checkpoint MODEL_DIR` of a fine-tuned ACM run sizes
   its ACM rows from that run's usage, at its budget and capacity factor."""
   import argparse  # pylint: disable=g-import-not-at-top
-  from coda_jax.bench import decoding_latency  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.bench import decoding_latency  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser()
   decoding_latency.add_arguments(parser)
   run = scenario['dirs']['b05']

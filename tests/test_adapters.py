@@ -1,11 +1,11 @@
-"""Tests for coda_jax.adapters."""
+"""Tests for coda_jax.model.adapters."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import adapters
-from coda_jax import layers
+from coda_jax.model import adapters
+from coda_jax.model import layers
 
 
 def _init(module, x, seed=0):

@@ -1,4 +1,4 @@
-"""coda_jax.answer_metrics: Pix2Struct's exact match, ANLS and CIDEr.
+"""coda_jax.data.metrics: Pix2Struct's exact match, ANLS and CIDEr.
 
 Hand-checked values for each metric; ANLS against a plain recursive
 Levenshtein written here; CIDEr against `pycocoevalcap`'s `Cider` (the `test`
@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
-from coda_jax import answer_metrics as m
+from coda_jax.data import metrics as m
 
 # pix2struct/metrics_test.py's `test_pix2struct_metrics` (places=1).
 PIX2STRUCT_PREDICTIONS = ['abc', 'abc', 'Abc', '100%', '100%', '100%', '100%', "Don't"]

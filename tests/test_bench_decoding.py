@@ -17,17 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import decoding
-from coda_jax import flops
+from coda_jax.model import decoding
+from coda_jax.plan import flops
 from coda_jax import config as config_lib
-from coda_jax import network
+from coda_jax.model import network
 from coda_jax import plan as plan_lib
-from coda_jax import target
-from coda_jax.bench import acm_usage
-from coda_jax.bench import decoding_latency
-from coda_jax.bench import models
-from coda_jax.bench import report
-from coda_jax.bench import timing
+from coda_jax.plan import target
+from coda_jax.measure.bench import acm_usage
+from coda_jax.measure.bench import decoding_latency
+from coda_jax.measure import models
+from coda_jax.measure import report
+from coda_jax.measure import timing
 from coda_jax.config import AcmConfig, CodaConfig, T5Config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,9 +1,9 @@
-"""coda_jax.bench.hlo on real lowered StableHLO and compiled HLO text."""
+"""coda_jax.measure.hlo on real lowered StableHLO and compiled HLO text."""
 import jax
 from jax import lax
 import jax.numpy as jnp
 
-from coda_jax.bench import hlo
+from coda_jax.measure import hlo
 import fast_xla
 
 
@@ -106,7 +106,7 @@ ENTRY %main (p: bf16[16,128]) -> bf16[16,128] {
 
 
 def test_a_sliced_prefetch_is_counted_once():
-  from coda_jax.compile import hlo_costs
+  from coda_jax.measure import hlo_costs
   instructions, _ = hlo.parse_hlo(_SLICED_PREFETCH)
   half, whole = 8 * 128 * 2, 16 * 128 * 2
   by_name = {name: hlo_costs.op_bytes(text, instructions) for name, text in instructions.items()}
@@ -123,7 +123,7 @@ def test_hbm_traffic_counts_a_prefetch_once_and_nothing_read_on_the_chip():
   """The sliced prefetch above: each slice reads its half of `p` from HBM
   (its VMEM end is not HBM), the join and the SomethingElse call read VMEM
   (nothing), the negate reads VMEM and writes its result to HBM."""
-  from coda_jax.compile import hlo_costs
+  from coda_jax.measure import hlo_costs
   instructions, computations = hlo.parse_hlo(_SLICED_PREFETCH)
   half, whole = 8 * 128 * 2, 16 * 128 * 2
   by_name = {name: hlo_costs.op_hbm_bytes(text, instructions, computations)
@@ -166,7 +166,7 @@ def test_hbm_traffic_counts_the_rows_a_gather_reads_in_whole_tiles():
   """A fusion that only gathers 4 rows of a [1000, 256] table reads 4 rows,
   each as its (8, 128) tile's 8 rows (8 x 256 bf16), not the table; a fusion
   that reads the whole table counts it whole."""
-  from coda_jax.compile import hlo_costs
+  from coda_jax.measure import hlo_costs
   instructions, computations = hlo.parse_hlo(_EMBEDDING_GATHER)
   table = 1000 * 256 * 2
   ids = 128 * 4                      # s32[4] in a tile of 128
@@ -182,7 +182,7 @@ def test_hbm_traffic_of_a_kernel_is_its_declared_bytes_in_the_share_it_has_in_hb
   """A Pallas call declares 3x what its operands and result hold (it re-reads
   its weights); one of its two operands of the same size is in VMEM: half of
   the declared bytes cross HBM. Declaring less than one read counts one read."""
-  from coda_jax.compile import hlo_costs
+  from coda_jax.measure import hlo_costs
   size = 8 * 128 * 2
   kernel = ('%k = bf16[8,128]{1,0:T(8,128)(2,1)} custom-call(%a, %b), '
             'custom_call_target="tpu_custom_call", backend_config={"custom_call_config":'
@@ -225,7 +225,7 @@ def test_hbm_traffic_of_an_in_place_update_and_a_prefetch_for_the_next_run():
   read once per run: the end-of-program prefetch serves the next run, whose
   own start-of-program prefetch it replaces. The dot reads x from HBM, the
   weight from VMEM, and writes its result."""
-  from coda_jax.compile import hlo_costs
+  from coda_jax.measure import hlo_costs
   instructions, computations = hlo.parse_hlo(_IN_PLACE_AND_NEXT_RUN)
   update, weight, x, out = 64 * 128 * 2, 256 * 128 * 2, 8 * 256 * 2, 8 * 128 * 2
   assert hlo_costs.op_hbm_bytes(instructions['dynamic-update-slice'], instructions,

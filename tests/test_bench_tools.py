@@ -86,7 +86,7 @@ def test_progress_is_lines_where_stderr_is_not_a_terminal(monkeypatch, capsys):
   """Under a log file or a batch job each step of a benchmark is one flushed
   line on stderr (a run stopped part-way shows how far it got); on a
   terminal, the bar; with enabled=False, nothing."""
-  from coda_jax.bench import timing
+  from coda_jax.measure import timing
   from coda_jax.training import metrics
   monkeypatch.setattr('sys.stderr.isatty', lambda: False, raising=False)
   progress = timing.progress_bar(3)

@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import bench as bm
-from coda_jax.bench import decoding_latency
-from coda_jax import decoding
-from coda_jax import flops
-from coda_jax import network
+from coda_jax.measure import bench as bm
+from coda_jax.measure.bench import decoding_latency
+from coda_jax.model import decoding
+from coda_jax.plan import flops
+from coda_jax.model import network
 from coda_jax.config import CodaConfig, T5Config, parallel_adapter_baseline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +44,7 @@ def test_json_fields(tiny_run):
               'coda', 'batch_size', 'repeats', 'decoding', 'eos_id', 'png'):
     assert key in meta, key
   assert meta['model'] == 'tiny' and meta['batch_size'] == 2 and meta['repeats'] == 2
-  assert meta['command'].startswith('python -m coda_jax.bench.decoding_latency --preset tiny ')
+  assert meta['command'].startswith('python -m coda_jax.measure.bench.decoding_latency --preset tiny ')
   assert meta['dtype'] == bm.default_dtype()
   assert meta['eos_id'] == bm.NEVER_EOS
   assert meta['config']['emb_dim'] == bm.TINY['emb_dim']
@@ -165,7 +165,7 @@ def test_time_round_robin_interleaves():
 
 def test_time_round_robin_times_small_calls_back_to_back():
   import time as time_lib  # pylint: disable=g-import-not-at-top
-  from coda_jax.bench import timing  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure import timing  # pylint: disable=g-import-not-at-top
   calls = []
   def slow():  # 20 ms a call
     calls.append('slow')
@@ -385,7 +385,7 @@ def test_json_flag_keeps_stdout_machine_readable(tiny_run, tmp_path, capsys, mon
 
 
 def test_cross_kv_row_is_explained_in_one_line(tiny_run):
-  from coda_jax.bench import report
+  from coda_jax.measure import report
   result, _ = tiny_run
   table = report.format_table(result).splitlines()
   at = next(i for i, line in enumerate(table) if line.startswith('cross-attention K/V'))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from coda_jax import checkpoints
-from coda_jax import params as params_lib
+from coda_jax.model import params as params_lib
 from coda_jax.config import T5Config
 
 torch = pytest.importorskip('torch')
@@ -66,7 +66,7 @@ def _hf_logits(model, enc, dec_in):
 
 
 def _our_logits(config, params, enc, dec_in):
-  from coda_jax import network
+  from coda_jax.model import network
   model = network.Transformer(config)
   target = np.ones_like(dec_in)  # all decoder positions real
   return np.asarray(model.apply({'params': params}, enc, dec_in, target,
@@ -202,7 +202,7 @@ def _map_specs(tree, fn):
 
 
 def test_param_shapes_match_network_init():
-  from coda_jax import network
+  from coda_jax.model import network
   import jax
   for overrides in ({}, {'num_kv_heads': 2}, {'logits_via_embedding': True},
                     {'mlp_activations': ('relu',)}):

@@ -16,9 +16,9 @@ from jax.sharding import Mesh
 from coda_jax import checkpoints
 from coda_jax import cli
 from coda_jax import config as config_lib
-from coda_jax import network
-from coda_jax import params as params_lib
-from coda_jax import trainable
+from coda_jax.model import network
+from coda_jax.model import params as params_lib
+from coda_jax.model import trainable
 from coda_jax.config import CodaConfig
 from coda_jax.training import optimizer as optimizer_lib
 from coda_jax.training import trainer as trainer_lib

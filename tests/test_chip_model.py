@@ -1,5 +1,5 @@
 """`coda-jax benchmark --chip`: the decoding benchmark on the TPU compiler's
-model of one chip (`coda_jax.bench.chip_model`), on a tiny model: what it
+model of one chip (`coda_jax.measure.bench.chip_model`), on a tiny model: what it
 compiles, how its end-to-end figures are put together, what it refuses.
 
 Compiles with libtpu (the `tpu` extra), on the CPU."""
@@ -9,10 +9,11 @@ import pytest
 
 pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
 
-from coda_jax import flops  # pylint: disable=g-import-not-at-top
-from coda_jax.bench import decoding_latency  # pylint: disable=g-import-not-at-top
-from coda_jax.bench import models  # pylint: disable=g-import-not-at-top
-from coda_jax.compile import chips, variant_costs  # pylint: disable=g-import-not-at-top
+from coda_jax.plan import flops  # pylint: disable=g-import-not-at-top
+from coda_jax.measure.bench import decoding_latency  # pylint: disable=g-import-not-at-top
+from coda_jax.measure import models  # pylint: disable=g-import-not-at-top
+from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
+from coda_jax.measure.compile import variant_costs  # pylint: disable=g-import-not-at-top
 
 N, T, BATCH = 64, 3, 4
 ARGV = ['--chip', 'v5e', '--model', 'tiny', '--input_length', str(N), '--output_length', '5',
@@ -34,7 +35,7 @@ def test_end_to_end_is_encoder_prefill_and_the_steps(run):
   assert meta['chip'] == 'v5e' and 'not a timing' in meta['device']
   assert meta['dispatch'] == 'one_hot'
   assert meta['versions']['libtpu'] and meta['command'].startswith(
-      'python -m coda_jax.bench.decoding_latency --chip v5e')
+      'python -m coda_jax.measure.bench.decoding_latency --chip v5e')
   [task] = result['tasks']
   assert (task['input_length'], task['decode_steps'], task['batch_size']) == (N, T, BATCH)
   programs = [(p['variant'], p['program']) for p in task['programs']]
@@ -86,7 +87,7 @@ def test_end_to_end_is_encoder_prefill_and_the_steps(run):
 
 def test_the_table_says_what_it_is(run):
   _, result = run
-  from coda_jax.bench import chip_model  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.bench import chip_model  # pylint: disable=g-import-not-at-top
   lines = chip_model.format_table(result).splitlines()
   assert lines[0].startswith('model tiny  chip v5e (TPU compiler cost model, not a timing)')
   assert any(line.startswith('coda_k_to_k_r3 ') for line in lines)
@@ -125,7 +126,7 @@ def test_beam_search_prices_its_whole_step(run, tmp_path):
   row = task['variants'][1]
   assert row['flop_bound']['end_to_end'] == pytest.approx(flops.end_to_end_speedup_bound(
       config, N, T, 3, 'k_to_all', num_beams=2))
-  from coda_jax.bench import chip_model  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.bench import chip_model  # pylint: disable=g-import-not-at-top
   table = chip_model.format_table(result)
   assert 'decoding beam x2' in table.splitlines()[0]
 
@@ -163,7 +164,7 @@ def test_the_run_without_acm_budgets_has_no_acm_block(run):
 
 
 def acm_usage_profile():
-  from coda_jax.bench import acm_usage  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.bench import acm_usage  # pylint: disable=g-import-not-at-top
   return acm_usage.read(acm_usage.default_path())
 
 
@@ -196,7 +197,7 @@ SECTION_6_E2E_SPEEDUP = 1.732
 
 def test_a_small_section_6_model_keeps_its_end_to_end_speedup():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from coda_jax.bench import chip_model  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.bench import chip_model  # pylint: disable=g-import-not-at-top
   from coda_jax.config import CodaConfig, T5Config  # pylint: disable=g-import-not-at-top
   config = T5Config(dtype=jnp.bfloat16, **SECTION_6_SMALL)
   task = chip_model.measure_task(config, CodaConfig(), 'v4', 32, 256, 8, [3], ['k_to_all'],
@@ -220,7 +221,7 @@ BEAM_STEP_OVER_FLOOR = 1.072
 
 def test_a_small_section_6_beam_step_reads_its_cache_in_place():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from coda_jax.compile import chips  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
   from coda_jax.config import CodaConfig, T5Config  # pylint: disable=g-import-not-at-top
   pod = chips.parse_pod(variant_costs.ONE_CHIP['v4'])
   rows = {}
@@ -242,8 +243,8 @@ def test_a_small_section_6_beam_step_reads_its_cache_in_place():
 def test_a_program_that_does_not_fit_the_chip_is_one_line_and_exit_1(monkeypatch, capsys):
   """T5 v1.1 XL on XSum at batch 128 needs 41.7 GB of HBM for its prefill on
   a v4 chip (30.75 GB): the verdict, not a traceback."""
-  from coda_jax.bench import chip_model  # pylint: disable=g-import-not-at-top
-  from coda_jax.compile import analysis  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.bench import chip_model  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import analysis  # pylint: disable=g-import-not-at-top
 
   def too_big(*args, **kwargs):
     raise analysis.DoesNotFitError(
@@ -266,7 +267,7 @@ def test_an_image_task_compiles_patches_in_and_row_ids_for_the_decoder(run, tmp_
   kernel without a relative position bias; the prefill and the step read
   only the patches' row ids, so they move the bytes the text model's do; the
   encoder's efficiency and the paper's Table 6 beside the rows."""
-  from coda_jax.bench import chip_model, decoding_programs  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.bench import (chip_model, decoding_programs)  # pylint: disable=g-import-not-at-top
   monkeypatch.setitem(decoding_programs.TASK_SHAPES, 'ocrvqa', (N, 16))
   out = tmp_path / 'image.json'
   argv = [{'k_to_all,k_to_k': 'k_to_all'}.get(a, a) for a in ARGV
@@ -305,7 +306,7 @@ ACM_ENCODER_SPEEDUP = 1.693
 
 def test_acm_on_the_chip_model_gathers_its_encoder_to_its_bound():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from coda_jax.bench import acm_usage, chip_acm  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.bench import acm_usage, chip_acm  # pylint: disable=g-import-not-at-top
   from coda_jax.config import T5Config  # pylint: disable=g-import-not-at-top
   config = T5Config(dtype=jnp.bfloat16, **SECTION_6_SMALL)
   profile = acm_usage.read(acm_usage.default_path())

@@ -11,12 +11,12 @@ import numpy as np
 import optax
 import pytest
 
-from coda_jax import layers
+from coda_jax.model import layers
 from coda_jax import plan as plan_lib
-from coda_jax import target
-from coda_jax import trainable
+from coda_jax.plan import target
+from coda_jax.model import trainable
 from coda_jax.config import CodaConfig, parallel_adapter_baseline, t5_1_1
-from coda_jax.network import RoutedEncoderLayer, Transformer
+from coda_jax.model.network import RoutedEncoderLayer, Transformer
 
 from tiny_models import tiny_config as tiny
 
@@ -171,7 +171,7 @@ def test_routed_layer_against_the_dense_layer(attention, dispatch):
   assert idx.shape == (3, 4)  # k = ceil(12 / 3)
   lp = params['layer']
   xn = layers.RMSNorm().apply({'params': lp['pre_attention_layer_norm']}, x)
-  from coda_jax.adapters import Adapter
+  from coda_jax.model.adapters import Adapter
   za = Adapter(adapter_dim=coda.adapter_dim).apply({'params': lp['adapter']}, xn)
   ref_params = {k: lp[k] for k in ('pre_attention_layer_norm', 'attention',
                                    'pre_mlp_layer_norm', 'mlp')}
@@ -369,7 +369,7 @@ def test_routed_layers_selects_which_layers_route():
 
 @pytest.mark.parametrize('size,paper', [('base', 2e6), ('large', 5e6), ('xl', 10e6)])
 def test_trainable_count_of_the_real_tree(size, paper):
-  from coda_jax.trainable import coda_trainable_params
+  from coda_jax.model.trainable import coda_trainable_params
   cfg = t5_1_1(size)
   model = Transformer(cfg, coda=CodaConfig(adapter_dim=64))
   ones = jnp.ones((1, 8))

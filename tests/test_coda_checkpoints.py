@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from coda_jax import checkpoints
-from coda_jax import params as params_lib
-from coda_jax import trainable
+from coda_jax.model import params as params_lib
+from coda_jax.model import trainable
 from coda_jax.config import CodaConfig, t5_1_1
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 CFG = t5_1_1('small', vocab_size=64, emb_dim=32, num_heads=4, head_dim=8, mlp_dim=48,
              num_encoder_layers=2, num_decoder_layers=2)

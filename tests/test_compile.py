@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from coda_jax import plan as plan_lib
-from coda_jax.compile import chips
-from coda_jax.compile import hlo_costs
+from coda_jax.plan import chips
+from coda_jax.measure import hlo_costs
 from coda_jax.training import k_annealing
 
 QUICKSTART = 'gin_configs/runs/quickstart.gin'
@@ -34,7 +34,7 @@ needs_libtpu = pytest.mark.skipif(
 
 
 def _compile(capsys, *flags):
-  from coda_jax.compile import command
+  from coda_jax.measure.compile import command
   code = command.main(['--gin_file', QUICKSTART, '--topology', 'v5e-4',
                        '--gin.K_ANNEAL_MAX_RUNGS=2', *flags])
   out, err = capsys.readouterr()
@@ -141,7 +141,7 @@ def test_collectives_of_a_compiled_text():
 def data_parallel_run(tmp_path_factory):
   """The quickstart run compiled for a data-parallel v5e-4: (exit status,
   stdout, stderr, the JSON report)."""
-  from coda_jax.compile import command
+  from coda_jax.measure.compile import command
   out_file = tmp_path_factory.mktemp('compile') / 'report.json'
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -253,7 +253,7 @@ def test_train_step_arguments_are_the_shards_partitioning_places():
   """Per chip, the compiled train step's arguments are exactly the shards of
   the state and batch that `partitioning` gives one chip, each padded to TPU
   tiles."""
-  from coda_jax.compile import analysis, programs, topology
+  from coda_jax.measure.compile import analysis, programs, topology
   from coda_jax.training import gin_utils
   gin_utils.parse_gin([QUICKSTART, 'gin_configs/runs/infer.gin'],
                       [('MESH_SHAPE', '(2, 2)'), ('K_ANNEAL_MAX_RUNGS', '2')])
@@ -304,7 +304,7 @@ def test_argument_bytes_per_chip_are_the_shards_partitioning_places(mesh_shape):
   its (1,) row / column placeholders and two step counts (the trainable mask
   wraps it: quickstart trains 'all'), the step and the RNG key; int32 batch
   rows split over the data axis."""
-  from coda_jax.compile import analysis, programs, topology
+  from coda_jax.measure.compile import analysis, programs, topology
   from coda_jax.training import gin_utils
   data, model = mesh_shape
   gin_utils.parse_gin([QUICKSTART, 'gin_configs/runs/infer.gin'],
@@ -334,7 +334,7 @@ def test_argument_bytes_per_chip_are_the_shards_partitioning_places(mesh_shape):
 def test_program_arguments_are_what_each_program_is_lowered_for():
   """`Program.arguments` (what the bytes above count) against what each
   program's `lower` lowers: the same arrays, shapes and dtypes."""
-  from coda_jax.compile import programs, topology
+  from coda_jax.measure.compile import programs, topology
   from coda_jax.training import gin_utils
   gin_utils.parse_gin([QUICKSTART, 'gin_configs/runs/infer.gin'],
                       [('MESH_SHAPE', '(2, 2)'), ('K_ANNEAL_MAX_RUNGS', '2')])
@@ -364,7 +364,7 @@ def test_program_arguments_are_what_each_program_is_lowered_for():
 
 
 def test_arguments_alone_over_the_hbm_do_not_fit_before_compiling():
-  from coda_jax.compile import analysis, command
+  from coda_jax.measure.compile import analysis, command
   pod = chips.parse_pod('v5e-4')
   hbm = pod.chip.hbm_bytes
   fits = analysis.ArgumentBytes(params=hbm // 2, optimizer_state=hbm // 4,
@@ -432,7 +432,7 @@ def test_xxl_on_a_v5e_4_exits_1_before_compiling_anything(tmp_path):
 
 
 def test_what_to_change_when_parameters_alone_fill_the_chip():
-  from coda_jax.compile import command
+  from coda_jax.measure.compile import command
   pod = chips.parse_pod('v5e-4')
   hbm = pod.chip.hbm_bytes
   # The parameters and optimizer state alone: a smaller batch cannot help,
@@ -471,7 +471,7 @@ def test_a_run_that_cannot_fit_exits_1_with_one_line(capsys):
     (['--topology=v5e-4', '--num_slices=0'], '--num_slices'),
 ])
 def test_bad_topologies_and_meshes_exit_2_before_compiling(capsys, flags, message):
-  from coda_jax.compile import command
+  from coda_jax.measure.compile import command
   code = command.main(['--gin_file', QUICKSTART, *flags])
   _, err = capsys.readouterr()
   assert code == 2
@@ -482,7 +482,7 @@ def test_bad_topologies_and_meshes_exit_2_before_compiling(capsys, flags, messag
 
 
 def test_a_model_axis_wider_than_a_host_is_warned_about():
-  from coda_jax.compile import programs
+  from coda_jax.measure.compile import programs
   pod = chips.parse_pod('v5e-16')
   assert programs._mesh_warnings((2, 8), pod) and 'cross hosts' in programs._mesh_warnings(
       (2, 8), pod)[0]
@@ -491,7 +491,8 @@ def test_a_model_axis_wider_than_a_host_is_warned_about():
 
 
 def test_what_to_change_grows_with_what_is_missing():
-  from coda_jax.compile import chips, command
+  from coda_jax.plan import chips
+  from coda_jax.measure.compile import command
   pod = chips.parse_pod('v6e-8')
   hbm = pod.chip.hbm_bytes
   # Twice the chip (xxl on a v6e-8, data-parallel): a 4-wide model axis, a
@@ -512,9 +513,9 @@ def test_decode_step_floor_counts_what_one_step_must_move():
   rows' embeddings, the cross K/V of n positions, the cache of T positions
   read and one position written, the logits."""
   import dataclasses  # pylint: disable=g-import-not-at-top
-  from coda_jax.compile import programs  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import programs  # pylint: disable=g-import-not-at-top
   from coda_jax.config import T5Config, preset  # pylint: disable=g-import-not-at-top
-  from coda_jax.network import Transformer  # pylint: disable=g-import-not-at-top
+  from coda_jax.model.network import Transformer  # pylint: disable=g-import-not-at-top
   config = dataclasses.replace(preset('text_base', dtype='bfloat16'), num_encoder_layers=1,
                                num_decoder_layers=2)
   assert isinstance(config, T5Config) and config.kv_heads == 1
@@ -545,7 +546,7 @@ def test_decode_step_floor_counts_what_one_step_must_move():
 def test_an_image_model_compiles_its_train_step_and_decoding(capsys, tmp_path):
   """Pix2Struct's patches as the batch ([batch, 128, 770] float32) and as
   the decoding program's input."""
-  from coda_jax.compile import command
+  from coda_jax.measure.compile import command
   out_file = tmp_path / 'report.json'
   code = command.main(['--gin_file', 'gin_configs/runs/quickstart_image.gin', '--topology',
                        'v5e-4', '--gin.INITIAL_CHECKPOINT_PATH=None',

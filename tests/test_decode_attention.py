@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import layers
+from coda_jax.model import layers
 from coda_jax.kernels import decode_attention as kernel
 from coda_jax.kernels import tpu_blocks
-from coda_jax.relpos import MASK_VALUE
+from coda_jax.kernels.relpos import MASK_VALUE
 
 from tiny_models import run_on_cpu_devices
 
@@ -211,7 +211,8 @@ def test_estimate_covers_every_operand_and_result():
 
 @functools.lru_cache(maxsize=None)
 def _device(pod):
-  from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import topology  # pylint: disable=g-import-not-at-top
   return topology.devices(chips.parse_pod(pod))[0]
 
 
@@ -235,7 +236,7 @@ def test_compiles_for_tpu(pod, heads, kv_heads, head_dim):
   it; and the cache is read as XLA keeps it (no copy of the keys or values:
   64-wide values go in as `[64, n]`, the layout XLA gives them)."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
   batch, n, dtype = 16, 384, jnp.bfloat16
   device = _device(pod)
   sharding = jax.sharding.SingleDeviceSharding(device)
@@ -277,9 +278,9 @@ def test_the_model_decodes_the_same_with_the_kernel(kv_heads):
   cross-attention through the kernel (interpret mode) or XLA's fusions: the
   same beams and scores; the plan says which ran."""
   import dataclasses  # pylint: disable=g-import-not-at-top
-  from coda_jax import decoding  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import decoding  # pylint: disable=g-import-not-at-top
   from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
-  from coda_jax.network import Transformer  # pylint: disable=g-import-not-at-top
+  from coda_jax.model.network import Transformer  # pylint: disable=g-import-not-at-top
   from tiny_models import tiny_config  # pylint: disable=g-import-not-at-top
   config = tiny_config(num_kv_heads=kv_heads, num_encoder_layers=1, num_decoder_layers=1)
   rng = np.random.RandomState(0)

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import dot_attention
+from coda_jax.model.attention import dot_product as dot_attention
 from coda_jax import plan
-from coda_jax import target
+from coda_jax.plan import target
 
 
 def _inputs(kv_heads, heads_major, q_len=5, kv_len=7, heads=4, head_dim=8, batch=2):

@@ -1,9 +1,9 @@
-"""Tests for coda_jax.flops: hand-computed MACs and the shape of the speed-up bound."""
+"""Tests for coda_jax.plan.flops: hand-computed MACs and the shape of the speed-up bound."""
 import math
 
 import pytest
 
-from coda_jax import flops
+from coda_jax.plan import flops
 from coda_jax.config import T5Config, t5_1_1
 
 # d=4, H=2, G=1 (multi-query), dh=3, m=5, gated MLP (2 input projections).

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip('seqio')
 
-from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+from coda_jax.training import command as train_cli  # pylint: disable=g-import-not-at-top
 from coda_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
 
 INCLUDE = "include 'gin_configs/runs/quickstart.gin'\n"
@@ -79,7 +79,7 @@ def test_misspelt_configurable_with_dynamic_registration(tmp_path, capsys, no_co
   rc, err, gin_file = _run(tmp_path, capsys, DYNAMIC + INCLUDE + line + '\n')
   assert rc == 2
   assert err[0] == ("coda-jax train: error: gin configuration error: Couldn't resolve "
-                    "selector network.Transfomer; <module 'coda_jax.network' from "
+                    "selector network.Transfomer; <module 'coda_jax.model.network' from "
                     f"'{os.path.dirname(train_cli.__file__)}/network.py'> has no attribute "
                     'Transfomer.')
   assert err[1:3] == [f'  In file "{gin_file}", line 5', f'    {line}']
@@ -101,7 +101,7 @@ def test_misspelt_module_import(tmp_path, capsys, no_compute):
   assert rc == 2
   assert err == ["coda-jax train: error: gin configuration error: No module named "
                  "'coda_jax.netwrk'", f'  In file "{gin_file}", line 2',
-                 '    from coda_jax import netwrk', '  (did you mean coda_jax.network?)']
+                 '    from coda_jax import netwrk', '  (did you mean coda_jax.model.network?)']
 
 
 def test_a_binding_may_replace_the_one_that_read_a_macro():

@@ -11,10 +11,10 @@ import pytest
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
-from coda_jax import decoding  # noqa: E402
-from coda_jax import params as params_lib  # noqa: E402
+from coda_jax.model import decoding  # noqa: E402
+from coda_jax.model import params as params_lib  # noqa: E402
 from coda_jax.checkpoints import load_t5_v1_1  # noqa: E402
-from coda_jax.network import Transformer  # noqa: E402
+from coda_jax.model.network import Transformer  # noqa: E402
 
 VOCAB = 96
 

@@ -1,9 +1,9 @@
-"""Pix2Struct's patches (`coda_jax.image_patches`) against `transformers`'
+"""Pix2Struct's patches (`coda_jax.data.images.patches`) against `transformers`'
 processor, on images of three aspect ratios written here."""
 import numpy as np
 import pytest
 
-from coda_jax import image_patches
+from coda_jax.data.images import patches as image_patches
 
 
 def _image(height, width, seed):

@@ -5,7 +5,7 @@ import gin
 import jax.numpy as jnp
 import pytest
 
-from coda_jax import params as params_lib
+from coda_jax.model import params as params_lib
 from coda_jax.checkpoints import pix2struct
 from coda_jax.config import PATCHES, PRESETS, CodaConfig, preset
 
@@ -31,7 +31,7 @@ HF = {'pix2struct_base': _hf_config(768, 12, 12, 2048),      # google/pix2struct
 def test_pix2struct_presets_are_the_hugging_face_checkpoints(name):
   """The preset is the config a Hugging Face checkpoint of that size loads
   into (its dropout aside), so its parameters have the checkpoint's shapes."""
-  from coda_jax import network  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import network  # pylint: disable=g-import-not-at-top
   hf = pix2struct.config_from_hf(HF[name])
   ours = preset(name)
   assert hf == preset(name, dropout_rate=0.1)
@@ -66,7 +66,8 @@ def test_gin_files_build_the_presets(gin_file, name, adapter_dim):
   gin.clear_config()
   try:
     gin.parse_config_file(f'gin_configs/models/{gin_file}.gin')
-    from coda_jax import config, network  # the modules gin registered dynamically  # pylint: disable=g-import-not-at-top
+    from coda_jax import config  # the modules gin registered dynamically  # pylint: disable=g-import-not-at-top
+    from coda_jax.model import network  # the modules gin registered dynamically  # pylint: disable=g-import-not-at-top
     assert gin.get_configurable(network.Transformer)().config == preset(
         name, dtype=jnp.bfloat16)
     assert gin.get_configurable(config.CodaConfig)().adapter_dim == adapter_dim

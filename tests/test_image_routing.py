@@ -1,16 +1,16 @@
-"""Figure 6's numbers on images (`coda_jax.image_routing`): what each routed
+"""Figure 6's numbers on images (`coda_jax.data.images.routing_maps`): what each routed
 layer of an image model keeps, its weights on the image's grid, and how
 often it keeps ink."""
 import jax
 import numpy as np
 import pytest
 
-from coda_jax import image_patches
-from coda_jax import image_routing
-from coda_jax import image_tasks
-from coda_jax import params as params_lib
+from coda_jax.data.images import patches as image_patches
+from coda_jax.data.images import routing_maps as image_routing
+from coda_jax.data.images import tasks as image_tasks
+from coda_jax.model import params as params_lib
 from coda_jax.config import CodaConfig, T5Config
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 CONFIG = T5Config(vocab_size=32, emb_dim=16, num_heads=2, head_dim=8, mlp_dim=16,
                   num_encoder_layers=2, num_decoder_layers=1, encoder_input='patches',

@@ -43,7 +43,7 @@ SMALL = ['--gin.TASK_FEATURE_LENGTHS={"inputs": 64, "targets": 8}', '--gin.BATCH
 def _write_images(root):
   """Two images and validation / questions JSONL files in `root`."""
   from PIL import Image  # pylint: disable=g-import-not-at-top
-  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   os.makedirs(os.path.join(root, 'images'), exist_ok=True)
   lines = []

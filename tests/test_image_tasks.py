@@ -1,4 +1,4 @@
-"""Image-to-text tasks (`coda_jax.image_tasks`): a directory of images with a
+"""Image-to-text tasks (`coda_jax.data.images.tasks`): a directory of images with a
 JSONL file, the generated quickstart tasks, their seqio pipeline (patches as
 the encoder's input), the evaluator, and the model/task checks."""
 import json
@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from coda_jax import image_patches
-from coda_jax import image_tasks
+from coda_jax.data.images import patches as image_patches
+from coda_jax.data.images import tasks as image_tasks
 from coda_jax.config import T5Config
 
 
@@ -60,7 +60,7 @@ def test_jsonl_records_read_and_bad_lines_are_named(tmp_path):
 
 def _register(vocabulary=None):
   seqio = pytest.importorskip('seqio')
-  from coda_jax import tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top
   tasks.register_tasks(vocabulary or seqio.ByteVocabulary(extra_ids=100))
   return seqio
 
@@ -73,7 +73,7 @@ def test_a_directory_task_gives_the_patches_of_its_images_and_questions(tmp_path
   task = seqio.get_mixture_or_task('coda_ocrvqa')
   assert image_tasks.has_patches(task)
   with gin.unlock_config():
-    gin.bind_parameter('coda_jax.image_tasks.ImageTaskSettings.data_dir', str(tmp_path))
+    gin.bind_parameter('coda_jax.data.images.tasks.ImageTaskSettings.data_dir', str(tmp_path))
   try:
     ds = seqio.get_dataset('coda_ocrvqa', task_feature_lengths={'inputs': 64, 'targets': 8},
                            feature_converter=data.feature_converter(task, False),

@@ -26,7 +26,7 @@ TASK = ['--gin.MIXTURE_OR_TASK_NAME=test_copy_words', '--gin.EVAL_NUM_EXAMPLES=N
 
 
 def _copy_words(rng):
-  from coda_jax import offline_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data import offline_tasks  # pylint: disable=g-import-not-at-top
   words = ' '.join(offline_tasks.QUICKSTART_WORDS[int(i)] for i in rng.integers(0, 16, 2))
   return {'inputs': 'copy: ' + words, 'targets': words}
 
@@ -38,7 +38,7 @@ def _lines(path):
 
 def run_scenario(work: str) -> dict:
   from coda_jax import cli  # pylint: disable=g-import-not-at-top
-  from coda_jax import offline_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data import offline_tasks  # pylint: disable=g-import-not-at-top
   offline_tasks.offline_task('test_copy_words', _copy_words, 'copy two words',
                              num_validation=16)
   model_dir = os.path.join(work, 'run')

@@ -136,7 +136,8 @@ def test_mlp_counts_the_transcendentals_of_its_activations():
 
 @functools.lru_cache(maxsize=None)
 def _device(pod):
-  from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import topology  # pylint: disable=g-import-not-at-top
   return topology.devices(chips.parse_pod(pod))[0]
 
 
@@ -172,7 +173,7 @@ def _kernel_call(text: str):
 
 
 def _compile(pod, fn, *arrays):
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
   device = _device(pod)
   sharding = jax.sharding.SingleDeviceSharding(device)
   abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in arrays]
@@ -235,7 +236,7 @@ def test_mlp(pod, b, n, dtype, vmem, resident):
   """Gated GELU, its weights resident in the chip's VMEM (read once) or in
   blocks of hidden units (read once per block of rows)."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
-  from coda_jax.compile import chips  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
   e, h = (768, 2048) if resident else (256, 1024)
   vmem = vmem or chips.by_device_kind(_device(pod).device_kind).vmem_bytes
   acts = [jax.nn.gelu, lambda a: a]

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import routing
-from coda_jax import soft_topk as st
+from coda_jax.model import routing
+from coda_jax.model import soft_topk as st
 from coda_jax.config import SoftTopKConfig
 from coda_jax.kernels import soft_topk as kernel
 
@@ -162,7 +162,7 @@ def test_auto_on_gpu_is_xla_until_a_rule_is_measured(monkeypatch):
   no GPU row has been measured, so XLA; a row for 'gpu' turns the kernel
   on, in a program for a GPU only."""
   from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
   s = jnp.ones((2, 16))
   with target.targeting('gpu'):
     assert not _uses_kernel(lambda x: st.soft_topk(x, 3, SHORT), s)

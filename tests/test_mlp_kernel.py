@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import layers
+from coda_jax.model import layers
 from coda_jax.config import AcmConfig, CodaConfig, T5Config
 from coda_jax.kernels import mlp as kernel
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 from test_coda import assert_same_model, batch, encode, init_params, randomize
 from tiny_models import run_on_cpu_devices, tiny_config as tiny
@@ -198,8 +198,9 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate(pod, resident):
   `cost_analysis()` is at least its `CostEstimate`, whose bytes are at least
   x, y and the weights once."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
-  from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import topology  # pylint: disable=g-import-not-at-top
   device = topology.devices(chips.parse_pod(pod))[0]
   b, n, e, h = 32, 77, 768, 2048
   x, scale, wi, wo = _operands(0, b, n, e, h, dtype=jnp.bfloat16)
@@ -227,8 +228,9 @@ def test_a_decoding_steps_rows_compile_single_buffered_for_v4():
   of tokens on a v4 (16 MiB of VMEM): weights of 24 MiB in blocks of hidden
   units, x and y in one buffer each, compiled by Mosaic; the weights read once, as the estimate declares."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
-  from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import topology  # pylint: disable=g-import-not-at-top
   device = topology.devices(chips.parse_pod('v4-8'))[0]
   n, e, h = 512, 1024, 4096
   vmem = chips.by_device_kind(device.device_kind).vmem_bytes
@@ -260,7 +262,7 @@ def test_a_decoding_step_runs_its_mlp_in_the_kernel(method):
   step's rows as one block of tokens; interpret mode) or XLA's: the same
   tokens and scores, and the decoder's plan says which ran."""
   import functools  # pylint: disable=g-import-not-at-top
-  from coda_jax import decoding  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import decoding  # pylint: disable=g-import-not-at-top
   from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
   models = _models(None, num_encoder_layers=1, num_decoder_layers=2)
   rng = np.random.RandomState(0)

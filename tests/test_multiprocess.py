@@ -65,7 +65,7 @@ def reference(work: str) -> dict:
   import argparse  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from coda_jax import checkpoints  # pylint: disable=g-import-not-at-top
-  from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import command as train_cli  # pylint: disable=g-import-not-at-top
   from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
   from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top
 
@@ -422,7 +422,7 @@ def test_model_dir_must_be_a_path():
 @pytest.fixture
 def byte_tasks():
   seqio = pytest.importorskip('seqio')
-  from coda_jax import tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top
   tasks.register_tasks(seqio.ByteVocabulary(extra_ids=100))
   yield
   tasks.register_tasks()

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import beam_attention
-from coda_jax import decoding
-from coda_jax import layers
-from coda_jax import relpos
+from coda_jax.model.attention import beams as beam_attention
+from coda_jax.model import decoding
+from coda_jax.model import layers
+from coda_jax.kernels import relpos
 from coda_jax.config import T5Config, preset, t5_1_1
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 from tiny_models import decode_step_by_step, tiny_config
 
@@ -108,7 +108,7 @@ def test_gin_presets_build_the_t5x_sizes():
                     ('xxl', 4096)]:
     gin.clear_config()
     gin.parse_config_file(f'gin_configs/models/t5_1_1_{size}.gin')
-    from coda_jax import network  # the module gin registered dynamically
+    from coda_jax.model import network  # the module gin registered dynamically
     model = gin.get_configurable(network.Transformer)()
     expect = t5_1_1(size, dtype=jnp.bfloat16)
     assert model.config == expect and model.config.emb_dim == emb
@@ -129,7 +129,7 @@ def test_gin_presets_build_the_papers_text_models():
     assert expect.num_heads * 64 == emb  # 12, 16, 32 heads of 128
     gin.clear_config()
     gin.parse_config_file(f'gin_configs/models/coda_{size}.gin')
-    from coda_jax import network  # the module gin registered dynamically
+    from coda_jax.model import network  # the module gin registered dynamically
     assert gin.get_configurable(network.Transformer)().config == expect
     gin.clear_config()
     gin.parse_config_files_and_bindings(

@@ -1,12 +1,12 @@
-"""Offline tasks generated on the fly (`coda_jax.offline_tasks`)."""
+"""Offline tasks generated on the fly (`coda_jax.data.offline_tasks`)."""
 import itertools
 import math
 
 import numpy as np
 import pytest
 
-from coda_jax import offline_tasks
-from coda_jax.offline_tasks import OfflineTask
+from coda_jax.data import offline_tasks
+from coda_jax.data.offline_tasks import OfflineTask
 
 
 def _take(iterator, n):
@@ -70,7 +70,7 @@ def test_offline_task_registers_once():
 
 def test_a_new_task_is_a_generator_and_one_call():
   seqio = pytest.importorskip('seqio')
-  from coda_jax import tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top
 
   def count(rng):
     n = int(rng.integers(1, 9))
@@ -147,7 +147,7 @@ def test_position_accuracy_scores_each_place_of_the_answer():
 @pytest.mark.parametrize('name', sorted(offline_tasks.ORDER_FAMILY))
 def test_order_tasks_report_exact_match_and_position_accuracy(name):
   seqio = pytest.importorskip('seqio')
-  from coda_jax import tasks  # pylint: disable=g-import-not-at-top,unused-import
+  from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top,unused-import
   task = seqio.get_mixture_or_task(name)  # registered at import
   found = {}
   for metric_fn in task.predict_metric_fns:

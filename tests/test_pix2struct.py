@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import image_patches
+from coda_jax.data.images import patches as image_patches
 from coda_jax.checkpoints import pix2struct
 from coda_jax.checkpoints.base import CheckpointError
 from coda_jax.config import CodaConfig
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 HIDDEN, HEADS, D_KV, D_FF, VOCAB, POSITIONS = 32, 4, 8, 64, 50, 64
 
@@ -75,7 +75,7 @@ def test_coda_routes_only_the_image_s_patches(tmp_path):
   config, params = pix2struct.load_hf(str(tmp_path / 'hf'))
   coda = CodaConfig(reduction_factor=4)
   model = Transformer(config, coda=coda)
-  from coda_jax import params as params_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import params as params_lib  # pylint: disable=g-import-not-at-top
   full = params_lib.from_pretrained(params, model, jax.random.PRNGKey(1))
   patches = _patches()
   patches[1, ~image_patches.real_patch_mask(patches[1]), 2:] = 1e3   # loud padding
@@ -131,7 +131,7 @@ def test_coda_starts_from_a_pix2struct_checkpoint_and_its_adapter_file_applies(t
   checkpoint, the same logits."""
   _hf_model(tmp_path)
   from coda_jax import checkpoints  # pylint: disable=g-import-not-at-top
-  from coda_jax import infer  # pylint: disable=g-import-not-at-top
+  from coda_jax.inference import infer  # pylint: disable=g-import-not-at-top
   config, base = checkpoints.load_backbone(str(tmp_path / 'hf'))
   assert config.encoder_input == 'patches'
   model = Transformer(config, coda=CodaConfig(reduction_factor=4, adapter_dim=4))

@@ -13,12 +13,12 @@ import pytest
 from flax import serialization
 
 from coda_jax import checkpoints
-from coda_jax import image_patches
-from coda_jax import params as params_lib
+from coda_jax.data.images import patches as image_patches
+from coda_jax.model import params as params_lib
 from coda_jax.checkpoints import pix2struct
 from coda_jax.checkpoints.base import CheckpointError
 from coda_jax.config import T5Config
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 from test_pix2struct import HIDDEN, POSITIONS, VOCAB, _hf_model, _patches
 
 # The release's names outside the layers (flaxformer's t5_architecture.Encoder

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import pytest
 
 from coda_jax import plan as plan_lib
-from coda_jax import target
-from coda_jax.compile import chips
+from coda_jax.plan import target
+from coda_jax.plan import chips
 from coda_jax.config import (AcmConfig, CodaConfig, SoftTopKConfig, parallel_adapter_baseline,
                              preset, t5_1_1)
-from coda_jax.network import Transformer
-from coda_jax.target import Target
+from coda_jax.model.network import Transformer
+from coda_jax.plan.target import Target
 
 from tiny_models import tiny_config
 

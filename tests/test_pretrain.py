@@ -32,7 +32,7 @@ OFFLINE = [f"--gin_file={os.path.join(REPO, 'gin_configs', 'tasks', 'offline_spa
 
 def _run(gin_file, model_dir, steps, *flags):
   from coda_jax import cli  # pylint: disable=g-import-not-at-top
-  from coda_jax import tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top
   _, targets = tasks.span_corruption_lengths(INPUTS)
   rc, out, err = _call(cli.main, [
       'train', f'--gin_file={os.path.join(RUNS, gin_file)}', f'--gin.MODEL_DIR={model_dir}',

@@ -35,9 +35,9 @@ import numpy as np
 import pytest
 
 from coda_jax import checkpoints
-from coda_jax import decoding
-from coda_jax import network
-from coda_jax import params as params_lib
+from coda_jax.model import decoding
+from coda_jax.model import network
+from coda_jax.model import params as params_lib
 
 from tiny_models import tiny_config
 
@@ -255,12 +255,12 @@ def test_every_page_link_leads_into_the_repository():
 # The flags of the other commands the pages show.
 # ----------------------------------------------------------------------------
 
-_GIN_FLAGS = ('coda_jax/train.py', 'coda_jax/training/gin_utils.py')
+_GIN_FLAGS = ('coda_jax/training/command.py', 'coda_jax/training/gin_utils.py')
 # A command (its first words) -> the files that declare its flags.
 _FLAG_SOURCES = {
-    ('coda-jax', 'benchmark'): ('coda_jax/bench/decoding_latency.py',),
-    ('python', 'tools/benchmark_decoding.py'): ('coda_jax/bench/decoding_latency.py',),
-    ('coda-jax', 'compile'): ('coda_jax/compile/command.py', 'coda_jax/training/gin_utils.py'),
+    ('coda-jax', 'benchmark'): ('coda_jax/measure/bench/decoding_latency.py',),
+    ('python', 'tools/benchmark_decoding.py'): ('coda_jax/measure/bench/decoding_latency.py',),
+    ('coda-jax', 'compile'): ('coda_jax/measure/compile/command.py', 'coda_jax/training/gin_utils.py'),
     ('python', '-m', 'coda_jax.train'): _GIN_FLAGS,
     ('coda-jax', 'train'): _GIN_FLAGS,
     ('coda-jax', 'infer'): _GIN_FLAGS,
@@ -341,9 +341,9 @@ def test_shown_flags_are_declared():
 
 
 def test_declared_flags_parse_the_sources():
-  assert {'--topology', '--out', '--jobs'} <= _declared_flags('coda_jax/compile/command.py')
+  assert {'--topology', '--out', '--jobs'} <= _declared_flags('coda_jax/measure/compile/command.py')
   assert {'--model', '--acm_usage', '--strict'} <= _declared_flags(
-      'coda_jax/bench/decoding_latency.py')
+      'coda_jax/measure/bench/decoding_latency.py')
   assert {'--tpu', '--dry-run', '--skip_compile_check'} <= _declared_flags('launch/tpu_vm.sh')
   assert '--no-such-flag' not in _declared_flags('tools/routed_cost.py')
   sources, rest = _command_sources(shlex.split(

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import layers
+from coda_jax.model import layers
 from coda_jax.config import CodaConfig
 from coda_jax.kernels import relpos_attention as kernel
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 from test_coda import assert_same_model, batch, encode, init_params, logits, randomize
 from tiny_models import run_on_cpu_devices, tiny_config as tiny
@@ -218,8 +218,9 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
   Mosaic kernel, and `cost_analysis()` reports the kernel's `CostEstimate`,
   whose bytes are at least every operand and result it moves."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
-  from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import topology  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
   pod = chips.parse_pod('v5e-1')
   devices = topology.devices(pod)
   b, q, s, h, d = 8, 128, 384, 12, 64

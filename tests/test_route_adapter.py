@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import layers, routing
+from coda_jax.model import layers, routing
 from coda_jax.config import CodaConfig
 from coda_jax.kernels import route_adapter as kernel
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 from test_coda import assert_same_model, batch, encode, init_params, randomize
 from tiny_models import kernel_under_batch_mesh, tiny_config as tiny
@@ -176,7 +176,7 @@ def test_auto_routes_with_the_kernel_on_tpu(kind, attention, reduction_factor, d
   r = 3, not 8 at r = 1.5; v4 k-to-k up to 0.3: not 4 of 12), except where
   the output kernel computes the adapter (v5e k-to-k at k / n <= 0.3: k = 3
   of 12 at r = 5; v5p) and with gathers; XLA on a chip with no rule."""
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
   enc, dec_in, tgt = batch()
   model = Transformer(tiny(attention_kernel='xla', mlp_kernel='xla'),
                       coda=CodaConfig(reduction_factor=reduction_factor, normalizer='sigmoid',
@@ -229,8 +229,9 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
   x, the routed tokens and their factors, the bottleneck, the indices and
   the weights."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
-  from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import topology  # pylint: disable=g-import-not-at-top
   device = topology.devices(chips.parse_pod('v4-8'))[0]
   b, n, k, e, a = 8, 384, 77, 768, 64
   args = _operands(0, b, n, k, e, a, jnp.bfloat16)

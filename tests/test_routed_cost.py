@@ -1,5 +1,5 @@
 """CoDA's routed encoder on the TPU compiler's cost model
-(`coda_jax.compile.variant_costs`, `tools/routed_cost.py`): a small routed
+(`coda_jax.measure.compile.variant_costs`, `tools/routed_cost.py`): a small routed
 encoder compiled for one v5e chip must move fewer bytes than its Parallel
 Adapter baseline, by at least the ratio committed here, and compile without
 loops; so a change that adds bytes to the routed layer fails here. Both
@@ -16,8 +16,9 @@ import pytest
 
 pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
 
-from coda_jax.bench import models  # pylint: disable=g-import-not-at-top
-from coda_jax.compile import chips, variant_costs  # pylint: disable=g-import-not-at-top
+from coda_jax.measure import models  # pylint: disable=g-import-not-at-top
+from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
+from coda_jax.measure.compile import variant_costs  # pylint: disable=g-import-not-at-top
 from coda_jax.config import CodaConfig  # pylint: disable=g-import-not-at-top
 
 BATCH, LENGTH = 32, 256

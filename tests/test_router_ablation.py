@@ -17,7 +17,7 @@ import pytest
 import fast_xla
 
 from coda_jax import config as config_lib
-from coda_jax import offline_tasks
+from coda_jax.data import offline_tasks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, 'tools', 'router_ablation.py')
@@ -241,7 +241,7 @@ def test_the_gin_lengths_fit_the_default_task():
   # seqio would trim a longer target without a word (and exact match drop to 0).
   seqio = pytest.importorskip('seqio')
   import gin  # pylint: disable=g-import-not-at-top
-  from coda_jax import tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top
   from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
   from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
   tool = _tool()

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import params as params_lib
+from coda_jax.model import params as params_lib
 from coda_jax.config import CodaConfig, SoftTopKConfig
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 from tiny_models import tiny_config
 

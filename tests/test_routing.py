@@ -1,11 +1,11 @@
-"""Tests of coda_jax.routing: routers, selection, gather/scatter."""
+"""Tests of coda_jax.model.routing: routers, selection, gather/scatter."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import routing
-from coda_jax import soft_topk as st
+from coda_jax.model import routing
+from coda_jax.model import soft_topk as st
 from coda_jax.config import SoftTopKConfig
 
 B, N, D = 4, 12, 8
@@ -273,7 +273,7 @@ def test_router_scores_from_the_raw_input_equal_those_of_the_normalised_input(no
   """`rms_scale`: the router reads the layer's input x and the norm's scale,
   and scores exactly what it would from RMSNorm(x) (float32), so the
   network need not pass it a normalised copy."""
-  from coda_jax import layers  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import layers  # pylint: disable=g-import-not-at-top
   x, mask = _inputs(3)
   x = x * jnp.asarray(np.random.default_rng(4).uniform(0.1, 5.0, (B, N, 1)), jnp.float32)
   norm = layers.RMSNorm(scale_init=lambda key, shape, dtype: jax.random.uniform(

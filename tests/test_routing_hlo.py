@@ -4,11 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import params as params_lib
-from coda_jax import routing
-from coda_jax.bench import hlo
+from coda_jax.model import params as params_lib
+from coda_jax.model import routing
+from coda_jax.measure import hlo
 from coda_jax.config import CodaConfig, SoftTopKConfig, parallel_adapter_baseline
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 import fast_xla
 from tiny_models import tiny_config
 

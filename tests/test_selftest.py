@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import selftest
+from coda_jax.measure import selftest
 from coda_jax.config import CodaConfig, T5Config
 from coda_jax.kernels import mlp as mlp_kernel
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, 'gin_configs', 'runs', 'quickstart.gin')
@@ -150,7 +150,7 @@ def test_a_host_that_cannot_run_interpret_mode_skips_instead_of_failing(monkeypa
   kernel's interpret-mode program may contain: that case is skipped, with
   the reason, not called off. On the chip (no interpret mode) the same error
   is the kernel's."""
-  from coda_jax import kernel_checks  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import kernel_checks  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
 
   def unrunnable(x):
@@ -202,7 +202,7 @@ def test_the_trainer_falls_back_to_xla_with_one_line_and_trains_on(monkeypatch, 
                                                                    capsys):
   """The quickstart run with the MLP kernel asked for and broken: one line
   names it, the run trains with XLA's MLP (its loss is the XLA run's)."""
-  from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import command as train_cli  # pylint: disable=g-import-not-at-top
   monkeypatch.setenv('CODA_JAX_CACHE_DIR', str(tmp_path / 'cache'))
   _broken_mlp(monkeypatch)
 

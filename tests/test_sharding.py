@@ -21,9 +21,9 @@ import pytest
 import fast_xla
 from jax.sharding import PartitionSpec as P
 
-from coda_jax import partitioning
+from coda_jax.model import partitioning
 from coda_jax.config import CodaConfig, T5Config
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = ((8, 1), (4, 2), (2, 4))
@@ -288,7 +288,7 @@ def test_create_mesh_fills_minus_one_and_names_bad_shapes():
 
 def test_factored_statistics_follow_the_dimension_they_keep_even_for_square_kernels():
   import optax  # pylint: disable=g-import-not-at-top
-  from coda_jax import partitioning as trainer_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import partitioning as trainer_lib  # pylint: disable=g-import-not-at-top
   shapes = {'query': {'kernel': jax.ShapeDtypeStruct((32, 32), jnp.float32)},   # square
             'wo': {'kernel': jax.ShapeDtypeStruct((64, 32), jnp.float32)},
             'scale': jax.ShapeDtypeStruct((32,), jnp.float32)}

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import beam_attention
-from coda_jax import layers
-from coda_jax import target
+from coda_jax.model.attention import beams as beam_attention
+from coda_jax.model import layers
+from coda_jax.plan import target
 from coda_jax.kernels import slot_attention as kernel
 from coda_jax.kernels import tpu_blocks
 
@@ -153,7 +153,8 @@ def test_cost_estimate_counts_every_operand_once():
 
 @functools.lru_cache(maxsize=None)
 def _device(pod):
-  from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import topology  # pylint: disable=g-import-not-at-top
   return topology.devices(chips.parse_pod(pod))[0]
 
 

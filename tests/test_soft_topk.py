@@ -1,4 +1,4 @@
-"""Tests of coda_jax.soft_topk (paper §3 and App. C) and its benchmark."""
+"""Tests of coda_jax.model.soft_topk (paper §3 and App. C) and its benchmark."""
 import contextlib
 import functools
 import importlib.util
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import soft_topk as st
+from coda_jax.model import soft_topk as st
 
 import reference_soft_topk as ref  # the paper's equations in float64 NumPy
 
@@ -385,7 +385,7 @@ def test_benchmark_quick_run():
 def test_benchmark_without_the_model_code_fails():
   """A broken install of the model code is an error (exit 1), never a skip."""
   root = pathlib.Path(__file__).resolve().parents[1]
-  script = ("import runpy, sys; sys.modules['coda_jax.network'] = None; "
+  script = ("import runpy, sys; sys.modules['coda_jax.model.network'] = None; "
             "sys.argv = ['bench_soft_topk.py', '--quick']; "
             "runpy.run_path('tools/bench_soft_topk.py', run_name='__main__')")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -393,12 +393,12 @@ def test_benchmark_without_the_model_code_fails():
   done = subprocess.run([sys.executable, '-c', script], cwd=root, env=env,
                         capture_output=True, text=True, timeout=300)
   assert done.returncode == 1, done.stderr
-  assert "ModuleNotFoundError: import of coda_jax.network halted" in done.stderr
+  assert "ModuleNotFoundError: import of coda_jax.model.network halted" in done.stderr
   assert 'skipped' not in done.stdout + done.stderr
 
 
 def test_benchmark_without_the_transformer_fails(monkeypatch):
-  from coda_jax import network  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import network  # pylint: disable=g-import-not-at-top
   path = pathlib.Path(__file__).resolve().parents[1] / 'tools' / 'bench_soft_topk.py'
   spec = importlib.util.spec_from_file_location('bench_soft_topk', path)
   bench = importlib.util.module_from_spec(spec)

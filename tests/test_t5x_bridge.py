@@ -1,4 +1,4 @@
-"""Tests for coda_jax.t5x_bridge and gin_configs/t5x/ (t5x's own train.py).
+"""Tests for coda_jax.training.t5x_bridge and gin_configs/t5x/ (t5x's own train.py).
 
 The first part needs no t5x: the traversals, the assignment map and the rule
 lists are checked against the real parameter trees of tiny coda_jax models.
@@ -22,11 +22,11 @@ import pytest
 
 from coda_jax import checkpoints
 from coda_jax import config as config_lib
-from coda_jax import network
-from coda_jax import params as params_lib
-from coda_jax import partitioning
-from coda_jax import t5x_bridge
-from coda_jax import trainable
+from coda_jax.model import network
+from coda_jax.model import params as params_lib
+from coda_jax.model import partitioning
+from coda_jax.training import t5x_bridge
+from coda_jax.model import trainable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIN_DIR = os.path.join(REPO, 'gin_configs', 't5x')

@@ -30,8 +30,8 @@ tfds = pytest.importorskip('tensorflow_datasets')
 
 import gin  # pylint: disable=g-import-not-at-top
 
-from coda_jax import tasks  # pylint: disable=g-import-not-at-top
-from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top
+from coda_jax.training import command as train_cli  # pylint: disable=g-import-not-at-top
 from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
 from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
 
@@ -83,7 +83,7 @@ def _check_config(gin_file, tmp_path, bindings=(), **macros):
 
 @pytest.mark.parametrize('name', sorted(FINETUNE))
 def test_finetune_file_holds_table8_settings(name, tmp_path):
-  from coda_jax import network  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import network  # pylint: disable=g-import-not-at-top
   from coda_jax.training import optimizer  # pylint: disable=g-import-not-at-top
   task, n, m = FINETUNE[name]
   gin_utils.parse_gin([os.path.join(RUNS, f'finetune_{name}.gin')], _required(tmp_path))
@@ -144,7 +144,7 @@ def test_pretrain_file_builds_span_corruption_on_c4(mocked_tfds, tmp_path):
 
 
 def test_size_adapter_and_router_are_macros(tmp_path):
-  from coda_jax import network  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import network  # pylint: disable=g-import-not-at-top
   gin_utils.parse_gin([os.path.join(RUNS, 'finetune_rte.gin')],
                       _required(tmp_path) + [
                           ('MODEL_SIZE', "'large'"), ('REDUCTION_FACTOR', '5'),

@@ -24,7 +24,7 @@ from tensorflow_datasets.core.download import downloader as tfds_downloader  # p
 from tensorflow_datasets.core.utils import gcs_utils  # pylint: disable=g-import-not-at-top
 
 from coda_jax import cli  # pylint: disable=g-import-not-at-top
-from coda_jax import infer as infer_lib  # pylint: disable=g-import-not-at-top
+from coda_jax.inference import infer as infer_lib  # pylint: disable=g-import-not-at-top
 from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
 from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top
 
@@ -159,7 +159,7 @@ def test_infer_on_an_input_file_needs_no_tfds_data(capsys, tmp_path, offline_tfd
 
 
 def test_tfds_datasets_of_a_mixture_and_of_an_offline_task():
-  from coda_jax import tasks  # pylint: disable=g-import-not-at-top,unused-import
+  from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top,unused-import
   name = 'test_tfds_missing_mixture'
   if name in seqio.MixtureRegistry.names():
     seqio.MixtureRegistry.remove(name)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from coda_jax import plan as plan_lib
-from coda_jax import target
+from coda_jax.plan import target
 from coda_jax.kernels import top_logits as kernel
 from coda_jax.kernels import tpu_blocks
 from tiny_models import run_on_cpu_devices
@@ -111,7 +111,8 @@ def test_cost_estimate_counts_every_operand_tiled():
 
 @functools.lru_cache(maxsize=None)
 def _device(pod):
-  from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import topology  # pylint: disable=g-import-not-at-top
   return topology.devices(chips.parse_pod(pod))[0]
 
 
@@ -124,7 +125,7 @@ def test_compiles_for_tpu_without_the_logits(pod):
   HBM and reads them back (v5e keeps them in its VMEM: the plan's rules
   say which runs where)."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
-  from coda_jax.compile import hlo_costs  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure import hlo_costs  # pylint: disable=g-import-not-at-top
   rows, emb, vocab, k, dtype = 512, 2048, 32128, 8, jnp.bfloat16
   device = _device(pod)
   sharding = jax.sharding.SingleDeviceSharding(device)

@@ -18,8 +18,8 @@ seqio = pytest.importorskip('seqio')
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-from coda_jax import tasks  # pylint: disable=g-import-not-at-top
-from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top
+from coda_jax.training import command as train_cli  # pylint: disable=g-import-not-at-top
 from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
 from coda_jax.training import distributed  # pylint: disable=g-import-not-at-top
 from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
@@ -174,7 +174,7 @@ def test_trainer_refuses_packing_for_a_routed_model(capsys, tmp_path, no_compute
 
 def test_routed_encoder_refuses_segment_ids():
   from coda_jax import config  # pylint: disable=g-import-not-at-top
-  from coda_jax import network  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import network  # pylint: disable=g-import-not-at-top
   t5 = config.T5Config(vocab_size=32, emb_dim=8, num_heads=2, head_dim=4, mlp_dim=16,
                        num_encoder_layers=1, num_decoder_layers=1, dtype='float32')
   tokens = jnp.ones((1, 6), jnp.int32)

@@ -50,9 +50,9 @@ def run_scenarios(work: str) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from coda_jax import checkpoints  # pylint: disable=g-import-not-at-top
-  from coda_jax import network  # pylint: disable=g-import-not-at-top
-  from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
-  from coda_jax import trainable  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import network  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import command as train_cli  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import trainable  # pylint: disable=g-import-not-at-top
   from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
   from coda_jax.training import schedules  # pylint: disable=g-import-not-at-top
   from coda_jax.training import train_lib  # pylint: disable=g-import-not-at-top

@@ -1,4 +1,4 @@
-"""Tests for coda_jax.trainable: the CoDA trainable mask and the frozen optimizer."""
+"""Tests for coda_jax.model.trainable: the CoDA trainable mask and the frozen optimizer."""
 import flax
 import jax
 import jax.numpy as jnp
@@ -6,8 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from coda_jax import params as params_lib
-from coda_jax import trainable
+from coda_jax.model import params as params_lib
+from coda_jax.model import trainable
 from coda_jax.config import T5Config, t5_1_1
 
 
@@ -178,7 +178,7 @@ def test_coda_trainable_params_by_hand():
 
 def test_coda_trainable_params_matches_lora_and_norms_of_real_layers():
   """The mask on trees built by the project's own layers (shapes only)."""
-  from coda_jax import layers, network
+  from coda_jax.model import layers, network
   cfg = T5Config(vocab_size=16, emb_dim=8, num_heads=2, head_dim=4, mlp_dim=12,
                  num_encoder_layers=2, num_decoder_layers=1)
   tokens = jnp.ones((1, 3), jnp.int32)

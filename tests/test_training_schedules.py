@@ -246,7 +246,7 @@ def test_schedule_errors_name_the_problem():
 
 def test_rungs_macro_reaches_the_schedule(tmp_path, capsys):
   pytest.importorskip('seqio')
-  from coda_jax import train as train_cli  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import command as train_cli  # pylint: disable=g-import-not-at-top
   from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
   quickstart = os.path.join(REPO, 'gin_configs', 'runs', 'quickstart.gin')
   # A value the ladder cannot have: one line naming the macro, exit status 2,

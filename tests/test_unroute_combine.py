@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from coda_jax import routing
+from coda_jax.model import routing
 from coda_jax.config import CodaConfig
 from coda_jax.kernels import unroute_combine as kernel
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 from test_coda import assert_same_model, batch, encode, init_params, randomize
 from tiny_models import kernel_under_batch_mesh, tiny_config as tiny
@@ -66,7 +66,7 @@ def test_blocks_of_positions_with_a_padded_last_block(monkeypatch):
   """Rows whose blocks do not fit the VMEM budget go in blocks (40 positions in
   blocks of 16, the last padded); the result is the layer's own: the adapter
   on the RMS norm, `routing`'s un-route and the residual."""
-  from coda_jax import adapters, layers  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import adapters, layers  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(kernel, '_VMEM_BUDGET', 16 * 128 * (4 * 4 + 4 * kernel._TEMPORARIES))
   assert kernel.position_block(40, 128, 4) == 16
   x, scale, w_down, w_up, delta, idx = _operands(0, 2, 40, 12, 128, 8)
@@ -119,8 +119,9 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
   `cost_analysis()` is at least its `CostEstimate`, whose bytes are at least
   x, y, delta and the weights."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
-  from coda_jax.compile import chips, topology  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import topology  # pylint: disable=g-import-not-at-top
   device = topology.devices(chips.parse_pod('v5e-1'))[0]
   b, n, k, e, a = 8, 384, 128, 768, 64
   args = _operands(0, b, n, k, e, a, jnp.bfloat16)
@@ -148,7 +149,7 @@ def test_auto_picks_the_kernel_where_it_costs_less(kind, attention, reduction_fa
   the TPU compiler counts fewer bytes with it than with the route kernel)
   when k / n is at most the row's fraction (0.3: k = 3 of 12 tokens, not 4),
   XLA for v5e's k-to-all, on v4 (more bytes) and off TPU."""
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
   enc, dec_in, tgt = batch()
   model = Transformer(tiny(attention_kernel='xla', mlp_kernel='xla'),
                       coda=CodaConfig(reduction_factor=reduction_factor, normalizer='sigmoid',

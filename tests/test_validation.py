@@ -4,7 +4,7 @@ import argparse
 import numpy as np
 import pytest
 
-from coda_jax import layers
+from coda_jax.model import layers
 from coda_jax import validation
 from coda_jax.config import AcmConfig, CodaConfig, SoftTopKConfig, T5Config
 

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import Mesh
 
 from coda_jax import checkpoints
-from coda_jax import network
+from coda_jax.model import network
 from coda_jax.config import AcmConfig, CodaConfig
 from coda_jax.training import optimizer as optimizer_lib
 from coda_jax.training import trainer as trainer_lib

@@ -20,9 +20,9 @@ def beam_decode_each(config, field: str, plan_field: str):
   import functools  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from coda_jax import decoding  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import decoding  # pylint: disable=g-import-not-at-top
   from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
-  from coda_jax.network import Transformer  # pylint: disable=g-import-not-at-top
+  from coda_jax.model.network import Transformer  # pylint: disable=g-import-not-at-top
   rng = np.random.RandomState(0)
   tokens = rng.randint(2, 64, (3, 11)).astype(np.int32)
   tokens[1, 7:] = 0

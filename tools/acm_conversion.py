@@ -1,7 +1,7 @@
 """The ACM conversion experiment on the offline quickstart task.
 
 A dense T5 trained on `coda_quickstart_reverse` (quickstart.gin with no CoDA)
-becomes an Adaptive Computation Modules model (`coda_jax.acm`) in the three
+becomes an Adaptive Computation Modules model (`coda_jax.model.acm`) in the three
 phases of acm_quickstart.gin, each one a `coda_jax.train` run from the
 previous run's MODEL_DIR:
 
@@ -61,7 +61,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from coda_jax.bench import flags
+from coda_jax import validation as flags
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DENSE_GIN = 'gin_configs/runs/quickstart.gin'
@@ -112,7 +112,7 @@ def run_phase(name: str, argv: Sequence[str], workdir: str, in_process: bool) ->
   start = time.perf_counter()
   log_path = os.path.join(workdir, f'{name}.log')
   if in_process:
-    from coda_jax import train  # pylint: disable=g-import-not-at-top
+    from coda_jax.training import command as train  # pylint: disable=g-import-not-at-top
     code = train.main(list(argv))
   else:
     with open(log_path, 'w') as log:
@@ -149,10 +149,10 @@ class Evaluation:
 
   def __init__(self, num_examples: Optional[int], batch_size: int = 64):
     import seqio  # pylint: disable=g-import-not-at-top
-    from coda_jax import partitioning  # pylint: disable=g-import-not-at-top
+    from coda_jax.model import partitioning  # pylint: disable=g-import-not-at-top
     from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
     vocabulary = seqio.ByteVocabulary(extra_ids=BYTE_EXTRA_IDS)
-    data_lib.prepare_task(TASK, vocabulary, True, ['coda_jax.tasks'])
+    data_lib.prepare_task(TASK, vocabulary, True, ['coda_jax.data.tasks'])
     self.evaluator = data_lib.TaskEvaluator(TASK, LENGTHS, split='validation',
                                             num_examples=num_examples, batch_size=batch_size)
     self.mesh = partitioning.create_mesh((-1, 1))
@@ -173,7 +173,7 @@ class Evaluation:
 
   def exact_match(self, model, params) -> float:
     """Greedy decoding of every example: the task's metric (exact match, %)."""
-    from coda_jax import infer  # pylint: disable=g-import-not-at-top
+    from coda_jax.inference import infer  # pylint: disable=g-import-not-at-top
     predictor = infer.Predictor(model, params, self.mesh, None, LENGTHS['targets'])
     metrics = self.evaluator.evaluate(predictor, pad_batch_to=self.mesh.shape['data'])
     return float(metrics['accuracy'])
@@ -182,7 +182,7 @@ class Evaluation:
     """Teacher-forced forward passes (evaluation mode): per batch, the
     intermediates and (capture_teacher) every pretrained `mlp`'s output."""
     import jax  # pylint: disable=g-import-not-at-top
-    from coda_jax import layers  # pylint: disable=g-import-not-at-top
+    from coda_jax.model import layers  # pylint: disable=g-import-not-at-top
 
     def apply(p, enc, dec_in, tgt):
       kwargs = {}
@@ -229,7 +229,7 @@ def reconstruction_errors(ev: Evaluation, model, params) -> Dict[str, Any]:
   the trainer's metric), and relative: each ACM's MSE over its teacher's mean
   square output, averaged over the ACMs.
   """
-  from coda_jax import acm as acm_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import acm as acm_lib  # pylint: disable=g-import-not-at-top
   sums: Dict[str, np.ndarray] = {}
   counts: Dict[str, float] = {}
   teacher: Dict[str, List[float]] = {}
@@ -263,7 +263,7 @@ def reconstruction_errors(ev: Evaluation, model, params) -> Dict[str, Any]:
 def achieved_budget(ev: Evaluation, model, params) -> Dict[str, Any]:
   """The fraction of learners used in evaluation mode (argmax gate), over every
   ACM's real tokens; per stack; the distribution of k."""
-  from coda_jax import acm as acm_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import acm as acm_lib  # pylint: disable=g-import-not-at-top
   num = model.acm.num_learners
   used = {'encoder': 0.0, 'decoder': 0.0}
   tokens = {'encoder': 0.0, 'decoder': 0.0}
@@ -294,7 +294,7 @@ def achieved_budget(ev: Evaluation, model, params) -> Dict[str, Any]:
 
 def _with_acm(model, **changes):
   import dataclasses  # pylint: disable=g-import-not-at-top
-  from coda_jax.network import Transformer  # pylint: disable=g-import-not-at-top
+  from coda_jax.model.network import Transformer  # pylint: disable=g-import-not-at-top
   return Transformer(model.config, coda=model.coda, cache_cross_kv=model.cache_cross_kv,
                      acm=dataclasses.replace(model.acm, **changes))
 
@@ -310,9 +310,9 @@ def measure(workdir: str, budgets: Sequence[float], ev: Evaluation,
   (`references`: also decode the gate-only model and the distilled one at
   fixed k)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from coda_jax import acmize  # pylint: disable=g-import-not-at-top
-  from coda_jax import flops  # pylint: disable=g-import-not-at-top
-  from coda_jax import infer  # pylint: disable=g-import-not-at-top
+  from coda_jax.model.acm import acmize  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import flops  # pylint: disable=g-import-not-at-top
+  from coda_jax.inference import infer  # pylint: disable=g-import-not-at-top
 
   dense = infer.load_model(phase_dir(workdir, 'dense'))
   distill = infer.load_model(phase_dir(workdir, 'distill'))

@@ -1,13 +1,13 @@
 """The measurements behind the ACM rows of `coda_jax.plan.RULES`, on this machine's clock.
 
 An ACM with `AcmConfig.inference='auto'` runs its learners 'gather' (learner
-n on the first C_n tokens ordered by k, `coda_jax.acm.gather`) or 'masked'
+n on the first C_n tokens ordered by k, `coda_jax.model.acm.gather`) or 'masked'
 (every learner on every token, masked), as the plan's rows say for the chip
 and the tokens of one call: an encoder's batch x n, a decoding step's rows.
 This tool times one FFN ACM (`acm.AcmMlp`, the --model preset's widths, the
 learner usage of --usage at each of its budgets) both ways, next to the
 dense FFN (`layers.MlpBlock`), at each token count of --tokens, all in one
-round robin (`coda_jax.bench.timing`), and records the faster formulation
+round robin (`coda_jax.measure.timing`), and records the faster formulation
 of each point and what the rules plan there. `tests/test_plan.py` holds the
 rules to the committed file: at every point the plan runs the faster
 formulation, or one within `plan.ACM_TIE` of it. The weights are random
@@ -29,11 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coda_jax import layers
+from coda_jax.model import layers
 from coda_jax import plan as plan_lib
-from coda_jax import target as target_lib
-from coda_jax.acm import AcmMlp
-from coda_jax.bench import acm_usage, flags, models, report, timing
+from coda_jax.plan import target as target_lib
+from coda_jax.model.acm import AcmMlp
+from coda_jax.measure.bench import acm_usage
+from coda_jax import validation as flags
+from coda_jax.measure import models, report, timing
 
 FORMULATIONS = (plan_lib.GATHER, plan_lib.MASKED)
 

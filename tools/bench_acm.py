@@ -1,7 +1,7 @@
 """Encoder forward time of an ACM model against the dense T5, next to the FLOP bound.
 
 The encoder of a T5 v1.1 preset whose FFNs are Adaptive Computation Modules
-(`coda_jax.acm`) runs with 'auto' inference as a trained model runs it
+(`coda_jax.model.acm`) runs with 'auto' inference as a trained model runs it
 ('gather' where `coda_jax.plan` says it pays, the row's `plan`):
 learner n processes a static capacity of ceil(capacity_factor · u_n · tokens)
 tokens (`AcmConfig.capacities`), u_n = P(k >= n) the learner usage that a
@@ -12,7 +12,7 @@ conversion's, benchmarks/acm_conversion/acm_conversion.json (N = 4, β = 0.25,
 0.5, 0.75); the JSON records it and every row says where its usage came from.
 The weights are random (the capacities are static: the time does not depend
 on them or on the gate's choices). Each budget is timed round-robin against
-the dense encoder (`coda_jax.bench.timing`) and compared with
+the dense encoder (`coda_jax.measure.timing`) and compared with
 `flops.acm_encoder_speedup_bound` at the FFN work those same capacities give
 (Σ_n C_n / (N · tokens)); measured / bound says how much of the multiply-add
 saving the implementation turns into time. 'masked' (every learner on every
@@ -31,13 +31,13 @@ import sys
 
 import jax
 
-from coda_jax import flops
-from coda_jax.bench import acm_usage
-from coda_jax.bench import flags
-from coda_jax.bench import report as bench_report
-from coda_jax.bench import models
-from coda_jax.bench import timing
-from coda_jax.network import Transformer
+from coda_jax.plan import flops
+from coda_jax.measure.bench import acm_usage
+from coda_jax import validation as flags
+from coda_jax.measure import report as bench_report
+from coda_jax.measure import models
+from coda_jax.measure import timing
+from coda_jax.model.network import Transformer
 
 
 def parse_args(argv):

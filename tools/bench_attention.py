@@ -1,11 +1,11 @@
 """XLA attention on this machine: the batch-major matmuls against the einsums.
 
-`coda_jax.dot_attention.dot_product_attention` writes its two matmuls in one
+`coda_jax.model.attention.dot_product.dot_product_attention` writes its two matmuls in one
 of two forms, as `coda_jax.plan` says for the chip (`plan.XLA_ATTENTION`):
 'batch_major', the batch axes (example, key/value head) leading every
 operand, or 'einsums' whose layouts the compiler chooses. This tool
 compiles both for the machine it runs on, checks that they agree, and times
-them round-robin (`coda_jax.bench.timing`) at each shape of --shapes:
+them round-robin (`coda_jax.measure.timing`) at each shape of --shapes:
 `Q:N` is Q queries over N keys/values of `--batch_size` rows (an encoder's
 n x n, a routed layer's k x n or k x k), `Q:N:cache` the keys/values in the
 layout of the decoding step's cross-attention cache ('heads_major'); a
@@ -37,12 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coda_jax import dot_attention
+from coda_jax.model.attention import dot_product as dot_attention
 from coda_jax import plan
-from coda_jax import target
-from coda_jax.bench import flags
-from coda_jax.bench import report as bench_report
-from coda_jax.bench import timing
+from coda_jax.plan import target
+from coda_jax import validation as flags
+from coda_jax.measure import report as bench_report
+from coda_jax.measure import timing
 
 FORMS = (plan.BATCH_MAJOR, plan.EINSUMS)
 # `Q:N:cache`: the decoding cross-attention cache's layout.

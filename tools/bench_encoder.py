@@ -10,8 +10,8 @@ variant (k-to-all, k-to-k), the median seconds of `Transformer.encode` on
 
 Every variant is compiled first (compile seconds reported apart) and then
 timed round-robin, one call of each per repeat in a rotating order, so
-machine load hits them alike (`coda_jax.bench.timing`). Random weights made
-in the activation dtype on the device (`coda_jax.bench.models.coda_params`);
+machine load hits them alike (`coda_jax.measure.timing`). Random weights made
+in the activation dtype on the device (`coda_jax.measure.models.coda_params`);
 all CoDA variants share one parameter tree and the baseline uses the same
 leaves minus routers.
 
@@ -44,11 +44,11 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax import config as config_lib
-from coda_jax import flops
-from coda_jax.bench import report as bench_report
-from coda_jax.bench import hlo
-from coda_jax.bench import models
-from coda_jax.bench import timing
+from coda_jax.plan import flops
+from coda_jax.measure import report as bench_report
+from coda_jax.measure import hlo
+from coda_jax.measure import models
+from coda_jax.measure import timing
 from coda_jax.config import CodaConfig
 
 

@@ -2,7 +2,7 @@
 
 At [batch, length, emb] (default the boolq/base shape of the accelerator
 targets, benchmarks/README.md: 128 x 384 x 768, k = length / r with r = 3), every primitive is jitted,
-compiled ahead of time and timed round-robin (`coda_jax.bench.timing`):
+compiled ahead of time and timed round-robin (`coda_jax.measure.timing`):
 
   router_score         s = x_norm · w                       [b, n, d] -> [b, n]
   soft_topk_<method>_<impl>   λ of the scores (forward; '+bwd' with the VJP)
@@ -29,10 +29,10 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from coda_jax import routing
-from coda_jax import soft_topk as soft_topk_lib
-from coda_jax.bench import report as bench_report
-from coda_jax.bench import timing
+from coda_jax.model import routing
+from coda_jax.model import soft_topk as soft_topk_lib
+from coda_jax.measure import report as bench_report
+from coda_jax.measure import timing
 from coda_jax.config import SOFT_TOPK_IMPLS, SoftTopKConfig, coda_k
 
 

@@ -19,7 +19,7 @@ forward and forward + backward (on a CPU the kernel runs in Pallas interpret
 mode: its times there say nothing about a GPU).
 
 All variants of a group are compiled first, then timed round-robin
-(`coda_jax.bench.timing.time_round_robin`: one call of each per repeat in a
+(`coda_jax.measure.timing.time_round_robin`: one call of each per repeat in a
 rotating order, `block_until_ready`), so machine load hits them alike.
 
   python tools/bench_soft_topk.py [--quick] [--repeats N] [--out FILE]
@@ -40,11 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import config as config_lib
-from coda_jax import network
-from coda_jax import params as params_lib
-from coda_jax import soft_topk as st
-from coda_jax.bench import report as bench_report
-from coda_jax.bench import timing
+from coda_jax.model import network
+from coda_jax.model import params as params_lib
+from coda_jax.model import soft_topk as st
+from coda_jax.measure import report as bench_report
+from coda_jax.measure import timing
 from coda_jax.config import SoftTopKConfig
 
 FULL_BATCHES = (8, 128)

@@ -18,10 +18,10 @@ import tempfile
 import numpy as np
 
 from coda_jax import checkpoints
-from coda_jax import params as params_lib
-from coda_jax import trainable
+from coda_jax.model import params as params_lib
+from coda_jax.model import trainable
 from coda_jax.config import CodaConfig, t5_1_1
-from coda_jax.network import Transformer
+from coda_jax.model.network import Transformer
 
 
 def adapter_file_bytes(coda_shapes, coda: CodaConfig) -> dict:

@@ -26,7 +26,7 @@ the plan runs the formulation with the lower roofline.
 
 Each step compiles in about 5 s on 2 CPU cores (18 programs a chip on the
 defaults). A model of the chip, not a timing
-(`coda_jax/compile/variant_costs.py`).
+(`coda_jax/measure/compile/variant_costs.py`).
 """
 from __future__ import annotations
 
@@ -40,9 +40,11 @@ from typing import Any, Dict, Iterable, List
 import jax.numpy as jnp
 
 from coda_jax import plan as plan_lib
-from coda_jax import target as target_lib
-from coda_jax.bench import flags, models, report
-from coda_jax.compile import chips, topology, variant_costs
+from coda_jax.plan import target as target_lib
+from coda_jax import validation as flags
+from coda_jax.measure import models, report
+from coda_jax.plan import chips
+from coda_jax.measure.compile import topology, variant_costs
 from coda_jax.config import CodaConfig
 
 FORMULATIONS = (plan_lib.XLA, plan_lib.PALLAS)

@@ -7,7 +7,7 @@ a generated image task in minutes on a CPU, nothing to download:
 1. Backbone: a tiny Pix2Struct-shaped model (patch projection + row / column
    embeddings, T5 v1.1 layers) is trained from scratch on
    ``coda_quickstart_read_text`` (read a 4-6 character string drawn on a
-   white 512 x 128 image, 256 patches; `coda_jax.image_tasks`):
+   white 512 x 128 image, 256 patches; `coda_jax.data.images.tasks`):
    ``gin_configs/runs/quickstart_image_backbone.gin``.
 2. Fine-tuning: from the frozen backbone, the Parallel Adapter (r = 1: every
    patch through every layer) and CoDA at each --reduction_factors train
@@ -40,7 +40,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from coda_jax import quiet
-from coda_jax.bench import flags
+from coda_jax import validation as flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS_GIN_DIR = os.path.join(REPO, 'gin_configs', 'runs')
@@ -121,8 +121,8 @@ def routing_ink(result, task_name: str, length: int,
   validation images of the generated task: the share of its kept patches
   that hold ink, the ink's share of the patches, and their ratio
   (`image_routing.ink_report`)."""
-  from coda_jax import image_routing  # pylint: disable=g-import-not-at-top
-  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import routing_maps as image_routing  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
   examples = image_tasks.GENERATED[task_name].validation_examples()[:num_examples]
   patches = image_tasks.example_inputs(examples, length)
   inked, real = image_routing.ink(patches), patches[..., 0] > 0

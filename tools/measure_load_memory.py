@@ -19,8 +19,8 @@ import sys
 import numpy as np
 
 from coda_jax import checkpoints
-from coda_jax import network
-from coda_jax import params as params_lib
+from coda_jax.model import network
+from coda_jax.model import params as params_lib
 from coda_jax.config import t5_1_1
 
 WRITERS = {

@@ -30,7 +30,7 @@ the current rules and each flip of it: the evidence the rows cite.
 The base encoder (12 layers, batch 128, n 384) compiled in 20 s to 2 minutes
 per program on 2 CPU cores, 27 programs per chip on the defaults (about 30
 minutes a chip). A model of
-the chip, not a timing (`coda_jax/compile/variant_costs.py`).
+the chip, not a timing (`coda_jax/measure/compile/variant_costs.py`).
 """
 from __future__ import annotations
 
@@ -45,8 +45,10 @@ from typing import Any, Dict, List
 import jax.numpy as jnp
 
 from coda_jax import plan as plan_lib
-from coda_jax.bench import flags, models
-from coda_jax.compile import chips, topology, variant_costs
+from coda_jax import validation as flags
+from coda_jax.measure import models
+from coda_jax.plan import chips
+from coda_jax.measure.compile import topology, variant_costs
 from coda_jax.config import ATTENTION_VARIANTS, CodaConfig
 
 # The config setting behind each flippable choice, and its two values.

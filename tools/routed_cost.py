@@ -16,7 +16,7 @@ its token dispatch, attention, MLP, route, output and soft top-k run on that
 chip, as the encoder resolved it while compiled; `Plan.summary`), one line
 per chip and variant; the JSON's rows hold it in full (``plan``:
 `Plan.as_dict`, the reason of each choice; None for the decoding step). A
-model of the chip, not a timing (`coda_jax/compile/variant_costs.py` says
+model of the chip, not a timing (`coda_jax/measure/compile/variant_costs.py` says
 what it counts and what it does not).
 
   python tools/routed_cost.py [--model base] [--batch_size 128] [--lengths 384]
@@ -38,8 +38,9 @@ import sys
 import jax.numpy as jnp
 
 from coda_jax import plan as plan_lib
-from coda_jax.bench import flags, models
-from coda_jax.compile import topology, variant_costs
+from coda_jax import validation as flags
+from coda_jax.measure import models
+from coda_jax.measure.compile import topology, variant_costs
 from coda_jax.config import ATTENTION_KERNELS, ATTENTION_VARIANTS, PRESETS, CodaConfig
 
 MODELS = PRESETS  # T5 v1.1 sizes and the paper's §6 text models

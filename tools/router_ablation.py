@@ -22,7 +22,7 @@ Setting (as in the paper, where CoDA fine-tunes a pretrained T5):
    ceil(n / r) over the first steps (paper App. A). The learned routers start
    from w = 0, no preference (the gin file says why).
 
-The task, ``coda_routing_order_8`` (``coda_jax/offline_tasks.py``), asks
+The task, ``coda_routing_order_8`` (``coda_jax/data/offline_tasks.py``), asks
 for the 8 capitals hidden among 56 lowercase letters in their order of
 appearance. A token's position reaches the decoder only through routed
 attention, so the answer needs the capitals routed: a learned router can find
@@ -74,7 +74,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from coda_jax import quiet
-from coda_jax.bench import flags
+from coda_jax import validation as flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS_GIN_DIR = os.path.join(REPO, 'gin_configs', 'runs')
@@ -241,7 +241,7 @@ def routed_informative(result, task_name: str, length: int) -> Dict[str, float]:
   validation inputs (`OfflineTask.informative`) that its router selects."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from coda_jax import offline_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data import offline_tasks  # pylint: disable=g-import-not-at-top
   from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
   task = offline_tasks.OFFLINE_TASKS[task_name]
   vocab = data_lib.output_vocabulary(data_lib.get_task(task_name))
@@ -298,8 +298,8 @@ def task_metrics(task_name: str) -> List[str]:
   training: its metric functions (as its seqio task has them) on one
   validation target (as its own prediction). The task must be an offline task
   that marks its informative tokens (`routed_informative` counts them)."""
-  from coda_jax import offline_tasks  # pylint: disable=g-import-not-at-top
-  from coda_jax import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
+  from coda_jax.data import offline_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
   task = offline_tasks.OFFLINE_TASKS.get(task_name)
   if task is None or task.informative is None:
     marked = sorted(n for n, t in offline_tasks.OFFLINE_TASKS.items() if t.informative)

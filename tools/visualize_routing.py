@@ -8,7 +8,7 @@ selected positions ``indices [batch, k]`` and their gates ``gate [batch, k]``).
 One PNG per example draws the tokens along x (each token decoded alone) and
 the routed layers along y (one router per CoDA layer decides for its
 attention and its MLP together); a routed token is marked with a dot and its
-cell shaded by its gate λ. An ACM (`coda_jax.acm`: ``AcmStats`` sown under ``.../acm_mlp/acm``,
+cell shaded by its gate λ. An ACM (`coda_jax.model.acm`: ``AcmStats`` sown under ``.../acm_mlp/acm``,
 ``.../attention/acm_query/acm``, ...) adds a row per module, shaded by each
 token's number of learners k (a dot where k >= 1). ``index.html`` shows
 every example's input, its tokens (shaded by how many rows routed them) and
@@ -22,13 +22,13 @@ input length n the model was trained with (k = ceil(n / r) depends on it) and
 the vocabulary; --task, --input_length and --vocabulary override it or stand
 in for it. Prints a JSON summary of what it wrote.
 
-An image model (Pix2Struct's patches, `coda_jax.image_tasks`; --inputs_file
+An image model (Pix2Struct's patches, `coda_jax.data.images.tasks`; --inputs_file
 then a JSONL of {"image": .., "question": ..}) is drawn as the paper draws
 Figure 6: per example the image as the model reads it, then one panel per
 routed layer with every patch's router weight λ as a heat map over the image
 and the k kept patches outlined. The summary adds, per layer, how often the
 kept patches hold ink against the ink's share of the image
-(`coda_jax.image_routing.ink_report`: the routers avoid whitespace when
+(`coda_jax.data.images.routing_maps.ink_report`: the routers avoid whitespace when
 ``ink_ratio`` > 1).
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import jax
 import numpy as np
 
-from coda_jax import acm as acm_lib
+from coda_jax.model import acm as acm_lib
 
 # What `network.EncoderLayer` sows its routing decision as.
 ROUTING_SOW = 'routing'
@@ -440,7 +440,7 @@ def _vocabulary(spec: Optional[str], default):
   if spec is None and default is not None:
     return default
   import seqio  # pylint: disable=g-import-not-at-top
-  from coda_jax import tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top
   if spec in (None, 't5'):
     return tasks.default_vocabulary()
   if spec == 'byte':
@@ -489,8 +489,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def _seen_image(patches: np.ndarray) -> np.ndarray:
   """`[rows * 16, cols * 16, 3]` in [0, 1]: the image the patches hold (as
   the model reads it: resized, standardised, shown min to max)."""
-  from coda_jax import image_routing  # pylint: disable=g-import-not-at-top
-  from coda_jax.image_patches import ID_COLUMNS, PATCH_SIZE  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import routing_maps as image_routing  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images.patches import (ID_COLUMNS, PATCH_SIZE)  # pylint: disable=g-import-not-at-top
   shape = image_routing.grid(patches, np.zeros(len(patches))).shape
   real = patches[patches[:, 0] > 0]
   values = real[:, ID_COLUMNS:].reshape(shape + (PATCH_SIZE, PATCH_SIZE, 3))
@@ -505,7 +505,7 @@ def draw_image_routing(patches: np.ndarray, maps, b: int, path: str, title: str)
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  from coda_jax import image_routing  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import routing_maps as image_routing  # pylint: disable=g-import-not-at-top
   image = _seen_image(patches[b])
   rows, cols = image_routing.grid(patches[b], np.zeros(len(patches[b]))).shape
   panel = (max(IMAGE_MIN_WIDTH_IN, cols * IMAGE_PATCH_IN), rows * IMAGE_PATCH_IN
@@ -538,7 +538,7 @@ def draw_image_routing(patches: np.ndarray, maps, b: int, path: str, title: str)
 def image_inputs(task, args, input_length: int) -> Tuple[np.ndarray, List[str]]:
   """`[batch, n, 2 + 768]` patches and a caption per example: the task's
   split or --inputs_file (JSONL of images)."""
-  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
   if args.inputs_file is not None:
     examples = image_tasks.evaluation_examples(image_tasks.read_jsonl(
         args.inputs_file, answers=False))[:args.num_examples]
@@ -551,7 +551,7 @@ def image_inputs(task, args, input_length: int) -> Tuple[np.ndarray, List[str]]:
 def run_images(loaded, task, args, input_length: int) -> Dict[str, Any]:
   """Figure 6 on images: one PNG per example, ``routing.json`` (per layer:
   each example's kept patches and weights) and the ink report per layer."""
-  from coda_jax import image_routing  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import routing_maps as image_routing  # pylint: disable=g-import-not-at-top
   patches, captions = image_inputs(task, args, input_length)
   maps = image_routing.routing_maps(loaded.model, loaded.params, patches)
   inked, real = image_routing.ink(patches), patches[..., 0] > 0
@@ -574,7 +574,7 @@ def run_images(loaded, task, args, input_length: int) -> Dict[str, Any]:
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
   """Loads the model and the inputs, draws them; returns the JSON summary."""
-  from coda_jax import infer  # pylint: disable=g-import-not-at-top
+  from coda_jax.inference import infer  # pylint: disable=g-import-not-at-top
   from coda_jax.training import data as data_lib  # pylint: disable=g-import-not-at-top
   loaded = infer.load_model(args.model_dir, args.step)
   settings = _run_settings(args.gin_file, args.model_dir)

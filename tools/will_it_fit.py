@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any, Dict, List
 
-from coda_jax.bench import flags
+from coda_jax import validation as flags
 
 DEFAULT_GIN = 'gin_configs/runs/finetune_boolq.gin'
 GIB = 2 ** 30

@@ -3,7 +3,7 @@
 Parameter trees
 ---------------
 Everything here speaks one tree: the content of the ``'params'`` collection of
-`coda_jax.network.Transformer` (t5x's ``t5x/examples/t5/network.py`` names),
+`coda_jax.model.network.Transformer` (t5x's ``t5x/examples/t5/network.py`` names),
 as a nested dict of arrays, *not* wrapped in ``{'params': ...}``::
 
   token_embedder/embedding                              [vocab, emb]
@@ -114,7 +114,7 @@ from coda_jax.checkpoints.train_state import TrainStateCheckpointer
 from coda_jax.checkpoints.trained import (TrainedModel, load_train_state, read_run_config,
                                           save_run_config)
 from coda_jax.config import T5Config
-from coda_jax.params import unflatten
+from coda_jax.model.params import unflatten
 
 __all__ = [
     'ADAPTER_CONFIG', 'ADAPTER_WEIGHTS', 'CODA_TRAIN_STATE', 'DTYPE_NAMES', 'HF_PYTORCH',

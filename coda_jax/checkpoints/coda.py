@@ -19,10 +19,10 @@ import jax
 import numpy as np
 
 from coda_jax import config as config_lib
-from coda_jax import params as params_lib
+from coda_jax.model import params as params_lib
 from coda_jax.checkpoints.base import CheckpointError, Params
 from coda_jax.config import T5Config
-from coda_jax.params import flatten, unflatten
+from coda_jax.model.params import flatten, unflatten
 
 ADAPTER_WEIGHTS = 'adapters.safetensors'
 ADAPTER_CONFIG = 'adapter_config.json'

@@ -24,7 +24,7 @@ from coda_jax.checkpoints.base import (HF_PYTORCH, HF_SAFETENSORS, CheckpointErr
                                        Params, Source, canonical_dtype, cast)
 from coda_jax.checkpoints.shapes import check_shapes, infer_config
 from coda_jax.config import T5Config
-from coda_jax.params import flatten, unflatten
+from coda_jax.model.params import flatten, unflatten
 
 _LAYER_NORM_EPSILON = 1e-6  # t5x's LayerNorm epsilon.
 

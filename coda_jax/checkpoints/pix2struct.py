@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from coda_jax import params as params_lib
+from coda_jax.model import params as params_lib
 from coda_jax.checkpoints import hf as hf_lib
 from coda_jax.checkpoints import shapes as shapes_lib
 from coda_jax.checkpoints import t5x as t5x_lib

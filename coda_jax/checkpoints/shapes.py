@@ -1,7 +1,7 @@
 """A checkpoint's {t5x path: shape} against a `T5Config`: expected, inferred, checked.
 
 * `param_shapes(config)`: the tree `config`'s T5 v1.1 has, derived from the
-  model itself (`coda_jax.params.param_shapes` of `network.Transformer`).
+  model itself (`coda_jax.model.params.param_shapes` of `network.Transformer`).
 * `infer_config(shapes)`: the `T5Config` a checkpoint's shapes describe.
 * `check_shapes(shapes, config)`: `CheckpointError` unless they agree.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from typing import Dict, Iterable, Mapping, Tuple
 
-from coda_jax import network
-from coda_jax import params as params_lib
+from coda_jax.model import network
+from coda_jax.model import params as params_lib
 from coda_jax.checkpoints.base import CheckpointError
 from coda_jax.config import T5Config
 
@@ -29,7 +29,7 @@ def _reading_order(path: str):
 def param_shapes(config: T5Config) -> Dict[str, Tuple[int, ...]]:
   """The flat {path: shape} of the T5 parameters `config` describes.
 
-  The tree of `network.Transformer(config)` (`coda_jax.params.param_shapes`,
+  The tree of `network.Transformer(config)` (`coda_jax.model.params.param_shapes`,
   cached), in reading order (`_reading_order`), so that "the first missing
   leaf" of a message is the one nearest the input.
   """

@@ -30,7 +30,7 @@ import numpy as np
 
 from coda_jax.checkpoints.base import (T5X_LEGACY, T5X_ORBAX, CheckpointError, Leaf, Source,
                                        canonical_dtype, cast, is_url, kvstore, url_join)
-from coda_jax.params import flatten, unflatten
+from coda_jax.model.params import flatten, unflatten
 
 _DESIRED_CHUNK_BYTES = 64 * 1024 * 1024  # t5x's chunk size target.
 

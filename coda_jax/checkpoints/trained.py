@@ -34,13 +34,13 @@ from typing import Any, Dict, List, Optional, Set
 import jax
 
 from coda_jax import config as config_lib
-from coda_jax import params as params_lib
+from coda_jax.model import params as params_lib
 from coda_jax.checkpoints import shapes
 from coda_jax.checkpoints import t5x
 from coda_jax.checkpoints.base import (CODA_TRAIN_STATE, CheckpointError, Params, Source,
                                        canonical_dtype)
 from coda_jax.config import CodaConfig, T5Config
-from coda_jax.params import unflatten
+from coda_jax.model.params import unflatten
 
 # The trainer's checkpoint directory inside MODEL_DIR.
 CHECKPOINT_SUBDIR = 'checkpoints'

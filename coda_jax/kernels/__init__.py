@@ -5,7 +5,7 @@ Each kernel is an alternative implementation of an XLA reference elsewhere in
 tested against that reference in Pallas interpret mode on CPU:
 
 * `coda_jax.kernels.soft_topk` -- the iterative soft top-k on GPU
-  (`coda_jax.soft_topk`, `SoftTopKConfig(impl=...)`).
+  (`coda_jax.model.soft_topk`, `SoftTopKConfig(impl=...)`).
 * `coda_jax.kernels.relpos_attention` -- TPU attention with T5's relative
   position bias computed in the kernel (`T5Config.attention_kernel`).
 * `coda_jax.kernels.unroute_combine` -- a routed layer's output, x + adapter

@@ -85,7 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax.kernels import tpu_blocks
-from coda_jax.relpos import MASK_VALUE
+from coda_jax.kernels.relpos import MASK_VALUE
 
 Array = jax.Array
 
@@ -526,7 +526,7 @@ def decode_attention(query: Array, key: Array, value: Array,
   batch, heads, _ = query.shape
   kv_heads = key.shape[1]
   if interpret is None:
-    from coda_jax import target  # pylint: disable=g-import-not-at-top
+    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
     interpret = target.platform() != 'tpu'
   key, value = key.astype(query.dtype), value.astype(query.dtype)
   mask = None if key_real is None else key_real.astype(jnp.int32)[:, None, :]

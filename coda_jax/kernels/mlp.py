@@ -1,7 +1,7 @@
 """T5's pre-MLP norm and feed-forward block in one TPU Pallas kernel.
 
 `T5Config.mlp_kernel`: 'auto' (this kernel in programs for a TPU,
-`coda_jax.target`), 'pallas' (always: interpret mode off TPU, for tests),
+`coda_jax.plan.target`), 'pallas' (always: interpret mode off TPU, for tests),
 'xla'. What it computes (`reference`), for x `[batch, length, emb]`:
 
     xn = x / rms(x) * norm_scale                          (T5's RMS norm)
@@ -352,7 +352,7 @@ def mlp(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
                      f'{[tuple(w.shape) for w in wi]} and wo {tuple(wo.shape)} do not fit '
                      f'x {x.shape} (wi [emb, hidden], wo [hidden, emb])')
   if interpret is None:
-    from coda_jax import target  # pylint: disable=g-import-not-at-top
+    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
     interpret = target.platform() != 'tpu'
   vmem = int(vmem_bytes)
   dtype = x.dtype

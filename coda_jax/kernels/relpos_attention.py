@@ -1,7 +1,7 @@
 """T5 attention with the relative position bias computed in the kernel (TPU Pallas).
 
 `T5Config.attention_kernel`: 'auto' (this kernel when the program is for a
-TPU, `coda_jax.target`), 'pallas' (always: interpret mode off TPU, for tests),
+TPU, `coda_jax.plan.target`), 'pallas' (always: interpret mode off TPU, for tests),
 'xla' (`layers.dot_product_attention` with an additive bias).
 
 What it computes, per batch row b, head h, query i and key j (no 1/sqrt(d)
@@ -13,7 +13,7 @@ scaling, as in T5):
     out[b,i,h]      = softmax_j(logits[b,h,i,:]) @ v[b,:,h]
 
 `bucket` is T5's log-spaced relative position bucket
-(`coda_jax.relpos.relative_position_bucket`, which the XLA path uses too). The positions are the tokens' original ones, so
+(`coda_jax.kernels.relpos.relative_position_bucket`, which the XLA path uses too). The positions are the tokens' original ones, so
 a CoDA layer's routed queries (and, k-to-k, its routed keys) get the bias of
 the places they came from. Without a table (`table=None`: an image encoder,
 Pix2Struct's, has no relative positions) the kernel is plain attention with
@@ -56,7 +56,7 @@ over the mesh axes that the logical axis rules give 'batch' and 'heads'.
 
 Public: `relpos_attention` (differentiable), `reference`, `supported`,
 `cost_estimate`. Pallas is imported when a kernel
-is built, so that importing this module (as `coda_jax.layers` does) does not
+is built, so that importing this module (as `coda_jax.model.layers` does) does not
 load it.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax.kernels import tpu_blocks
-from coda_jax.relpos import MASK_VALUE, relative_position_bucket
+from coda_jax.kernels.relpos import MASK_VALUE, relative_position_bucket
 
 Array = jax.Array
 
@@ -365,7 +365,7 @@ def relpos_attention(query: Array, key: Array, value: Array, table: Optional[Arr
     raise ValueError(f'relpos_attention: kv_length {kv_length} > {MAX_KV_LENGTH}; '
                      "use attention_kernel='xla'")
   if interpret is None:
-    from coda_jax import target  # pylint: disable=g-import-not-at-top
+    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
     interpret = target.platform() != 'tpu'
   operands = (query, key.astype(query.dtype), value.astype(query.dtype),
               jnp.asarray(table, jnp.float32),

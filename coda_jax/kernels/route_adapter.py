@@ -2,7 +2,7 @@
 tokens and the parallel adapter's down projection.
 
 `CodaConfig.route_kernel`: 'auto' (this kernel in programs for a TPU,
-`coda_jax.target`, where the layer's output is not `unroute_combine`'s),
+`coda_jax.plan.target`, where the layer's output is not `unroute_combine`'s),
 'pallas' (always: interpret mode off TPU, for tests), 'xla'. What it
 computes (`reference`), for x `[batch, n, emb]` the layer input and indices
 `[batch, k]` the routed positions:
@@ -248,7 +248,7 @@ def route_adapter(x: Array, norm_scale: Array, w_down: Array, indices: Array, *,
     raise ValueError(f'route_adapter: indices must be [batch, k] with batch {batch}, '
                      f'got {indices.shape}')
   if interpret is None:
-    from coda_jax import target  # pylint: disable=g-import-not-at-top
+    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
     interpret = target.platform() != 'tpu'
   dtype = x.dtype
   operands = (x, jnp.asarray(norm_scale, dtype), jnp.asarray(w_down, dtype), indices)

@@ -3,7 +3,7 @@
 Beam search (`decoding.beam_step`) keeps the self-attention cache of each
 example's `beams` rows unreordered: row (b, o) holds what beam slot o wrote at
 each position, and `SLOTS [batch, beams, length]` says which slot holds beam
-j's ancestor at position t (`coda_jax.beam_attention`). What one decoding
+j's ancestor at position t (`coda_jax.model.attention.beams`). What one decoding
 step computes, for example b, beam j, query head h = kv_head * groups + g:
 
     logits[b,j,h,t] = q[b,j,h] · key[b, SLOTS[b,j,t], kv_head, :, t]   (activation dtype)
@@ -402,7 +402,7 @@ def slot_attention(query: Array, key: Array, value: Array, slots: Array,
   groups = heads // kv_heads
   dtype = query.dtype
   if interpret is None:
-    from coda_jax import target  # pylint: disable=g-import-not-at-top
+    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
     interpret = target.platform() != 'tpu'
   per_kv_head = lambda x: x.reshape(batch, beams, kv_heads, groups, -1).swapaxes(1, 2)
   q = per_kv_head(query)

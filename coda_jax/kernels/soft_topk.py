@@ -1,11 +1,11 @@
 """Fused soft top-k for GPU in Pallas (`SoftTopKConfig(impl='pallas')`).
 
-The iterative soft top-k of `coda_jax.soft_topk` (the paper's operator, App. C)
+The iterative soft top-k of `coda_jax.model.soft_topk` (the paper's operator, App. C)
 as two Pallas kernels over blocks of rows, every step on-chip:
 
 * forward: one program per block of `block_rows` rows of the scores
   s [rows, n_padded]; the T ε-scaled coordinate-descent steps, unrolled over
-  the static ε schedule, exactly as `coda_jax.soft_topk._iterative` writes
+  the static ε schedule, exactly as `coda_jax.model.soft_topk._iterative` writes
   them (a₀ = 0, b₀ = -s; step t at ε_t: x = (s + b)/ε_t on real tokens,
   a = ε_t ln k - ε_t logsumexp(x), b = min(-s - a, 0); λ = exp((s + a + b) /
   ε_{T+1}) on real tokens, 0 on padding). It writes λ and, per row and step,
@@ -109,8 +109,8 @@ _PAD_SCORE = SOFT_TOPK_PAD_SCORE
 
 def _backend() -> str:
   """The platform ('cpu', 'gpu', 'tpu') of the program being traced
-  (`coda_jax.target`: a pod's while ``coda-jax compile`` traces for it)."""
-  from coda_jax import target  # pylint: disable=g-import-not-at-top
+  (`coda_jax.plan.target`: a pod's while ``coda-jax compile`` traces for it)."""
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
   return target.platform()
 
 
@@ -278,7 +278,7 @@ def soft_topk_iterative(s: Array, real: Array, k: int,
                         interpret: Optional[bool] = None) -> Array:
   """The iterative soft top-k solver as fused Pallas kernels.
 
-  A drop-in for `coda_jax.soft_topk._iterative` (same arguments, same
+  A drop-in for `coda_jax.model.soft_topk._iterative` (same arguments, same
   values to float rounding, reverse-mode differentiable through a kernel of
   its own; no forward-mode).
 
@@ -287,7 +287,7 @@ def soft_topk_iterative(s: Array, real: Array, k: int,
     real: [..., n] bool, True for real tokens. A row without any real token
       gives finite values (callers replace them).
     k: Python int >= 1.
-    eps_sched: ε_1..ε_{T+1} (`coda_jax.soft_topk.epsilon_schedule`).
+    eps_sched: ε_1..ε_{T+1} (`coda_jax.model.soft_topk.epsilon_schedule`).
     block_rows: rows per program, a power of two (default `block_rows_for`).
     interpret: run in Pallas interpret mode (default: unless on GPU).
 
@@ -321,7 +321,7 @@ def probe(block_rows: int, n_padded: int, dtype, k: int,
   Lowers, compiles and runs the forward and backward kernels on one block of
   random rows (some padded) for the default backend, and compares λ and the
   gradient with `reference(s, real, k, eps_sched)` (the XLA path,
-  `coda_jax.soft_topk._iterative`). Works while a jit is being traced.
+  `coda_jax.model.soft_topk._iterative`). Works while a jit is being traced.
 
   Returns:
     None if they agree to `_PROBE_TOLERANCE`, else what went wrong.

@@ -368,7 +368,7 @@ def top_logits(x: Array, kernel: Array, k: int, *, vocab_block: Optional[int] = 
     raise ValueError(f'top_logits: k = {k!r} must be an int in 1..{min(_LANES, kernel.shape[1])}'
                      ' (at most 128 and the vocabulary)')
   if interpret is None:
-    from coda_jax import target  # pylint: disable=g-import-not-at-top
+    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
     interpret = target.platform() != 'tpu'
   x, kernel = x.astype(dtype), kernel.astype(dtype)
 

@@ -1,7 +1,7 @@
 """A CoDA layer's output in one TPU Pallas kernel: norm, adapter, un-route, residual.
 
 `CodaConfig.unroute_kernel`: 'auto' (this kernel in programs for a TPU,
-`coda_jax.target`), 'pallas' (always: interpret mode off TPU, for tests),
+`coda_jax.plan.target`), 'pallas' (always: interpret mode off TPU, for tests),
 'xla'. What it computes (`reference`), per batch row b and position i:
 
     xn[b,i] = x[b,i] / rms(x[b,i]) * norm_scale          (T5's RMS norm)
@@ -200,7 +200,7 @@ def unroute_combine(x: Array, norm_scale: Array, w_down: Array, w_up: Array, del
     raise ValueError(f'unroute_combine: delta {delta.shape} and indices {indices.shape} '
                      f'do not fit x {x.shape}')
   if interpret is None:
-    from coda_jax import target  # pylint: disable=g-import-not-at-top
+    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
     interpret = target.platform() != 'tpu'
   dtype = x.dtype
   operands = (x, norm_scale.astype(dtype), w_down.astype(dtype), w_up.astype(dtype),

@@ -96,12 +96,12 @@ def get_task(name: str):
 def prepare_task(name: str, vocabulary=None, register_tasks: bool = True,
                  modules: Sequence[Optional[str]] = ()):
   """Imports `modules` (they register tasks), registers ours with `vocabulary`
-  (`coda_jax.tasks.register_tasks`, unless `register_tasks` is False) and
+  (`coda_jax.data.tasks.register_tasks`, unless `register_tasks` is False) and
   returns the task or mixture `name` (`get_task`)."""
   for module in modules:
     import_module(module)
   if register_tasks:
-    from coda_jax import tasks  # pylint: disable=g-import-not-at-top
+    from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top
     tasks.register_tasks(vocabulary)
   return get_task(name)
 
@@ -245,7 +245,7 @@ def check_inputs(config, *tasks) -> None:
   """Raises `errors.ConfigError` when a task's inputs (a seqio task or a
   registered name; None skipped) are not what the model reads: image patches
   or tokens (`image_tasks.check_model`)."""
-  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
   try:
     image_tasks.check_model(config, *tasks)
   except ValueError as e:
@@ -256,7 +256,7 @@ def feature_converter(task, pack: bool):
   """seqio's encoder-decoder feature converter, or for an image task
   (`image_tasks.has_patches`) its patch-input variant."""
   import seqio  # pylint: disable=g-import-not-at-top
-  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
   if image_tasks.has_patches(task):
     return image_tasks.feature_converter_class()(pack=pack)
   return seqio.EncDecFeatureConverter(pack=pack)
@@ -358,17 +358,17 @@ def _metric_value(value: Any) -> Any:
 
 
 def _has_patches(task) -> bool:
-  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
   return image_tasks.has_patches(task)
 
 
 def _describe(example: Mapping[str, Any]) -> str:
-  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
   return image_tasks.describe(example)
 
 
 def _patch_inputs(examples: Sequence[Mapping[str, Any]], n: int) -> np.ndarray:
-  from coda_jax import image_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
   return image_tasks.example_inputs(examples, n)
 
 

@@ -33,8 +33,8 @@ import gin
 import jax
 import optax
 
-from coda_jax import trainable
-from coda_jax.params import TRAINABLE_SETS
+from coda_jax.model import trainable
+from coda_jax.model.params import TRAINABLE_SETS
 
 LearningRate = Union[float, Callable]
 TRAINABLE_CHOICES = TRAINABLE_SETS + ('all',)
@@ -71,7 +71,7 @@ def create_optimizer(learning_rate_fn: LearningRate,
       `adafactor` (t5x's).
     trainable_params: 'coda' (adapters, routers, layer norms, LoRA; the
       pretrained backbone frozen, paper §3.2), an ACM phase's set
-      ('acm_distill', 'acm_gate', 'acm_finetune'; `coda_jax.params`) or 'all'.
+      ('acm_distill', 'acm_gate', 'acm_finetune'; `coda_jax.model.params`) or 'all'.
   """
   if trainable_params not in TRAINABLE_CHOICES:
     raise ValueError(f'trainable_params must be one of {TRAINABLE_CHOICES}, '

@@ -38,14 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coda_jax import acm as acm_lib
-from coda_jax import acmize as acmize_lib
+from coda_jax.model import acm as acm_lib
+from coda_jax.model.acm import acmize as acmize_lib
 from coda_jax import checkpoints
 from coda_jax.checkpoints import coda as coda_checkpoints
 from coda_jax import config as config_lib
-from coda_jax import network
-from coda_jax import partitioning
-from coda_jax import selftest as selftest_lib
+from coda_jax.model import network
+from coda_jax.model import partitioning
+from coda_jax.training import preflight
 from coda_jax.training import data as data_lib
 # The errors `train` raises, named here for its callers (train.py, infer.py, tests).
 from coda_jax.training.errors import (  # pylint: disable=unused-import
@@ -210,7 +210,7 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
           k_anneal_max_rungs: int, z_loss: float, vocabulary, register_tasks: bool,
           initial_checkpoint_path: Optional[str], selftest: str = 'auto') -> RunSetup:
   """Validates the configuration and builds the model, task, mesh and trainer
-  (whose model runs XLA for any kernel `selftest.check_run` finds off)."""
+  (whose model runs XLA for any kernel `preflight.check_run` finds off)."""
   train_cfg, lengths = check_run(model, train_dataset_cfg, total_steps, trainable_params)
   if initial_checkpoint_path is not None:
     try:
@@ -226,7 +226,7 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
                       f'{jax.process_count()} processes would read different orders; '
                       'set DATA_SEED')
   n = lengths['inputs']
-  checked = selftest_lib.check_run(
+  checked = preflight.check_run(
       model, n, [model.coda.num_selected(n), n] if model.routes_tokens else [n],
       dtype=jnp.dtype(model.config.dtype).name, training=True, mode=selftest,
       log=_lead_print)
@@ -623,7 +623,7 @@ def train(*,
       u_n = P(k >= n) on that many batches into run_config.json, where 'gather'
       inference takes its capacities from (0: not measured).
     selftest: 'auto' (on a TPU or GPU), 'always', 'never': the plan's kernels
-      checked against XLA at the run's shapes first (`selftest.check_run`).
+      checked against XLA at the run's shapes first (`preflight.check_run`).
   """
   global _TRAIN_CALLS
   _TRAIN_CALLS += 1

@@ -28,10 +28,10 @@ from jax.sharding import Mesh
 import numpy as np
 import optax
 
-from coda_jax import acm as acm_lib
-from coda_jax import layers
-from coda_jax import params as params_lib
-from coda_jax import partitioning
+from coda_jax.model import acm as acm_lib
+from coda_jax.model import layers
+from coda_jax.model import params as params_lib
+from coda_jax.model import partitioning
 from coda_jax.training import k_annealing
 from coda_jax.training import optimizer as optimizer_lib
 
@@ -232,7 +232,7 @@ class Trainer:
           [jnp.mean(r.astype(jnp.float32)) for r in ratios]))
     objective = loss_sum / num_tokens
     if getattr(model, 'acm', None) is not None:
-      # ACM conversion (coda_jax.acm): phases 'distill' and 'gate' train on
+      # ACM conversion (coda_jax.model.acm): phases 'distill' and 'gate' train on
       # their module-wise losses alone (the forward pass is the frozen teacher);
       # 'finetune' adds the weighted budget, entropy and diversity losses.
       terms = acm_lib.aux_losses(aux['intermediates'], model.acm)
@@ -338,7 +338,7 @@ class Trainer:
     rung = rung % len(self.models)
     key = (rung, int(max_decode_length))
     if key not in self._predict:
-      from coda_jax import decoding  # pylint: disable=g-import-not-at-top
+      from coda_jax.model import decoding  # pylint: disable=g-import-not-at-top
       model = self.models[rung]
 
       def predict(params, tokens):

@@ -1,0 +1,257 @@
+"""`coda-jax benchmark --chip CHIP`: decoding latency on the TPU compiler's
+model of one chip, instead of this machine's clock.
+
+The same variants and shapes as the timed benchmark (the Parallel Adapter
+model, CoDA at each r and attention variant; `--model`, `--tasks`,
+`--batch_size`, `--dtype`), each program compiled by libtpu for one chip of
+`CHIP` (v4, v5e, v5p, v6e) on this machine, no TPU needed
+(`compile.variant_costs`, the programs `coda-jax infer` runs):
+
+  encoder   the variant's `Transformer.encode` on [batch, n] tokens;
+  prefill   the decoder cache the loop starts from: every decoder layer's
+            cross-attention keys/values of the encoder output, once;
+  step      one step of the decoding loop, its state donated as the loop
+            carries it, with the byte floor it is held to
+            (`programs.decode_step_floor`); with --decoding beam a step of
+            beam search (`decoding.beam_step`: batch x beams rows, the top-k
+            over their extensions, the cache reordered to follow them; the
+            beams of an example share its cross-attention keys/values);
+
+each priced at its roofline, max(flops / peak, HBM traffic / HBM bandwidth)
+at the chip's published figures (`compile.chips`), and end to end
+= encoder + prefill + T x step, T the task's decoded tokens (`--decode_steps`
+for another). Every variant decodes with the same decoder (CoDA routes only
+in the encoder), so prefill and step are compiled once per task. Next to each
+speed-up over the Parallel Adapter: its FLOP bound (`flops.py`), the
+encoder's efficiency (its roofline speed-up over its compiled-flops speed-up,
+as `tools/routed_cost.py` reports it), the soft top-k's share of the
+end-to-end roofline (its bytes at the chip's bandwidth; the paper's Table 12
+measured under 2%) and, for an image task, the paper's Table 6 speed-up. An
+image model's encoder reads `[batch, n, 2 + 768]` patch rows; its prefill
+and step read their row ids `[batch, n]`, all a decoder needs of them. With
+--acm_budgets, the ACM block (the dense T5 and an ACM model per budget, each
+with its own three programs) is priced the same way (`chip_acm`).
+
+HBM traffic is what the compiled program moves to and from HBM
+(`hlo_costs.hbm_bytes`: every top-level op's operands and results at their
+tiled sizes, those that memory-space assignment keeps in on-chip memory left
+out, a prefetch counted once). The compiler's own `bytes accessed` counts a
+prefetched weight in the prefetch's read and write and again in the matmul
+that reads it from VMEM; the JSON keeps it beside ('compiler_gigabytes').
+
+A model of the chip, not a timing: it assumes peak throughput and no overlap
+of compute with memory traffic, and counts a Pallas kernel's operands as it
+reads them once (docs/tpu_cost_model.md).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+from typing import Any, Dict, List, Sequence
+
+import jax.numpy as jnp
+
+from coda_jax.plan import flops as flops_lib
+from coda_jax.measure.bench import acm_block
+from coda_jax.measure.bench import chip_acm
+from coda_jax.measure import models
+from coda_jax.measure import report
+from coda_jax.measure.bench.decoding_programs import paper_record, paper_speedup
+from coda_jax.plan import chips
+from coda_jax.measure.compile import topology, variant_costs
+from coda_jax.config import CodaConfig, T5Config
+
+SOFT_TOPK_SHARE_TARGET = 0.02
+WHAT = ("the TPU compiler's compiled programs for one {chip} chip (libtpu on this machine, "
+        'no TPU): roofline times max(flops / peak, HBM traffic / HBM bandwidth), a model '
+        'of the chip, not a timing')
+
+
+def _ms(seconds: float) -> float:
+  return 1e3 * seconds
+
+
+def variant_rows(encoders: Sequence[variant_costs.Row], prefill: variant_costs.Row,
+                 step: variant_costs.Row, config: T5Config, decode_steps: int,
+                 adapter_dim: int, bandwidth: float, num_beams: int = 1
+                 ) -> List[Dict[str, Any]]:
+  """Per variant: the stages' roofline milliseconds and gigabytes, end to end,
+  speed-ups over the first (the baseline) next to their FLOP bounds, the soft
+  top-k's share of the end-to-end roofline."""
+  out = []
+  seconds = lambda row: row.traffic_roofline_seconds
+  for enc in encoders:
+    e2e = seconds(enc) + seconds(prefill) + decode_steps * seconds(step)
+    soft_topk = enc.stages.get('soft_topk', 0) / bandwidth
+    routed = enc.attention is not None
+    out.append({
+        'name': enc.variant, 'reduction_factor': enc.reduction_factor,
+        'attention': enc.attention, 'k': enc.k,
+        'roofline_ms': {'encoder': _ms(seconds(enc)),
+                        'prefill': _ms(seconds(prefill)),
+                        'step': _ms(seconds(step)),
+                        'decoder': _ms(seconds(prefill) + decode_steps * seconds(step)),
+                        'end_to_end': _ms(e2e)},
+        'gigabytes': {'encoder': enc.hbm_traffic / 1e9,
+                      'prefill': prefill.hbm_traffic / 1e9,
+                      'step': step.hbm_traffic / 1e9},
+        'compiler_gigabytes': {'encoder': enc.bytes_accessed / 1e9,
+                               'prefill': prefill.bytes_accessed / 1e9,
+                               'step': step.bytes_accessed / 1e9},
+        'bound': {'encoder': enc.bound, 'prefill': prefill.bound, 'step': step.bound},
+        'flop_bound': {
+            'encoder': flops_lib.encoder_speedup_bound(
+                config, enc.length, enc.reduction_factor, enc.attention,
+                adapter_dim) if routed else 1.0,
+            'end_to_end': flops_lib.end_to_end_speedup_bound(
+                config, enc.length, decode_steps, enc.reduction_factor, enc.attention,
+                adapter_dim, num_beams=num_beams) if routed else 1.0},
+        'soft_topk_share': soft_topk / e2e,
+        'plan': enc.plan})
+  base = out[0]['roofline_ms']
+  for row, enc in zip(out, encoders):
+    row['speedup'] = {stage: base[stage] / row['roofline_ms'][stage]
+                      for stage in ('encoder', 'end_to_end')}
+    # The share of the compiled flops the encoder skips that its roofline
+    # turns into time (`variant_costs.Row.efficiency`, at the HBM traffic).
+    row['encoder_flops_speedup'] = encoders[0].flops / enc.flops
+    row['encoder_efficiency'] = row['speedup']['encoder'] / row['encoder_flops_speedup']
+  return out
+
+
+def measure_task(config: T5Config, coda_template: CodaConfig, chip: str, batch_size: int,
+                 n: int, decode_steps: int, reduction_factors: Sequence[float],
+                 attentions: Sequence[str], dtype: Any, log, num_beams: int = 1
+                 ) -> Dict[str, Any]:
+  """One task shape on one chip: every variant's encoder, the shared prefill
+  and decoding step (greedy, or beam search with `num_beams` > 1: batch x
+  beams rows, the step `decoding.beam_step`), compiled; the rows of
+  `variant_rows`."""
+  pod = chips.parse_pod(variant_costs.ONE_CHIP[chip])
+  variants = models.make_variants(config, coda_template, reduction_factors, attentions)
+  programs = []
+  for variant in variants:
+    start = time.perf_counter()
+    programs.append(variant_costs.encoder_row(variant, pod, batch_size, n, dtype))
+    log(f'{chip} n={n} {variant.name} encoder: compiled in {time.perf_counter() - start:.1f} s')
+  for row in (variant_costs.prefill_row, variant_costs.decode_step_row):
+    start = time.perf_counter()
+    programs.append(row(variants[0], pod, batch_size, n, decode_steps, dtype, num_beams))
+    log(f'{chip} n={n} {programs[-1].program}: compiled in {time.perf_counter() - start:.1f} s')
+  *encoders, prefill, step = programs
+  return {'input_length': n, 'decode_steps': decode_steps, 'batch_size': batch_size,
+          'num_beams': num_beams,
+          'variants': variant_rows(encoders, prefill, step, config, decode_steps,
+                                   coda_template.adapter_dim, pod.chip.hbm_bandwidth,
+                                   num_beams),
+          'step_floor': step.floor_bytes,
+          'step_over_floor': step.hbm_traffic / step.floor_bytes['total'],
+          'step_compiler_bytes_over_floor': step.bytes_accessed / step.floor_bytes['total'],
+          'step_flops_over_analytic': step.flops / step.model_flops,
+          'step_plan': step.plan,
+          'programs': [p.as_dict() for p in programs]}
+
+
+def checks(result: Dict[str, Any]) -> List[Dict[str, Any]]:
+  """Table 12's line: the soft top-k under 2% of every routed variant's
+  end-to-end roofline."""
+  out = []
+  for task in result['tasks']:
+    for row in task['variants']:
+      if row['attention'] is not None:
+        out.append({'check': f'{task["task"]} {row["name"]}: soft top-k share <= '
+                             f'{SOFT_TOPK_SHARE_TARGET:.0%} of the end-to-end roofline',
+                    'value': row['soft_topk_share'],
+                    'ok': row['soft_topk_share'] <= SOFT_TOPK_SHARE_TARGET})
+  return out
+
+
+def _decoding(meta: Dict[str, Any]) -> str:
+  """'greedy', or 'beam x4'."""
+  beams = meta.get('num_beams', 1)
+  return f'beam x{beams}' if meta.get('decoding') == 'beam' and beams > 1 else 'greedy'
+
+
+def format_table(result: Dict[str, Any]) -> str:
+  meta = result['meta']
+  lines = [f'model {meta["model"]}  chip {meta["chip"]} (TPU compiler cost model, not a '
+           f'timing)  dtype {meta["dtype"]}  batch {meta["batch_size"]}  decoding '
+           f'{_decoding(meta)}  '
+           + (f'dispatch {meta["dispatch"]}  ' if meta.get('dispatch', 'auto') != 'auto' else '') +
+           f'libtpu {meta["versions"].get("libtpu")}  jax {meta["versions"]["jax"]}']
+  head = (f'{"variant":22} {"k":>4} {"enc ms":>8} {"pre ms":>7} {"step ms":>7} '
+          f'{"e2e ms":>8} {"enc x (bound)":>14} {"enc eff":>7} {"e2e x (bound)":>14} '
+          f'{"topk %":>6} {"enc GB":>7} {"pre GB":>6} {"step GB":>7}')
+  for task in result['tasks']:
+    lines += report.table_lines(
+        f'{task["task"]}: input {task["input_length"]}, {task["decode_steps"]} decoding '
+        f'steps, batch {task["batch_size"]} (speed-ups over {models.BASELINE}; roofline ms; '
+        'GB: HBM traffic; enc eff: encoder speed-up / its compiled-flops speed-up)',
+        head + (report.PAPER_HEAD if task.get('paper') else ''))
+    for row in task['variants']:
+      ms, gb = row['roofline_ms'], row['gigabytes']
+      lines.append(
+          f'{row["name"]:22} {row["k"]:4d} {ms["encoder"]:8.2f} {ms["prefill"]:7.2f} '
+          f'{ms["step"]:7.3f} {ms["end_to_end"]:8.2f} '
+          f'{row["speedup"]["encoder"]:5.2f} ({row["flop_bound"]["encoder"]:5.2f})  '
+          f'{row.get("encoder_efficiency", float("nan")):7.2f} '
+          f'{row["speedup"]["end_to_end"]:5.2f} ({row["flop_bound"]["end_to_end"]:5.2f})  '
+          + (f'{100 * row["soft_topk_share"]:6.2f}' if row['attention'] else f'{"-":>6}')
+          + f' {gb["encoder"]:7.2f} {gb["prefill"]:6.2f} {gb["step"]:7.3f}'
+          + report.paper_cell(task, row))
+    lines += report.paper_note(task)
+    floor = task['step_floor']
+    plan = task.get('step_plan') or {}
+    cross = (f' (cross-attention {plan["cross_attention"]}' + (
+        f', beam attention {plan["beam_attention"]}' if plan.get('beam_attention') else '') + (
+            f', lm head {plan["lm_head"]}' if plan.get('lm_head') else '') + ')') if plan else ''
+    lines.append(f'decoding step{cross}: HBM traffic {task["step_over_floor"]:.2f}x its byte floor '
+                 f'(the compiler\'s bytes accessed {task["step_compiler_bytes_over_floor"]:.2f}x) '
+                 f'({floor["total"] / 1e9:.3f} GB: weights {floor["weights"] / 1e9:.3f}, '
+                 f'cross K/V {floor["cross_kv"] / 1e9:.3f}, cache '
+                 f'{floor["self_cache"] / 1e9:.3f}), flops '
+                 f'{task["step_flops_over_analytic"]:.2f}x the analytic count')
+    if task.get('acm'):
+      lines += chip_acm.format_rows(task['task'], task['acm'])
+  lines.append('')
+  for c in result['checks']:
+    lines.append(f'  [{"ok" if c["ok"] else "MISS"}] {c["check"]}: {c["value"]:.3f}')
+  return '\n'.join(lines)
+
+
+def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaConfig,
+        batch: int, log) -> Dict[str, Any]:
+  """The `--chip` benchmark of `batch` sequences: `tasks` [(name, n, decoded
+  tokens)]; the JSON."""
+  topology.check_compiler()
+  dtype = jnp.dtype(config.dtype)
+  beams = args.num_beams if args.decoding == 'beam' else 1
+  result = {'meta': {
+      'tool': 'coda_jax.measure.bench.chip_model', 'command': getattr(args, 'command_line', None),
+      'date': datetime.datetime.now().isoformat(timespec='seconds'),
+      'device': WHAT.format(chip=args.chip), 'chip': args.chip,
+      'versions': topology.versions(), 'model': args.model, 'dtype': dtype.name,
+      'batch_size': batch, 'decoding': args.decoding, 'num_beams': beams,
+      'dispatch': coda_template.dispatch, 'adapter_dim': coda_template.adapter_dim,
+      'encoder_input': config.encoder_input,
+      'reduction_factors': args.reduction_factors, 'attention': args.attention},
+      'tasks': []}
+  profile, budgets = acm_block.acm_profile(args) if args.acm_budgets else (None, [])
+  template = None if profile is None else profile.template(args.acm_capacity_factor)
+  if profile is not None:
+    result['meta']['acm'] = {'usage_profile': profile.as_dict(), 'budgets': budgets,
+                             'num_learners': template.num_learners,
+                             'capacity_factor': template.capacity_factor}
+  for name, n, decoded in tasks:
+    steps = args.decode_steps or decoded
+    task = measure_task(config, coda_template, args.chip, batch, n, steps,
+                        args.reduction_factors, args.attention, dtype, log, beams)
+    for row in task['variants']:
+      row['paper_speedup'] = paper_speedup(name, row['reduction_factor'], row['attention'])
+    if profile is not None:
+      task['acm'] = chip_acm.measure_task(config, profile, template, budgets, args.chip,
+                                          batch, n, steps, dtype, log, beams)
+    result['tasks'].append({'task': name, **task, 'paper': paper_record(name)})
+  result['checks'] = checks(result)
+  return result

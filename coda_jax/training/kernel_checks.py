@@ -1,0 +1,562 @@
+"""Each Pallas kernel against its XLA formulation, on random operands.
+
+A `Case` is one kernel at one shape and dtype: the run's shapes, or an edge
+where a chip could disagree with Pallas interpret mode (routed rows of 77
+and 171, not multiples of the 8 x 128 tile; every distance of 0-255, where
+T5's buckets change at 16, 32, 64 and saturate at 128, with the relative
+position bias dominating the logits so that one pair in the neighbouring
+bucket shows; padding tokens; the MLP kernel's weights in blocks of hidden
+units; multi-query heads; three sequences, which a v4 splits unevenly over
+its two TensorCores). `run_case` compares the kernel's outputs and the
+gradients of a random projection of them with respect to every float input
+with XLA's, as the largest difference relative to the largest XLA value,
+against `TOLERANCE`; on an accelerator it times both. Every operand is in the
+case's dtype, as the layers pass them, so both sides round alike.
+`coda_jax.measure.selftest` runs the cases a run needs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from coda_jax.config import PATCHES
+
+
+# Kernels compared forward only: they have no gradient (a decoding step's).
+FORWARD_ONLY = ('decode_attention', 'beam_attention', 'lm_head')
+# Largest error relative to the largest XLA value, per dtype: float32
+# reorders sums (~1e-6); bfloat16 rounds each product's inputs and the
+# kernels keep float32 accumulators where XLA's fusions may round between
+# steps (up to a few ulps of 2^-8). A kernel that is wrong (a bucket off at a
+# boundary, a padded tile read) is off by far more.
+TOLERANCE = {'float32': {'forward': 1e-4, 'gradient': 1e-4},
+             'bfloat16': {'forward': 3e-2, 'gradient': 5e-2}}
+# Edge shapes: routed rows not a multiple of the tile; all distances of 0-255.
+EDGE_KS = (77, 171)
+# The first edge k runs on 3 sequences: every kernel's first grid axis (the
+# batch) is 'parallel', which a v4 splits over its two TensorCores
+# (megacore), here unevenly.
+MEGACORE_BATCH = 3
+DISTANCE_LENGTH = 256
+# The decoding step's cross-attention with its keys in 128-key blocks (the
+# online softmax of long inputs), over this many keys at least: three blocks,
+# the last one partial.
+DECODE_KEY_BLOCKS_LENGTH = 300
+# Beam search's self-attention: its beams per example, and cache lengths of a
+# step whose cache the TPU lays out positions-minor (a multiple of 128) or
+# head_dim-minor.
+BEAMS = 4
+BEAM_CACHE_LENGTHS = (64, 128)
+# A decoding step's rows (batch x beams) for the MLP kernel's single-buffered
+# block.
+DECODE_ROWS = 64
+# Beam search's LM head: a vocabulary in 128-token blocks, the last partial
+# (and, in two splits, the second split's last block past it).
+LM_HEAD_VOCAB = 700
+LM_HEAD_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One comparison: `kernel` at `label`'s shapes in `dtype`."""
+  kernel: str
+  label: str
+  dtype: str
+  dims: Tuple[Tuple[str, Any], ...]
+
+  @property
+  def shape(self) -> Dict[str, Any]:
+    return dict(self.dims)
+
+  def key(self) -> str:
+    return f'{self.kernel}|{self.label}|{self.dtype}|{self.dims}'
+
+
+@dataclasses.dataclass
+class Result:
+  case: Case
+  forward: Optional[float] = None
+  gradient: Optional[float] = None
+  error: Optional[str] = None
+  kernel_ms: Optional[float] = None
+  xla_ms: Optional[float] = None
+
+  skipped: Optional[str] = None
+
+  @property
+  def tolerance(self) -> Dict[str, float]:
+    return TOLERANCE[self.case.dtype]
+
+  @property
+  def ok(self) -> bool:
+    if self.skipped is not None:
+      return True
+    return (self.error is None and self.forward <= self.tolerance['forward']
+            and (self.gradient is None or self.gradient <= self.tolerance['gradient']))
+
+  def as_dict(self) -> Dict[str, Any]:
+    return {'kernel': self.case.kernel, 'case': self.case.label, 'dtype': self.case.dtype,
+            'shape': self.case.shape, 'forward_error': self.forward,
+            'gradient_error': self.gradient, 'tolerance': self.tolerance, 'ok': self.ok,
+            'error': self.error, 'skipped': self.skipped, 'kernel_ms': self.kernel_ms,
+            'xla_ms': self.xla_ms}
+
+
+# ----------------------------------------------------------------------------
+# Cases: the run's shapes and the edges.
+# ----------------------------------------------------------------------------
+
+def _model_dims(config, coda) -> Dict[str, Any]:
+  # An image encoder's attention has no relative position bias ('relative').
+  image = {'relative': False} if config.encoder_input == PATCHES else {}
+  return dict(image, emb=config.emb_dim, heads=config.num_heads, kv_heads=config.kv_heads,
+              head_dim=config.head_dim, mlp_dim=config.mlp_dim, vocab=config.vocab_size,
+              activations=tuple(config.mlp_activations),
+              buckets=config.relative_attention_num_buckets,
+              max_distance=config.relative_attention_max_distance,
+              adapter=coda.adapter_dim if coda is not None else 64,
+              adapter_activation=coda.adapter_activation if coda is not None else 'relu')
+
+
+def cases(kernels: Sequence[str], config, coda, length: int, ks: Sequence[int],
+          dtypes: Sequence[str], batch: int = 2, edges: bool = True) -> List[Case]:
+  """The comparisons for `kernels` of a run of `config` / `coda` on `length`
+  input tokens routing `ks` (the run's k values; the length itself for dense
+  layers), plus the edges (`edges`)."""
+  dims = _model_dims(config, coda)
+  attention = coda.attention if coda is not None else 'k_to_all'
+  routed = sorted({k for k in ks if k < length})
+  out: List[Case] = []
+
+  def add(kernel, label, rows_of=batch, **shape):
+    for dtype in (('float32',) if kernel == 'soft_topk' else dtypes):
+      out.append(Case(kernel, label, dtype, tuple(sorted(
+          dict(dims, batch=rows_of, **shape).items()))))
+
+  def edge_batch(k):
+    return MEGACORE_BATCH if k == EDGE_KS[0] else batch
+
+  def megacore(k):
+    return f', {MEGACORE_BATCH} sequences' if k == EDGE_KS[0] else ''
+
+  edge_length = max(length, max(EDGE_KS) + 1)
+  for kernel in kernels:
+    if kernel == 'attention':
+      add(kernel, f'n = {length}', queries=length, keys=length, routed=False)
+      for k in routed:
+        add(kernel, f'{attention} k = {k} of {length}', queries=k,
+            keys=length if attention == 'k_to_all' else k, routed=True, length=length)
+      if edges and dims.get('relative', True):
+        add(kernel, f'distances 0-{DISTANCE_LENGTH - 1}, bias-dominated',
+            queries=DISTANCE_LENGTH, keys=DISTANCE_LENGTH, routed=False, bias_only=True)
+      if edges:
+        for k in EDGE_KS:
+          add(kernel, f'k_to_k k = {k}{megacore(k)}', edge_batch(k), queries=k, keys=k,
+              routed=True, length=edge_length)
+        add(kernel, 'multi-query heads', queries=length, keys=length, routed=False,
+            kv_heads=1)
+    elif kernel == 'mlp':
+      for rows in [length] + routed:
+        add(kernel, f'{rows} rows', rows=rows)
+      for rows in (EDGE_KS if edges else ()):
+        add(kernel, f'{rows} rows{megacore(rows)}', edge_batch(rows), rows=rows)
+      if edges:
+        add(kernel, f'{min(length, 128)} rows, non-resident weights', rows=min(length, 128),
+            resident=False)
+        add(kernel, f'a decoding step\'s {DECODE_ROWS} rows in one block, x and y '
+            'single-buffered', 1, rows=DECODE_ROWS, resident=False, single_buffered=True)
+    elif kernel in ('route', 'output'):
+      for k in routed:
+        add(kernel, f'k = {k} of {length}', length=length, k=k)
+      if edges:
+        for k in EDGE_KS:
+          add(kernel, f'k = {k} of {edge_length}{megacore(k)}', edge_batch(k),
+              length=edge_length, k=k)
+    elif kernel == 'soft_topk':
+      for k in routed or [max(1, length // 3)]:
+        add(kernel, f'k = {k} of {length}', length=length, k=k)
+    elif kernel == 'decode_attention':
+      add(kernel, f'one step over n = {length}', keys=length)
+      if edges:
+        for n in EDGE_KS:
+          add(kernel, f'one step over n = {n}{megacore(n)}', edge_batch(n), keys=n)
+        add(kernel, f'one step over n = {length}, multi-query heads', keys=length, kv_heads=1)
+        add(kernel, f'one step over n = {max(length, DECODE_KEY_BLOCKS_LENGTH)}, key blocks',
+            keys=max(length, DECODE_KEY_BLOCKS_LENGTH), key_block=128)
+    elif kernel == 'beam_attention':
+      cached = BEAM_CACHE_LENGTHS if edges else BEAM_CACHE_LENGTHS[:1]
+      for t in cached:
+        add(kernel, f'{BEAMS} beams over {t} cached positions', cache=t, beams=BEAMS)
+      if edges:
+        add(kernel, f'{BEAMS} beams over {cached[0]} cached positions, a bias per row, '
+            f'{MEGACORE_BATCH} sequences', MEGACORE_BATCH, cache=cached[0], beams=BEAMS,
+            bias_per_row=True)
+    elif kernel == 'lm_head':
+      add(kernel, f'{BEAMS} beams\' top {2 * BEAMS} of the vocabulary', beams=BEAMS)
+      if edges:
+        add(kernel, f'{BEAMS} beams\' top {2 * BEAMS} of {LM_HEAD_VOCAB} tokens in blocks of '
+            f'{LM_HEAD_BLOCK}, {MEGACORE_BATCH} sequences', MEGACORE_BATCH, beams=BEAMS,
+            vocab=LM_HEAD_VOCAB, vocab_block=LM_HEAD_BLOCK)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Each kernel and its XLA formulation, on random operands.
+# ----------------------------------------------------------------------------
+
+def _positions(rng, batch: int, count: int, length: int):
+  """Sorted distinct positions `[batch, count]` of `length` (all when equal)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  if count == length:
+    return np.broadcast_to(np.arange(length), (batch, length)).astype(np.int32)
+  return np.stack([np.sort(rng.choice(length, count, replace=False))
+                   for _ in range(batch)]).astype(np.int32)
+
+
+def _real(batch: int, length: int):
+  """Every row real but the last, whose last third is padding."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  real = np.ones((batch, length), bool)
+  real[-1, length - length // 3:] = False
+  return real
+
+
+def _attention(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import layers  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import relpos_attention  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(0)
+  b, q, kv, h, kvh, d = (s['batch'], s['queries'], s['keys'], s['heads'], s['kv_heads'],
+                         s['head_dim'])
+  scale = 0.05 if s.get('bias_only') else 1.0
+  operands = [jnp.asarray(scale * rng.randn(b, n, heads, d), dtype)
+              for n, heads in ((q, h), (kv, kvh), (kv, kvh))]
+  # Far-apart bucket values: a pair put in the neighbouring bucket shows.
+  # In the activation dtype, as the model's `RelativePositionBiases.table()`.
+  table = jnp.asarray(rng.randn(h, s['buckets']) * (4.0 if s.get('bias_only') else 1.0),
+                      dtype)
+  if s['routed']:
+    length = s['length']
+    real = _real(b, length)
+    q_pos = _positions(rng, b, q, length)
+    k_pos = q_pos if kv == q else _positions(rng, b, kv, length)
+    q_real = np.take_along_axis(real, q_pos, 1)
+    k_real = np.take_along_axis(real, k_pos, 1)
+  else:
+    q_pos = k_pos = np.broadcast_to(np.arange(q), (b, q)).astype(np.int32)
+    q_real = k_real = _real(b, q)
+  kw = dict(query_positions=jnp.asarray(q_pos), key_positions=jnp.asarray(k_pos),
+            query_real=jnp.asarray(q_real), key_real=jnp.asarray(k_real))
+
+  relative = s.get('relative', True)
+
+  def kernel(query, key, value, table):
+    return relpos_attention.relpos_attention(query, key, value, table if relative else None,
+                                             bidirectional=True,
+                                             max_distance=s['max_distance'],
+                                             interpret=interpret, **kw)
+
+  def xla(query, key, value, table):
+    bias = layers.RelativePositionBiases(num_buckets=s['buckets'],
+                                         max_distance=s['max_distance'], num_heads=h).apply(
+        {'params': {'rel_embedding': table}}, kw['query_positions'], kw['key_positions'])
+    bias = bias if relative else 0.
+    mask = layers.make_attention_mask(kw['query_real'], kw['key_real'])
+    bias = jnp.where(mask > 0, 0., layers.MASK_VALUE) + bias
+    return layers.dot_product_attention(query, key, value, bias=bias, deterministic=True,
+                                        dtype=query.dtype, float32_logits=True)
+
+  return kernel, xla, (*operands, table)
+
+
+def _mlp(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import layers  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import mlp as mlp_kernel  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(1)
+  e, hidden, acts = s['emb'], s['mlp_dim'], s['activations']
+  x = jnp.asarray(rng.randn(s['batch'], s['rows'], e), dtype)
+  norm_scale = jnp.asarray(1 + 0.1 * rng.randn(e), dtype)
+  wi = [jnp.asarray(rng.randn(e, hidden) / np.sqrt(e), dtype) for _ in acts]
+  wo = jnp.asarray(rng.randn(hidden, e) / np.sqrt(hidden), dtype)
+  functions = [layers.get_activation(a) for a in acts]
+  vmem = _vmem_bytes()
+  if not s.get('resident', True):
+    # The least VMEM in which the weights go in blocks of hidden units,
+    # re-read per block of rows (the path large models take on a v4), or
+    # read once with every row in one single-buffered block (a decoding
+    # step's rows on a v4).
+    single = bool(s.get('single_buffered'))
+    fits = lambda v: mlp_kernel.plan(s['batch'], s['rows'], e, hidden, len(acts),
+                                     dtype.itemsize, v, single)
+    vmem = next((v for v in range(2 ** 20, vmem + 1, 2 ** 16)
+                 if fits(v).fits and not fits(v).resident
+                 and fits(v).single_buffered == single), None)
+    if vmem is None:
+      raise _Skip(f'{hidden} hidden units have no split into blocks that fits VMEM '
+                  'where the whole weights do not')
+
+  def kernel(x, norm_scale, wi, wo):
+    return mlp_kernel.mlp(x, norm_scale, wi, wo, functions, vmem_bytes=vmem,
+                          single_block=bool(s.get('single_buffered')), interpret=interpret)
+
+  def xla(x, norm_scale, wi, wo):
+    return mlp_kernel.reference(x, norm_scale, wi, wo, functions, 1e-6)
+
+  return kernel, xla, (x, norm_scale, wi, wo)
+
+
+def _routed_operands(case: Case, seed: int):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(seed)
+  b, n, k, e, a = s['batch'], s['length'], s['k'], s['emb'], s['adapter']
+  # Every float operand in the activation dtype, as the layers pass them.
+  x = jnp.asarray(rng.randn(b, n, e), dtype)
+  norm_scale = jnp.asarray(1 + 0.1 * rng.randn(e), dtype)
+  w_down = jnp.asarray(rng.randn(e, a) / np.sqrt(e), dtype)
+  w_up = jnp.asarray(rng.randn(a, e) / np.sqrt(a), dtype)
+  indices = jnp.asarray(_positions(rng, b, k, n))
+  delta = jnp.asarray(rng.randn(b, k, e), dtype)
+  return x, norm_scale, w_down, w_up, delta, indices
+
+
+def _route(case: Case, interpret: bool):
+  from coda_jax.kernels import route_adapter  # pylint: disable=g-import-not-at-top
+  x, norm_scale, w_down, _, _, indices = _routed_operands(case, 2)
+
+  def kernel(x, norm_scale, w_down):
+    return route_adapter.route_adapter(x, norm_scale, w_down, indices, interpret=interpret)
+
+  def xla(x, norm_scale, w_down):
+    return route_adapter.reference(x, norm_scale, w_down, indices, 1e-6)
+
+  return kernel, xla, (x, norm_scale, w_down)
+
+
+def _output(case: Case, interpret: bool):
+  from coda_jax.model import adapters  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import unroute_combine  # pylint: disable=g-import-not-at-top
+  x, norm_scale, w_down, w_up, delta, indices = _routed_operands(case, 3)
+  activation = adapters.get_adapter_activation(case.shape['adapter_activation'])
+
+  def kernel(x, norm_scale, w_down, w_up, delta):
+    return unroute_combine.unroute_combine(x, norm_scale, w_down, w_up, delta, indices,
+                                           activation=activation, interpret=interpret)
+
+  def xla(x, norm_scale, w_down, w_up, delta):
+    return unroute_combine.reference(x, norm_scale, w_down, w_up, delta, indices,
+                                     activation, 1e-6)
+
+  return kernel, xla, (x, norm_scale, w_down, w_up, delta)
+
+
+def _soft_topk(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import soft_topk  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import soft_topk as kernel_lib  # pylint: disable=g-import-not-at-top
+  s = case.shape
+  rng = np.random.RandomState(4)
+  scores = jnp.asarray(2.0 * rng.randn(s['batch'], s['length']), jnp.float32)
+  real = jnp.asarray(_real(s['batch'], s['length']))
+  sched = soft_topk.epsilon_schedule(soft_topk.DEFAULTS.num_iters)
+
+  def kernel(scores):
+    return kernel_lib.soft_topk_iterative(scores, real, s['k'], sched,
+                                          interpret=interpret)
+
+  def xla(scores):
+    return soft_topk._iterative(scores, real, s['k'], sched)  # pylint: disable=protected-access
+
+  return kernel, xla, (scores,)
+
+
+def _decode_attention(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import layers  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import decode_attention  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(6)
+  b, n, h, kvh, d = s['batch'], s['keys'], s['heads'], s['kv_heads'], s['head_dim']
+  query = jnp.asarray(rng.randn(b, h, d), dtype)
+  key = jnp.asarray(rng.randn(b, kvh, d, n), dtype)
+  value = jnp.asarray(rng.randn(b, kvh, n, d), dtype)
+  real = jnp.asarray(_real(b, n))
+
+  def kernel(query, key, value):
+    return decode_attention.decode_attention(query, key, value, real,
+                                             key_block=s.get('key_block'), interpret=interpret)
+
+  def xla(query, key, value):
+    bias = jnp.where(real, 0., layers.MASK_VALUE).astype(dtype)[:, None, None, :]
+    return layers.dot_product_attention(query[:, None], key, value, bias=bias,
+                                        deterministic=True, dtype=dtype,
+                                        kv_layout='heads_major')[:, 0]
+
+  return kernel, xla, (query, key, value)
+
+
+def _beam_attention(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import layers  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import slot_attention  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(7)
+  b, beams, t, h, kvh, d = (s['batch'], s['beams'], s['cache'], s['heads'], s['kv_heads'],
+                            s['head_dim'])
+  rows = b * beams
+  query = jnp.asarray(rng.randn(rows, h, d), dtype)
+  key = jnp.asarray(rng.randn(rows, kvh, d, t), dtype)
+  value = jnp.asarray(rng.randn(rows, kvh, d, t), dtype)
+  slots = jnp.asarray(rng.randint(0, beams, (b, beams, t)), jnp.int32)
+  # The causal mask of a step at position 2t/3 (the rest masked) plus a
+  # relative position bias, shared or per row.
+  mask = np.where(np.arange(t) <= 2 * t // 3, 0., float(layers.MASK_VALUE))
+  bias = jnp.asarray(rng.randn(rows if s.get('bias_per_row') else 1, h, t) + mask, dtype)
+
+  def kernel(query, key, value):
+    return slot_attention.slot_attention(query, key, value, slots, bias, interpret=interpret)
+
+  def xla(query, key, value):
+    # Attention over the cache reordered by the slots (beam search's other
+    # formulation, `decoding._gather_beams`).
+    index = jnp.broadcast_to(slots[:, :, None, None, :], (b, beams, kvh, d, t))
+    take = lambda x: jnp.moveaxis(jnp.take_along_axis(
+        x.reshape(b, beams, kvh, d, t), index, axis=1).reshape(rows, kvh, d, t), -1, 1)
+    return layers.dot_product_attention(query[:, None], take(key), take(value),
+                                        bias=bias[:, :, None, :], deterministic=True,
+                                        dtype=dtype)[:, 0]
+
+  return kernel, xla, (query, key, value)
+
+
+def _lm_head(case: Case, interpret: bool):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import top_logits  # pylint: disable=g-import-not-at-top
+  s, dtype = case.shape, jnp.dtype(case.dtype)
+  rng = np.random.RandomState(11)
+  rows, k = s['batch'] * s['beams'], 2 * s['beams']
+  x = jnp.asarray(rng.randn(rows, s['emb']), dtype)
+  w = jnp.asarray(rng.randn(s['emb'], s['vocab']) / np.sqrt(s['emb']), dtype)
+
+  def kernel(x, w):
+    return top_logits.top_logits(x, w, k, vocab_block=s.get('vocab_block'), interpret=interpret)
+
+  def xla(x, w):
+    return top_logits.reference(x, w, k)
+
+  return kernel, xla, (x, w)
+
+
+class _Skip(Exception):
+  """A case that does not apply to this chip (said in its row)."""
+
+
+_BUILDERS = {'attention': _attention, 'mlp': _mlp, 'route': _route, 'output': _output,
+             'soft_topk': _soft_topk, 'decode_attention': _decode_attention,
+             'beam_attention': _beam_attention, 'lm_head': _lm_head}
+
+
+def _vmem_bytes() -> int:
+  """VMEM of a core of the chip here (the smallest TPU's elsewhere)."""
+  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import tpu_blocks  # pylint: disable=g-import-not-at-top
+  chip = target.current().chip
+  return chip.vmem_bytes if chip is not None else tpu_blocks.SMALLEST_VMEM
+
+
+def _relative_error(got, want) -> float:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  worst = 0.0
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    if not np.all(np.isfinite(a)):
+      return float('inf')
+    scale = max(float(np.max(np.abs(b))), 1e-30) if b.size else 1.0
+    worst = max(worst, float(np.max(np.abs(a - b))) / scale if b.size else 0.0)
+  return worst
+
+
+def _timed(fn, args, repeats: int = 5) -> float:
+  """Median milliseconds of a jitted call (on an accelerator)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * float(np.median(times))
+
+
+def run_case(case: Case, interpret: bool, timing: bool = False) -> Result:
+  """`case`'s kernel against its XLA formulation: forward, and the gradient
+  of a random projection of the outputs with respect to every float input."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  result = Result(case)
+  try:
+    kernel, xla, args = _BUILDERS[case.kernel](case, interpret)
+  except _Skip as e:
+    result.skipped = str(e)
+    return result
+
+  def value_and_grad(fn):
+    def run(*args):
+      if case.kernel in FORWARD_ONLY:
+        return fn(*args), None
+      out, vjp = jax.vjp(fn, *args)
+      keys = jax.random.split(jax.random.PRNGKey(5), len(jax.tree.leaves(out)))
+      cotangent = jax.tree.unflatten(jax.tree.structure(out), [
+          jax.random.normal(key, o.shape, jnp.float32).astype(o.dtype)
+          for key, o in zip(keys, jax.tree.leaves(out))])
+      return out, vjp(cotangent)
+    return jax.jit(run)
+
+  try:
+    want, want_grads = value_and_grad(xla)(*args)
+  except Exception as e:  # pylint: disable=broad-except
+    if not interpret:
+      raise
+    # XLA on this machine cannot run the formulation (e.g. the CPU's dot of
+    # two bfloat16 operands into float32): nothing to compare the kernel with.
+    result.skipped = f'XLA here cannot run it: {_first_line(e)}'
+    return result
+  try:
+    got, got_grads = value_and_grad(kernel)(*args)
+    result.forward = _relative_error(got, want)
+    if case.kernel not in FORWARD_ONLY:
+      result.gradient = _relative_error(got_grads, want_grads)
+    if timing:
+      result.kernel_ms = _timed(jax.jit(kernel), args)
+      result.xla_ms = _timed(jax.jit(xla), args)
+  except Exception as e:  # pylint: disable=broad-except
+    if interpret and _UNIMPLEMENTED in str(e):
+      # The host's XLA cannot run the kernel's interpret-mode program (some
+      # CPUs' runtime has no bfloat16 x bfloat16 -> float32 dot): a limit of
+      # this machine, not of the kernel, which no TPU runs this way.
+      result.skipped = f'XLA here cannot run it in interpret mode: {_first_line(e)}'
+      return result
+    # A kernel that does not lower or compile here is off too: say what it said.
+    result.error = _first_line(e)
+  return result
+
+
+_UNIMPLEMENTED = 'UNIMPLEMENTED'
+
+
+def _first_line(error: BaseException) -> str:
+  first = (str(error).strip().splitlines() or [''])[0][:300]
+  return f'{type(error).__name__}: {first}'
