@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from coda_jax.model import attention as attention_lib
 from coda_jax.model import layers
 from coda_jax import plan as plan_lib
 from coda_jax.plan import target
@@ -114,11 +115,11 @@ class DenseReference(nn.Module):
   @nn.compact
   def __call__(self, x, mask, positions):
     cfg = self.config
-    rel = layers.RelativePositionBiases(cfg.relative_attention_num_buckets,
+    rel = attention_lib.RelativePositionBiases(cfg.relative_attention_num_buckets,
                                         cfg.relative_attention_max_distance,
                                         cfg.num_heads, name='relpos_bias')
     xn = layers.RMSNorm(name='pre_attention_layer_norm')(x)
-    att = layers.MultiHeadDotProductAttention(
+    att = attention_lib.MultiHeadDotProductAttention(
         num_heads=cfg.num_heads, head_dim=cfg.head_dim, relative_embedding=rel,
         name='attention')(xn, xn, mask, query_positions=positions,
                           key_positions=positions, deterministic=True)
@@ -136,7 +137,7 @@ class OneLayer(nn.Module):
   @nn.compact
   def __call__(self, x, mask, input_mask):
     cfg = self.config
-    rel = layers.RelativePositionBiases(cfg.relative_attention_num_buckets,
+    rel = attention_lib.RelativePositionBiases(cfg.relative_attention_num_buckets,
                                         cfg.relative_attention_max_distance,
                                         cfg.num_heads, name='relpos_bias')
     plan = plan_lib.resolve(cfg, self.coda, target=target.current(), length=x.shape[1])
@@ -151,7 +152,7 @@ def _layer_setup(attention, seed=0, dispatch='auto'):
   b, n = 3, 12
   x = jnp.asarray(rng.randn(b, n, cfg.emb_dim).astype(np.float32))
   input_mask = jnp.asarray(np.arange(n)[None] < np.array([[12], [8], [5]]))
-  mask = layers.make_attention_mask(input_mask, input_mask)
+  mask = attention_lib.make_attention_mask(input_mask, input_mask)
   model = OneLayer(cfg, coda)
   params = model.init(jax.random.PRNGKey(seed), x, mask, input_mask)['params']
   params = randomize(params, ['adapter', 'router'], scale=0.5)
@@ -193,7 +194,7 @@ def test_routed_layer_against_the_dense_layer(attention, dispatch):
     # k-to-k: the dense layer run on the selected subsequence at its positions.
     for b in range(3):
       sub = x[b:b + 1, idx[b]]
-      sub_mask = layers.make_attention_mask(input_mask[b:b + 1, idx[b]],
+      sub_mask = attention_lib.make_attention_mask(input_mask[b:b + 1, idx[b]],
                                             input_mask[b:b + 1, idx[b]])
       sub_out = np.asarray(dense.apply({'params': ref_params}, sub, sub_mask,
                                        jnp.asarray(idx[b])))[0]
@@ -250,7 +251,7 @@ def test_mass_ratio_counts_the_budget_a_short_row_can_have():
   n = 12
   x = jax.random.normal(jax.random.PRNGKey(0), (2, n, cfg.emb_dim))
   input_mask = jnp.arange(n)[None] < jnp.array([[12], [3]])
-  mask = layers.make_attention_mask(input_mask, input_mask)
+  mask = attention_lib.make_attention_mask(input_mask, input_mask)
   model = OneLayer(cfg, coda)
   params = model.init(jax.random.PRNGKey(1), x, mask, input_mask)['params']
   _, state = model.apply({'params': params}, x, mask, input_mask, mutable=['intermediates'])

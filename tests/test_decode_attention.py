@@ -1,5 +1,5 @@
 """The decoding step's cross-attention kernel (`coda_jax.kernels.decode_attention`):
-the same function as XLA's `layers.dot_product_attention` over the 'heads_major'
+the same function as XLA's `attention.dot_product_attention` over the 'heads_major'
 cache with the padding bias (interpret mode on CPU), its blocks, its errors,
 and what the TPU compiler counts for it (compiled deviceless for v4 and v5e)."""
 import functools
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coda_jax.model import attention
 from coda_jax.model import layers
 from coda_jax.kernels import decode_attention as kernel
 from coda_jax.kernels import tpu_blocks
@@ -49,7 +50,7 @@ def _xla(query, key, value, key_real):
   bias = None
   if key_real is not None:
     bias = jnp.where(key_real, 0., MASK_VALUE).astype(dtype)[:, None, None, :]
-  return layers.dot_product_attention(query[:, None], key, value, bias=bias,
+  return attention.dot_product_attention(query[:, None], key, value, bias=bias,
                                       kv_layout='heads_major', dtype=dtype,
                                       deterministic=True)[:, 0]
 
@@ -244,7 +245,8 @@ def test_compiles_for_tpu(pod, heads, kv_heads, head_dim):
       ((batch, heads, head_dim), dtype), ((batch, kv_heads, head_dim, n), dtype),
       ((batch, kv_heads, n, head_dim), dtype), ((batch, n), jnp.bool_))]
   with target.targeting('tpu', device.device_kind):
-    compiled = jax.jit(kernel.decode_attention).lower(*arrays).compile()
+    compiled = jax.jit(functools.partial(kernel.decode_attention, interpret=False)).lower(
+        *arrays).compile()
   text = compiled.as_text()
   types = dict(re.findall(r'^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ', text, re.M))
   [call] = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]

@@ -220,7 +220,7 @@ def test_attention(pod, b, q, dtype):
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
   h, d = 12, 64
   fn = lambda qq, kk, vv, t, pos: relpos_attention.relpos_attention(
-      qq, kk, vv, t, query_positions=pos, key_positions=pos)
+      qq, kk, vv, t, query_positions=pos, key_positions=pos, interpret=False)
   compiled = _compile(pod, fn, *[_array((b, q, h, d), dtype)] * 3,
                       _array((h, 32), jnp.float32), _array((b, q), jnp.int32))
   estimate = relpos_attention.cost_estimate(b, h, h, q, q, d, 32, 1, dtype)
@@ -241,7 +241,8 @@ def test_mlp(pod, b, n, dtype, vmem, resident):
   vmem = vmem or chips.by_device_kind(_device(pod).device_kind).vmem_bytes
   acts = [jax.nn.gelu, lambda a: a]
   assert mlp.plan(b, n, e, h, 2, np.dtype(dtype).itemsize, vmem).resident == resident
-  compiled = _compile(pod, lambda *a: mlp.mlp(a[0], a[1], a[2:4], a[4], acts, vmem_bytes=vmem),
+  compiled = _compile(pod, lambda *a: mlp.mlp(a[0], a[1], a[2:4], a[4], acts, vmem_bytes=vmem,
+                                             interpret=False),
                       _array((b, n, e), dtype), _array((e,), dtype),
                       *[_array((e, h), dtype)] * 2, _array((h, e), dtype))
   estimate = mlp.cost_estimate(b, n, e, h, acts, dtype, vmem)
@@ -256,7 +257,8 @@ def test_route_adapter(pod, b, k, n, dtype):
   lanes)."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
   e, a = 768, 64
-  compiled = _compile(pod, route_adapter.route_adapter, _array((b, n, e), dtype),
+  compiled = _compile(pod, functools.partial(route_adapter.route_adapter, interpret=False),
+                      _array((b, n, e), dtype),
                       _array((e,), dtype), _array((e, a), dtype), _array((b, k), jnp.int32))
   _check(compiled, route_adapter.cost_estimate(b, n, k, e, a, dtype))
 
@@ -268,7 +270,8 @@ def test_unroute_combine(pod, b, k, n, dtype):
   128 lanes)."""
   pytest.importorskip('libtpu', reason='the TPU compiler: pip install -e ".[tpu]"')
   e, a = 768, 64
-  compiled = _compile(pod, unroute_combine.unroute_combine, _array((b, n, e), dtype),
+  compiled = _compile(pod, functools.partial(unroute_combine.unroute_combine, interpret=False),
+                      _array((b, n, e), dtype),
                       _array((e,), dtype), _array((e, a), dtype), _array((a, e), dtype),
                       _array((b, k, e), dtype), _array((b, k), jnp.int32))
   _check(compiled, unroute_combine.cost_estimate(b, n, k, e, a, dtype))

@@ -2,6 +2,7 @@
 `T5Config.mlp_kernel`): the same model as XLA's (interpret mode on CPU), its
 blocks, where XLA is kept, its sharding, and what the TPU compiler counts
 for it."""
+import functools
 import textwrap
 
 import jax
@@ -210,7 +211,7 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate(pod, resident):
   acts = [jax.nn.gelu, lambda a: a]
   vmem = chips.by_device_kind(device.device_kind).vmem_bytes
   with target.targeting('tpu', device.device_kind):
-    compiled = jax.jit(lambda *a: kernel.mlp(*a, acts, vmem_bytes=vmem)).lower(
+    compiled = jax.jit(lambda *a: kernel.mlp(*a, acts, vmem_bytes=vmem, interpret=False)).lower(
         *abstract).compile()
   assert 'tpu_custom_call' in compiled.as_text()
   assert kernel.plan(b, n, e, h, 2, 2, vmem).resident == resident
@@ -242,7 +243,8 @@ def test_a_decoding_steps_rows_compile_single_buffered_for_v4():
   acts = [jax.nn.gelu, lambda a: a]
   with target.targeting('tpu', device.device_kind):
     compiled = jax.jit(lambda x, s, w0, w1, wo: kernel.mlp(
-        x, s, [w0, w1], wo, acts, vmem_bytes=vmem, single_block=True)).lower(
+        x, s, [w0, w1], wo, acts, vmem_bytes=vmem, single_block=True,
+        interpret=False)).lower(
         *abstract).compile()
   assert 'tpu_custom_call' in compiled.as_text()
   cost = compiled.cost_analysis()

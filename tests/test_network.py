@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from coda_jax.model.attention import beams as beam_attention
+from coda_jax import plan as plan_lib
 from coda_jax.model import decoding
+from coda_jax.model import attention
 from coda_jax.model import layers
 from coda_jax.kernels import relpos
 from coda_jax.config import T5Config, preset, t5_1_1
@@ -355,13 +357,13 @@ def test_attention_dropout_is_one_mask_per_key_shared_by_queries():
   # weights, [batch, q, heads, kv].
   value = jnp.broadcast_to(jnp.eye(kv)[None, :, None, :], (b, kv, h, kv))
   kw = dict(dropout_rng=jax.random.PRNGKey(4), dropout_rate=0.5)
-  dense = layers.dot_product_attention(query, key, value, deterministic=True)
-  dropped = layers.dot_product_attention(query, key, value, deterministic=False, **kw)
+  dense = attention.dot_product_attention(query, key, value, deterministic=True)
+  dropped = attention.dot_product_attention(query, key, value, deterministic=False, **kw)
   keep = np.asarray(dropped / dense) * 0.5  # 1 where kept, 0 where dropped
   np.testing.assert_allclose(keep, np.round(keep), atol=1e-5)
   assert 0.2 < keep.mean() < 0.8
   np.testing.assert_array_equal(keep, np.broadcast_to(keep[:, :1], keep.shape))
-  per_query = layers.dot_product_attention(query, key, value, deterministic=False,
+  per_query = attention.dot_product_attention(query, key, value, deterministic=False,
                                            broadcast_dropout=False, **kw)
   keep_q = np.round(np.asarray(per_query / dense) * 0.5)
   assert (keep_q != keep_q[:, :1]).any()
@@ -397,7 +399,7 @@ def test_relative_position_bias_per_distance_equals_per_pair_buckets(
     bidirectional, num_buckets, max_distance):
   """The bias looked up per clipped distance = t5x's per-(query, key) buckets,
   for routed (per-row) positions far beyond max_distance too."""
-  rel = layers.RelativePositionBiases(num_buckets, max_distance, num_heads=3)
+  rel = attention.RelativePositionBiases(num_buckets, max_distance, num_heads=3)
   q = jnp.asarray(np.random.RandomState(0).choice(600, (2, 5), replace=False))
   kv = jnp.arange(600)
   variables = rel.init(jax.random.PRNGKey(0), q, kv, bidirectional)
@@ -418,7 +420,7 @@ def test_select_by_index_is_a_table_lookup(size):
   rng = np.random.RandomState(size)
   table = jnp.asarray(rng.randn(3, size).astype(np.float32))
   index = jnp.asarray(rng.randint(0, size, (2, 4, 6)))
-  got = layers.select_by_index(table, index)
+  got = attention.select_by_index(table, index)
   assert got.shape == (2, 3, 4, 6)
   want = np.moveaxis(np.asarray(table)[:, np.asarray(index)], 0, 1)
   np.testing.assert_array_equal(np.asarray(got), want)
@@ -427,7 +429,7 @@ def test_select_by_index_is_a_table_lookup(size):
 def test_relative_position_bias_per_row_equals_the_shared_one():
   """Positions given per row (routed tokens) and the same positions shared by
   the batch (dense layers) give the same bias."""
-  rel = layers.RelativePositionBiases(32, 128, num_heads=3)
+  rel = attention.RelativePositionBiases(32, 128, num_heads=3)
   q, kv = jnp.arange(40), jnp.arange(300)
   variables = rel.init(jax.random.PRNGKey(0), q, kv)
   shared = rel.apply(variables, q, kv)
@@ -442,7 +444,7 @@ def test_beam_search_shares_what_the_beams_of_an_example_can(kv_heads, by_slot,
                                                              cache_cross_kv):
   """`predict_batch`'s beam search keeps one encoder output and one set of
   cross-attention keys/values per example, the beams attending as its
-  queries, and (where `beam_attention.by_slot`: 4 query heads of 8 over 4
+  queries, and (where `plan.beam_cache_by_slot`: 4 query heads of 8 over 4
   or 2 key/value heads, not over 1) never reorders its self-attention
   cache, attending through each beam's slots instead: the same hypotheses
   and scores as the per-beam-row form (the encoder output repeated for each
@@ -460,7 +462,7 @@ def test_beam_search_shares_what_the_beams_of_an_example_can(kv_heads, by_slot,
   cache = decoding.init_decode_cache(model, params, encoded, enc, length, num_beams=k)
   shapes = {path[-2:]: v.shape for path, v in flatten_dict(flax.core.unfreeze(cache)).items()}
   assert shapes[('self_attention', 'cached_key')][0] == b * k
-  assert by_slot == beam_attention.by_slot(k, 4, kv_heads, 8, 4)
+  assert by_slot == plan_lib.beam_cache_by_slot(k, 4, kv_heads, 8, 4)
   assert shapes.get(('self_attention', beam_attention.SLOTS)) == ((b, k, length) if by_slot
                                                                   else None)
   assert (shapes.get(('encoder_decoder_attention', 'cached_cross_key'), (b,))[0] == b)

@@ -465,8 +465,8 @@ def test_rules_agree_with_their_evidence(path):
     assert variant['programs'][0]['settings'] == {}
     # The program compiled as today's rules plan it: the first (the plan when
     # measured) or, where a rule changed since to a flip's choice, that flip.
-    today = {'routed': None if plan.routed is None else dataclasses.asdict(plan.routed),
-             'dense': None if plan.dense is None else dataclasses.asdict(plan.dense)}
+    today = {'routed': None if plan.routed is None else plan.routed.as_dict(),
+             'dense': None if plan.dense is None else plan.dense.as_dict()}
     matching = [p for p in variant['programs']
                 if {key: p['plan'][key] for key in today} == today]
     assert matching, (f'{chip} {variant["variant"]} n {evidence["length"]}: no program '

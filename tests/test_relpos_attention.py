@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from coda_jax.model import attention
 from coda_jax.model import layers
 from coda_jax.config import CodaConfig
 from coda_jax.kernels import relpos_attention as kernel
@@ -69,9 +70,9 @@ def test_without_relative_positions_the_kernel_is_plain_attention(name):
   assert_same_model(models, params, enc, dec_in, tgt)
   (query, key, value), _, kw = _operands(0, 2, 4, 8, 4, 2, 8)
   out = kernel.relpos_attention(query, key, value, None, interpret=True, **kw)
-  mask = layers.make_attention_mask(kw['query_real'], kw['key_real'])
-  np.testing.assert_allclose(np.asarray(out), np.asarray(layers.dot_product_attention(
-      query, key, value, bias=jnp.where(mask > 0, 0., layers.MASK_VALUE),
+  mask = attention.make_attention_mask(kw['query_real'], kw['key_real'])
+  np.testing.assert_allclose(np.asarray(out), np.asarray(attention.dot_product_attention(
+      query, key, value, bias=jnp.where(mask > 0, 0., attention.MASK_VALUE),
       deterministic=True)), atol=1e-5, rtol=1e-5)
 
 
@@ -103,14 +104,14 @@ def _operands(seed, b, q, s, h, kvh, d, dtype=jnp.float32, routed=False):
 
 def _xla(query, key, value, table, query_positions, key_positions, query_real, key_real):
   """The attention as `layers` computes it with attention_kernel='xla'."""
-  module = layers.RelativePositionBiases(num_buckets=32, max_distance=128,
+  module = attention.RelativePositionBiases(num_buckets=32, max_distance=128,
                                          num_heads=query.shape[2])
   key_positions = jnp.arange(key.shape[1]) if key_positions is None else key_positions
   bias = module.apply({'params': {'rel_embedding': table}},
                       jnp.broadcast_to(query_positions, query_real.shape), key_positions)
-  mask = layers.make_attention_mask(query_real, key_real)
-  masked = jnp.where(mask > 0, 0., layers.MASK_VALUE)
-  return layers.dot_product_attention(query, key, value, bias=masked + bias,
+  mask = attention.make_attention_mask(query_real, key_real)
+  masked = jnp.where(mask > 0, 0., attention.MASK_VALUE)
+  return attention.dot_product_attention(query, key, value, bias=masked + bias,
                                       deterministic=True)
 
 
@@ -228,7 +229,7 @@ def test_the_tpu_compiler_counts_the_kernel_by_its_cost_estimate():
   sharding = jax.sharding.SingleDeviceSharding(devices[0])
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
               for x in (query, key, value, table)]
-  fn = lambda *a: kernel.relpos_attention(*a, **kw)
+  fn = lambda *a: kernel.relpos_attention(*a, **kw, interpret=False)
   with target.targeting('tpu'):
     compiled = jax.jit(fn).lower(*abstract).compile()
   assert 'tpu_custom_call' in compiled.as_text()

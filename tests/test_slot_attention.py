@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from coda_jax.model.attention import beams as beam_attention
+from coda_jax.model import attention
 from coda_jax.model import layers
 from coda_jax.plan import target
 from coda_jax.kernels import slot_attention as kernel
@@ -30,7 +31,7 @@ def _operands(batch, beams, heads, kv_heads, head_dim, length, dtype, bias_rows,
 
 
 def _reordered(query, key, value, slots, bias):
-  """`layers.dot_product_attention` over the cache reordered by the slots (a
+  """`attention.dot_product_attention` over the cache reordered by the slots (a
   row gather per position): what beam search computes by reordering."""
   batch, beams, length = slots.shape
   rows, heads, head_dim = query.shape
@@ -41,7 +42,7 @@ def _reordered(query, key, value, slots, bias):
       rows, kv_heads, head_dim, length)
   k, v = jnp.moveaxis(take(key), -1, 1), jnp.moveaxis(take(value), -1, 1)
   bias = None if bias is None else bias[:, :, None, :]
-  return layers.dot_product_attention(query[:, None], k, v, bias=bias, deterministic=True,
+  return attention.dot_product_attention(query[:, None], k, v, bias=bias, deterministic=True,
                                       dtype=query.dtype)[:, 0]
 
 
@@ -110,9 +111,10 @@ def test_bad_shapes_are_named(change, message):
 def test_integer_queries_and_float_slots_are_refused():
   q, k, v = jnp.zeros((8, 4, 128)), jnp.zeros((8, 1, 128, 8)), jnp.zeros((8, 1, 128, 8))
   with pytest.raises(ValueError, match='not floating point'):
-    kernel.slot_attention(q.astype(jnp.int32), k, v, jnp.zeros((2, 4, 8), jnp.int32))
+    kernel.slot_attention(q.astype(jnp.int32), k, v, jnp.zeros((2, 4, 8), jnp.int32),
+                          interpret=True)
   with pytest.raises(ValueError, match='not an integer type'):
-    kernel.slot_attention(q, k, v, jnp.zeros((2, 4, 8)))
+    kernel.slot_attention(q, k, v, jnp.zeros((2, 4, 8)), interpret=True)
 
 
 def test_supported_shapes_and_the_vmem_plan():
@@ -175,7 +177,8 @@ def test_compiles_for_tpu_reading_the_cache_in_place(pod, length):
       ((rows, 1, head_dim, length), dtype), ((batch, beams, length), jnp.int32),
       ((1, heads, length), dtype))]
   with target.targeting('tpu', device.device_kind):
-    compiled = jax.jit(kernel.slot_attention).lower(*arrays).compile()
+    compiled = jax.jit(functools.partial(kernel.slot_attention, interpret=False)).lower(
+        *arrays).compile()
   text = compiled.as_text()
   [call] = [line for line in text.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
   declared = int(re.search(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"', call).group(1))

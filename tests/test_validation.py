@@ -1,9 +1,10 @@
-"""The shared checks: `validation.positive_int` and `layers.real_token_mask`."""
+"""The shared checks: `validation.positive_int` and `attention.real_token_mask`."""
 import argparse
 
 import numpy as np
 import pytest
 
+from coda_jax.model import attention
 from coda_jax.model import layers
 from coda_jax import validation
 from coda_jax.config import AcmConfig, CodaConfig, SoftTopKConfig, T5Config
@@ -49,9 +50,9 @@ def test_the_config_fields_use_it():
 def test_real_token_mask():
   tokens = np.array([[37, 5, 1, 0, 0], [1, 0, 0, 0, 0]], np.int32)
   np.testing.assert_array_equal(
-      np.asarray(layers.real_token_mask(tokens)),
+      np.asarray(attention.real_token_mask(tokens)),
       [[True, True, True, False, False], [True, False, False, False, False]])
   # The decoder's mask: causal, and no query or key on padding.
-  mask = np.asarray(layers.make_decoder_mask(tokens[:1]))[0, 0]
+  mask = np.asarray(attention.make_decoder_mask(tokens[:1]))[0, 0]
   np.testing.assert_array_equal(mask, np.tril(np.ones((5, 5))) * [1, 1, 1, 0, 0]
                                 * np.array([1, 1, 1, 0, 0])[:, None])

@@ -8,7 +8,7 @@ token j of n (no 1/sqrt(d) scaling, as in T5):
                     + (0 if key_real[b,j] else MASK_VALUE)
     out[b,h]      = softmax_j(logits[b,h,:]) @ value[b,kv_head]
 
-which is `layers.dot_product_attention(query[:, None], key, value, bias,
+which is `attention.dot_product_attention(query[:, None], key, value, bias,
 kv_layout='heads_major', dtype=query.dtype)` with the encoder padding bias of
 `MultiHeadDotProductAttention._attention_bias`: the keys and values are the
 decoder's cross-attention cache (`_cached_cross_kv`), key `[batch, kv_heads,
@@ -475,7 +475,7 @@ def _check_shapes(query: Array, key: Array, value: Array, key_real: Optional[Arr
 def reference(query: Array, key: Array, value: Array,
               key_real: Optional[Array] = None) -> Array:
   """The kernel's function in jnp, `decode_attention`'s arguments and
-  result: the operations of `layers.dot_product_attention` (the same einsums,
+  result: the operations of `attention.dot_product_attention` (the same einsums,
   so XLA rounds the 16-bit logits as it does there) on one query token
   `[batch, 1, kv_heads, groups, head_dim]` with the 'heads_major' cache and
   the padding bias."""
@@ -497,7 +497,7 @@ def reference(query: Array, key: Array, value: Array,
 
 def decode_attention(query: Array, key: Array, value: Array,
                      key_real: Optional[Array] = None, *, key_block: Optional[int] = None,
-                     interpret: Optional[bool] = None) -> Array:
+                     interpret: bool) -> Array:
   """One decoding step's cross-attention over the cached encoder keys and values.
 
   Args:
@@ -511,7 +511,8 @@ def decode_attention(query: Array, key: Array, value: Array,
       uniform weights, as in XLA.
     key_block: keys per block (default: `plan`'s, all n when they fit): n,
       or a multiple of 128 below it for the online softmax.
-    interpret: Pallas interpret mode (default: when not on a TPU).
+    interpret: Pallas interpret mode (required: the plan's, `plan.interpret`,
+      True where the program is not for a TPU).
 
   Returns:
     `[batch, heads, head_dim]` in the query's dtype. Forward only: no VJP is
@@ -525,9 +526,6 @@ def decode_attention(query: Array, key: Array, value: Array,
   _check_shapes(query, key, value, key_real)
   batch, heads, _ = query.shape
   kv_heads = key.shape[1]
-  if interpret is None:
-    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
-    interpret = target.platform() != 'tpu'
   key, value = key.astype(query.dtype), value.astype(query.dtype)
   mask = None if key_real is None else key_real.astype(jnp.int32)[:, None, :]
 

@@ -324,7 +324,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 def mlp(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
         activations: Sequence[Callable], *, epsilon: float = 1e-6,
         vmem_bytes: int = tpu_blocks.SMALLEST_VMEM, single_block: bool = False,
-        interpret: Optional[bool] = None) -> Array:
+        interpret: bool) -> Array:
   """`(Π_a act_a(LN(x) @ wi_a)) @ wo`, `[batch, length, emb]` in x's dtype.
 
   Args:
@@ -338,7 +338,8 @@ def mlp(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
     single_block: x's rows are one block (a decoding step's rows, `[1, rows,
       emb]`): where the weights neither stay resident nor are read once in
       double-buffered blocks, x and y take one buffer each (`plan`).
-    interpret: Pallas interpret mode (default: when not on a TPU).
+    interpret: Pallas interpret mode (required: the plan's, `plan.interpret`,
+      True where the program is not for a TPU).
   """
   if x.ndim != 3:
     raise ValueError(f'mlp: x must be [batch, length, emb], got {x.shape}')
@@ -351,9 +352,6 @@ def mlp(x: Array, norm_scale: Array, wi: Sequence[Array], wo: Array,
     raise ValueError(f'mlp: norm_scale {tuple(norm_scale.shape)}, wi '
                      f'{[tuple(w.shape) for w in wi]} and wo {tuple(wo.shape)} do not fit '
                      f'x {x.shape} (wi [emb, hidden], wo [hidden, emb])')
-  if interpret is None:
-    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
-    interpret = target.platform() != 'tpu'
   vmem = int(vmem_bytes)
   dtype = x.dtype
   operands = (x, jnp.asarray(norm_scale, dtype), tuple(jnp.asarray(w, dtype) for w in wi),

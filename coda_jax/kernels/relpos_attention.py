@@ -2,7 +2,7 @@
 
 `T5Config.attention_kernel`: 'auto' (this kernel when the program is for a
 TPU, `coda_jax.plan.target`), 'pallas' (always: interpret mode off TPU, for tests),
-'xla' (`layers.dot_product_attention` with an additive bias).
+'xla' (`attention.dot_product_attention` with an additive bias).
 
 What it computes, per batch row b, head h, query i and key j (no 1/sqrt(d)
 scaling, as in T5):
@@ -48,7 +48,7 @@ are refused by `supported` (the caller uses XLA).
 Gradients: a custom VJP whose backward pass is XLA's derivative of the
 reference (`reference`, the same function in jnp), recomputed from the inputs;
 the forward pass is the kernel. Training with attention dropout uses XLA
-(`layers.MultiHeadDotProductAttention` decides).
+(`attention.MultiHeadDotProductAttention` decides).
 
 Sharding: to XLA's partitioner a Pallas call is opaque (it would replicate
 its operands), so under a mesh (`jax.set_mesh`) the call runs in `shard_map`
@@ -333,7 +333,7 @@ def relpos_attention(query: Array, key: Array, value: Array, table: Optional[Arr
                      key_positions: Optional[Array] = None,
                      query_real: Optional[Array] = None, key_real: Optional[Array] = None,
                      bidirectional: bool = True, max_distance: int = 128,
-                     interpret: Optional[bool] = None) -> Array:
+                     interpret: bool) -> Array:
   """T5 attention with its relative position bias and padding mask, fused.
 
   Args:
@@ -346,8 +346,9 @@ def relpos_attention(query: Array, key: Array, value: Array, table: Optional[Arr
       original positions (default 0, 1, ...).
     query_real, key_real: bool `[batch, length]`, the real tokens (default:
       all); a (query, key) pair attends when both are real, as
-      `layers.make_attention_mask` of the two.
-    interpret: Pallas interpret mode (default: when not on a TPU).
+      `attention.make_attention_mask` of the two.
+    interpret: Pallas interpret mode (required: the plan's, `plan.interpret`,
+      True where the program is not for a TPU).
 
   Returns:
     `[batch, q_length, heads, head_dim]` in query's dtype.
@@ -364,9 +365,6 @@ def relpos_attention(query: Array, key: Array, value: Array, table: Optional[Arr
   if not supported(kv_length):
     raise ValueError(f'relpos_attention: kv_length {kv_length} > {MAX_KV_LENGTH}; '
                      "use attention_kernel='xla'")
-  if interpret is None:
-    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
-    interpret = target.platform() != 'tpu'
   operands = (query, key.astype(query.dtype), value.astype(query.dtype),
               jnp.asarray(table, jnp.float32),
               _codes(query_positions, query_real, batch, q_length)[:, None, :],

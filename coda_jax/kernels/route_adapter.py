@@ -222,7 +222,7 @@ _route_adapter.defvjp(_route_adapter_fwd, _route_adapter_bwd)
 
 
 def route_adapter(x: Array, norm_scale: Array, w_down: Array, indices: Array, *,
-                  epsilon: float = 1e-6, interpret: Optional[bool] = None
+                  epsilon: float = 1e-6, interpret: bool
                   ) -> Tuple[Array, Array, Array]:
   """The routed tokens `[batch, k, emb]`, their RMS norm factors
   rsqrt(mean(x²) + ε) `[batch, 1, k]` (float32) and the parallel adapter's
@@ -235,7 +235,8 @@ def route_adapter(x: Array, norm_scale: Array, w_down: Array, indices: Array, *,
     w_down: `[emb, adapter]`, the parallel adapter's down projection.
     indices: int `[batch, k]`, the routed positions (any order; a position
       outside [0, n) gives a zero token).
-    interpret: Pallas interpret mode (default: when not on a TPU).
+    interpret: Pallas interpret mode (required: the plan's, `plan.interpret`,
+      True where the program is not for a TPU).
   """
   if x.ndim != 3:
     raise ValueError(f'route_adapter: x must be [batch, n, emb], got {x.shape}')
@@ -247,9 +248,6 @@ def route_adapter(x: Array, norm_scale: Array, w_down: Array, indices: Array, *,
   if indices.ndim != 2 or indices.shape[0] != batch:
     raise ValueError(f'route_adapter: indices must be [batch, k] with batch {batch}, '
                      f'got {indices.shape}')
-  if interpret is None:
-    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
-    interpret = target.platform() != 'tpu'
   dtype = x.dtype
   operands = (x, jnp.asarray(norm_scale, dtype), jnp.asarray(w_down, dtype), indices)
 

@@ -371,7 +371,7 @@ def reference(query: Array, key: Array, value: Array, slots: Array,
 
 
 def slot_attention(query: Array, key: Array, value: Array, slots: Array,
-                   bias: Optional[Array] = None, *, interpret: Optional[bool] = None) -> Array:
+                   bias: Optional[Array] = None, *, interpret: bool) -> Array:
   """One beam search step's self-attention over a slot-addressed cache.
 
   Args:
@@ -385,7 +385,8 @@ def slot_attention(query: Array, key: Array, value: Array, slots: Array,
     bias: `[1 | batch * beams, heads, length]`, added to the logits (the
       causal mask over the cache and the relative position bias); leading 1:
       the same for every row, read once.
-    interpret: Pallas interpret mode (default: when not on a TPU).
+    interpret: Pallas interpret mode (required: the plan's, `plan.interpret`,
+      True where the program is not for a TPU).
 
   Returns:
     `[batch * beams, heads, head_dim]` in the query's dtype. Forward only.
@@ -401,9 +402,6 @@ def slot_attention(query: Array, key: Array, value: Array, slots: Array,
   kv_heads = key.shape[1]
   groups = heads // kv_heads
   dtype = query.dtype
-  if interpret is None:
-    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
-    interpret = target.platform() != 'tpu'
   per_kv_head = lambda x: x.reshape(batch, beams, kv_heads, groups, -1).swapaxes(1, 2)
   q = per_kv_head(query)
   # The cache as the TPU lays it out (`_positions_on_lanes`): the transpose

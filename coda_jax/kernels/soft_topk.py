@@ -107,13 +107,6 @@ _PROBE_TOLERANCE = 1e-3
 _PAD_SCORE = SOFT_TOPK_PAD_SCORE
 
 
-def _backend() -> str:
-  """The platform ('cpu', 'gpu', 'tpu') of the program being traced
-  (`coda_jax.plan.target`: a pod's while ``coda-jax compile`` traces for it)."""
-  from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
-  return target.platform()
-
-
 def _next_power_of_2(x: int) -> int:
   return 1 << max(0, x - 1).bit_length()
 
@@ -275,7 +268,7 @@ _soft_topk_2d.defvjp(_soft_topk_2d_fwd, _soft_topk_2d_bwd)
 def soft_topk_iterative(s: Array, real: Array, k: int,
                         eps_sched: tuple[float, ...], *,
                         block_rows: Optional[int] = None,
-                        interpret: Optional[bool] = None) -> Array:
+                        interpret: bool) -> Array:
   """The iterative soft top-k solver as fused Pallas kernels.
 
   A drop-in for `coda_jax.model.soft_topk._iterative` (same arguments, same
@@ -289,7 +282,8 @@ def soft_topk_iterative(s: Array, real: Array, k: int,
     k: Python int >= 1.
     eps_sched: ε_1..ε_{T+1} (`coda_jax.model.soft_topk.epsilon_schedule`).
     block_rows: rows per program, a power of two (default `block_rows_for`).
-    interpret: run in Pallas interpret mode (default: unless on GPU).
+    interpret: run in Pallas interpret mode (required: the plan's,
+      `plan.interpret`, True where the program is not for a GPU).
 
   Returns:
     λ [..., n] in the dtype of `s`.
@@ -304,8 +298,6 @@ def soft_topk_iterative(s: Array, real: Array, k: int,
     block_rows = block_rows_for(rows, n_padded)
   if block_rows < 1 or block_rows & (block_rows - 1):
     raise ValueError(f'block_rows must be a power of two, got {block_rows}')
-  if interpret is None:
-    interpret = _backend() != 'gpu'
   pad = ((0, -rows % block_rows), (0, n_padded - n))
   s2 = jnp.pad(s.reshape(rows, n), pad)
   real2 = jnp.pad(real.reshape(rows, n).astype(s.dtype), pad)

@@ -337,7 +337,7 @@ def of_logits(logits: Array, k: int) -> Top:
 
 
 def top_logits(x: Array, kernel: Array, k: int, *, vocab_block: Optional[int] = None,
-               interpret: Optional[bool] = None) -> Top:
+               interpret: bool) -> Top:
   """Each row's k largest logits, their tokens and its normaliser.
 
   Args:
@@ -345,7 +345,8 @@ def top_logits(x: Array, kernel: Array, k: int, *, vocab_block: Optional[int] = 
     kernel: `[emb, vocab]`, the LM head; cast with x to their common dtype.
     k: the logits kept per row, 1..128 and at most the vocabulary.
     vocab_block: tokens per block (default: `plan`'s), a multiple of 128.
-    interpret: Pallas interpret mode (default: when not on a TPU).
+    interpret: Pallas interpret mode (required: the plan's, `plan.interpret`,
+      True where the program is not for a TPU).
 
   Returns:
     `Top(values [rows, k] f32, tokens [rows, k] int32, peak [rows],
@@ -367,9 +368,6 @@ def top_logits(x: Array, kernel: Array, k: int, *, vocab_block: Optional[int] = 
   if not isinstance(k, int) or not 0 < k <= min(_LANES, kernel.shape[1]):
     raise ValueError(f'top_logits: k = {k!r} must be an int in 1..{min(_LANES, kernel.shape[1])}'
                      ' (at most 128 and the vocabulary)')
-  if interpret is None:
-    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
-    interpret = target.platform() != 'tpu'
   x, kernel = x.astype(dtype), kernel.astype(dtype)
 
   def call(rows_x, w):

@@ -179,7 +179,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 def unroute_combine(x: Array, norm_scale: Array, w_down: Array, w_up: Array, delta: Array,
                     indices: Array, *, activation=jax.nn.relu, epsilon: float = 1e-6,
-                    interpret: Optional[bool] = None) -> Array:
+                    interpret: bool) -> Array:
   """`x + act(LN(x) @ w_down) @ w_up + unroute(delta)`, `[batch, n, emb]` in x's dtype.
 
   Args:
@@ -189,7 +189,8 @@ def unroute_combine(x: Array, norm_scale: Array, w_down: Array, w_up: Array, del
     w_up: `[adapter, emb]`, the up projection with the adapter's scale in it.
     delta: `[batch, k, emb]`, the routed tokens' gated updates.
     indices: int `[batch, k]`, their positions, distinct within a row.
-    interpret: Pallas interpret mode (default: when not on a TPU).
+    interpret: Pallas interpret mode (required: the plan's, `plan.interpret`,
+      True where the program is not for a TPU).
   """
   batch, length, emb = x.shape
   if norm_scale.shape != (emb,) or w_down.shape[0] != emb or w_up.shape != (
@@ -199,9 +200,6 @@ def unroute_combine(x: Array, norm_scale: Array, w_down: Array, w_up: Array, del
   if delta.shape[0] != batch or delta.shape[-1] != emb or indices.shape != delta.shape[:2]:
     raise ValueError(f'unroute_combine: delta {delta.shape} and indices {indices.shape} '
                      f'do not fit x {x.shape}')
-  if interpret is None:
-    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
-    interpret = target.platform() != 'tpu'
   dtype = x.dtype
   operands = (x, norm_scale.astype(dtype), w_down.astype(dtype), w_up.astype(dtype),
               delta.astype(dtype), indices)

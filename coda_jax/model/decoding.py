@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from coda_jax.model.attention import beams as beam_attention
 from coda_jax import plan as plan_lib
-from coda_jax.plan import target as target_lib
 from coda_jax.config import PATCHES
 from coda_jax.kernels import top_logits as top_logits_lib
 from coda_jax.validation import positive_int
@@ -333,24 +332,23 @@ def init_decode_cache(model, params, encoded: Array, encoder_input_tokens: Array
         method=model.decode)
     return flax.traverse_util.flatten_dict(flax.core.unfreeze(variables['cache']))
 
-  shapes = jax.eval_shape(functools.partial(init, length=max_decode_length,
-                                            rows=batch * beams),
-                          encoded, encoder_input_tokens)
+  with plan_lib.unrecorded():  # the cache's shapes, not a pass of the program
+    shapes = jax.eval_shape(functools.partial(init, length=max_decode_length,
+                                              rows=batch * beams),
+                            encoded, encoder_input_tokens)
   cache = {path: jnp.zeros(s.shape, s.dtype) for path, s in shapes.items()
            if path[-1] != CROSS_KV_READY}
-  heads = model.config.num_heads
-  # Beam search addresses the self-attention cache by slot where its plan
-  # reads it with the kernel (`kernels.slot_attention`), or where XLA's
-  # attention by slot moves fewer bytes than reordering it
-  # (`beam_attention.by_slot`).
-  kernel = beams > 1 and getattr(model, 'cache_cross_kv', False) and plan_lib.resolve_decoder(
-      model.config, target=target_lib.current(), length=encoded.shape[1], batch=batch,
-      beams=beams, cache_length=max_decode_length).beam_attention == plan_lib.PALLAS
+  # Beam search addresses the self-attention cache by slot where the
+  # decoder's plan says so (the slot kernel, or XLA by slot where that moves
+  # fewer bytes than reordering: `plan.beam_cache_by_slot`), as the layers
+  # read it.
+  by_slot = beams > 1 and plan_lib.resolve_decoder(
+      model.config, length=encoded.shape[1], batch=batch,
+      beams=beams, cache_length=max_decode_length,
+      cross_cache=getattr(model, 'cache_cross_kv', False)).self_attention_plan.by_slot
   cache.update({path[:-1] + (beam_attention.SLOTS,): jnp.zeros((batch, beams, s.shape[-1]),
                                                                jnp.int32)
-                for path, s in shapes.items()
-                if path[-1] == SELF_KV_CACHE[0] and beams > 1 and (kernel or beam_attention.by_slot(
-                    beams, heads, s.shape[1], s.shape[2], s.dtype.itemsize))})
+                for path, s in shapes.items() if by_slot and path[-1] == SELF_KV_CACHE[0]})
   if any(path[-1] == CROSS_KV_READY for path in shapes):
     prefill = init(encoded, encoder_input_tokens, 1, batch)
     cache.update({path: value for path, value in prefill.items()

@@ -20,8 +20,9 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from coda_jax.model import layers
+from coda_jax import plan as plan_lib
 from coda_jax.kernels import top_logits as kernel_lib
+from coda_jax.model import layers
 
 Array = jax.Array
 Top = kernel_lib.Top
@@ -31,7 +32,8 @@ class LmHead(nn.Module):
   """`[..., emb] -> [..., vocab]` float32 logits, or (`top_k`: the kernel) a
   `Top` of `[..., top_k]` values and tokens and `[...]` peak and log-sum."""
   vocab_size: int
-  # Pallas interpret mode for the kernel (None: when not on a TPU).
+  # Pallas interpret mode for the kernel: the decoder plan's (None: as on
+  # the chip traced for, `plan.interpret`).
   kernel_interpret: Optional[bool] = None
 
   @nn.compact
@@ -40,8 +42,10 @@ class LmHead(nn.Module):
                                     (y.shape[-1], self.vocab_size), jnp.float32,
                                     axes=('embed', 'vocab'))
     if top_k:
+      interpret = (plan_lib.interpret(plan_lib.LM_HEAD) if self.kernel_interpret is None
+                   else self.kernel_interpret)
       top = kernel_lib.top_logits(y.reshape(-1, y.shape[-1]), kernel, top_k,
-                                  interpret=self.kernel_interpret)
+                                  interpret=interpret)
       return _unflatten(top, y.shape[:-1])
     f32 = jnp.float32
     return lax.dot_general(jnp.asarray(y, f32), jnp.asarray(kernel, f32),

@@ -14,22 +14,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from coda_jax.model import acm as acm_lib
-from coda_jax.model import adapters
-from coda_jax.model import layers
-from coda_jax.model import lm_head
-from coda_jax.model import patch_embed
 from coda_jax import plan as plan_lib
-from coda_jax.model import routing
-from coda_jax.model import soft_topk
-from coda_jax.plan import target
-from coda_jax.kernels import route_adapter
-from coda_jax.kernels import tpu_blocks
-from coda_jax.kernels import unroute_combine
 from coda_jax.config import (NO_ADAPTER, PARALLEL, PATCHES, SEQUENTIAL_ADAPTERS,
                              SEQUENTIAL_HOULSBY, AcmConfig, CodaConfig, T5Config,
                              parallel_adapter_baseline, t5_1_1)  # noqa: F401
-from coda_jax.plan import LayerPlan
+from coda_jax.kernels import route_adapter
+from coda_jax.kernels import tpu_blocks
+from coda_jax.kernels import unroute_combine
+from coda_jax.model import acm as acm_lib
+from coda_jax.model import adapters
+from coda_jax.model import attention
+from coda_jax.model import layers
+from coda_jax.model import lm_head
+from coda_jax.model import patch_embed
+from coda_jax.model import routing
+from coda_jax.model import soft_topk
+from coda_jax.plan import AttentionPlan, LayerPlan
 
 Array = jax.Array
 
@@ -53,11 +53,11 @@ def _lora(coda: Optional[CodaConfig]) -> dict:
 
 def _attention(config: T5Config, name: str, coda: Optional[CodaConfig] = None,
                acm: Optional[AcmConfig] = None, stack: str = 'encoder',
-               **kwargs) -> layers.MultiHeadDotProductAttention:
+               **kwargs) -> attention.MultiHeadDotProductAttention:
   """The pretrained attention `name`; with 'attention' in `acm.modules` for
   this `stack`, its projections are ACMs (`acm.AcmAttention`: the pretrained
   kernels stay, frozen teachers, `acm_query`, ... are new siblings)."""
-  cls, extra = layers.MultiHeadDotProductAttention, {}
+  cls, extra = attention.MultiHeadDotProductAttention, {}
   if acm is not None and acm.replaces('attention', stack):
     cls, extra = acm_lib.AcmAttention, {'acm': acm}
   return cls(
@@ -126,11 +126,11 @@ def encoder_real(config: T5Config, inputs: Array) -> Array:
   a patch row with row id 0)."""
   if config.encoder_input == PATCHES:
     return patch_embed.real_patches(inputs)
-  return layers.real_token_mask(inputs)
+  return attention.real_token_mask(inputs)
 
 
-def _relative_embedding(config: T5Config) -> layers.RelativePositionBiases:
-  return layers.RelativePositionBiases(
+def _relative_embedding(config: T5Config) -> attention.RelativePositionBiases:
+  return attention.RelativePositionBiases(
       num_buckets=config.relative_attention_num_buckets,
       max_distance=config.relative_attention_max_distance,
       num_heads=config.num_heads, dtype=config.dtype, name='relpos_bias')
@@ -140,6 +140,7 @@ def _pretrained_update(config: T5Config, coda: Optional[CodaConfig],
                        acm: Optional[AcmConfig], relative_embedding: nn.Module,
                        plan: LayerPlan, parent: nn.Module, x: Array, xn: Array, kv: Array,
                        mask: Optional[Array], deterministic: bool, *,
+                       mask_is_padding: bool = True,
                        query_positions: Optional[Array] = None,
                        key_positions: Optional[Array] = None,
                        token_mask: Optional[Array] = None,
@@ -150,18 +151,17 @@ def _pretrained_update(config: T5Config, coda: Optional[CodaConfig],
 
   `xn` is LN(x), `kv [b, s, emb]` the normalised tokens attended to,
   `token_mask [b, q]` the real queries and `kv_token_mask [b, s]` the real
-  keys (default: `token_mask`); `mask` is their padding mask (or a packed
-  row's). Returns `(att, ffn)`, each `[b, q, emb]`: the layer's output is
+  keys (default: `token_mask`); `mask` is their padding mask
+  (`mask_is_padding`), or a packed row's. Returns `(att, ffn)`, each `[b, q, emb]`: the layer's output is
   x + att + ffn.
   """
   sequential = coda is not None and coda.adapter in SEQUENTIAL_ADAPTERS
   att = _attention(config, 'attention', coda, acm, 'encoder',
-                   relative_embedding=relative_embedding, attention_kernel=plan.attention,
-                   kernel_interpret=plan.interpret)(
+                   relative_embedding=relative_embedding, plan=plan.attention_plan)(
       xn, kv, mask, query_positions=query_positions, key_positions=key_positions,
       deterministic=deterministic, query_token_mask=token_mask,
       kv_token_mask=token_mask if kv_token_mask is None else kv_token_mask,
-      mask_is_padding=plan.attention == 'pallas')
+      mask_is_padding=mask_is_padding)
   att = _dropout(config)(att, deterministic=deterministic)
   if sequential and coda.adapter == SEQUENTIAL_HOULSBY:
     att = _adapter(config, coda, 'adapter_attention', sequential=True)(att)
@@ -201,14 +201,17 @@ class EncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: Array, encoder_mask: Optional[Array] = None,
-               deterministic: bool = False, input_mask: Optional[Array] = None) -> Array:
-    """`inputs [batch, length, emb]`, `encoder_mask [batch, 1, length, length]`,
-    `input_mask [batch, length]` (True at real tokens) -> `[batch, length, emb]`."""
+               deterministic: bool = False, input_mask: Optional[Array] = None,
+               mask_is_padding: bool = True) -> Array:
+    """`inputs [batch, length, emb]`, `encoder_mask [batch, 1, length, length]`
+    (the padding of `input_mask`, or with `mask_is_padding` False a packed
+    row's), `input_mask [batch, length]` (True at real tokens) -> `[batch,
+    length, emb]`."""
     cfg, coda = self.config, self.coda
     xn = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')(inputs)
     att, ffn = _pretrained_update(cfg, coda, self.acm, self.relative_embedding, self.plan,
                                   self, inputs, xn, xn, encoder_mask, deterministic,
-                                  token_mask=input_mask)
+                                  mask_is_padding=mask_is_padding, token_mask=input_mask)
     y = inputs + att + ffn
     if coda is not None and coda.adapter == PARALLEL:
       y = y + _adapter(cfg, coda, 'adapter')(xn)
@@ -240,8 +243,11 @@ class RoutedEncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: Array, encoder_mask: Optional[Array] = None,
-               deterministic: bool = False, input_mask: Optional[Array] = None) -> Array:
-    """As `EncoderLayer.__call__`."""
+               deterministic: bool = False, input_mask: Optional[Array] = None,
+               mask_is_padding: bool = True) -> Array:
+    """As `EncoderLayer.__call__` (routing refuses packed rows: the mask is
+    the padding)."""
+    del mask_is_padding
     cfg, coda, plan = self.config, self.coda, self.plan
     norm = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')
     xn = norm(inputs)
@@ -253,7 +259,7 @@ class RoutedEncoderLayer(nn.Module):
           normalizer=coda.normalizer,
           soft_topk=dataclasses.replace(coda.soft_topk, impl=plan.soft_topk),
           w_init=nn.initializers.normal(stddev=coda.router_init_stddev),
-          name='router')(inputs, plan.k, input_mask, rms_scale=scale, rms_epsilon=norm.epsilon)
+          soft_topk_interpret=plan.soft_topk_interpret, name='router')(inputs, plan.k, input_mask, rms_scale=scale, rms_epsilon=norm.epsilon)
     self.sow('intermediates', 'routing', {
         'indices': decision.indices, 'gate': decision.gate, 'weights': decision.weights,
         'mass_ratio': soft_topk.topk_mass_ratio(decision.weights, plan.k, mask=input_mask)})
@@ -271,7 +277,7 @@ class RoutedEncoderLayer(nn.Module):
       kv, key_real, key_positions = xn, real, None
     else:
       kv, key_real, key_positions = xrn, query_real, decision.indices
-    mask = None if encoder_mask is None else layers.make_attention_mask(
+    mask = None if encoder_mask is None else attention.make_attention_mask(
         query_real, key_real, dtype=encoder_mask.dtype)          # [b, 1, k, n | k]
     att, ffn = self._update(xr, xrn, kv, mask, query_real, key_real, decision.indices,
                             key_positions, deterministic)
@@ -323,9 +329,13 @@ class DecoderLayer(nn.Module):
   relative_embedding: nn.Module
   coda: Optional[CodaConfig] = None
   acm: Optional[AcmConfig] = None
-  # How a decoding step's cross-attention runs (`coda_jax.plan.DecoderPlan`;
-  # None: XLA).
+  # How a decoding step runs (`coda_jax.plan.DecoderPlan`; None: not a
+  # decoding step, its MLP XLA's).
   plan: Optional[plan_lib.DecoderPlan] = None
+  # How its self- and cross-attention run (the decoding step's plan's, else
+  # XLA's attention in the program's form).
+  self_attention_plan: AttentionPlan = AttentionPlan()
+  cross_attention_plan: AttentionPlan = AttentionPlan()
 
   @nn.compact
   def __call__(self, inputs: Array, encoded: Array, decoder_mask: Optional[Array] = None,
@@ -342,12 +352,9 @@ class DecoderLayer(nn.Module):
     coda = self.coda if self.coda is not None and self.coda.decoder_adapters else None
     adapter_type = coda.adapter if coda is not None else NO_ADAPTER
     xn = layers.RMSNorm(dtype=cfg.dtype, name='pre_self_attention_layer_norm')(inputs)
-    slot_kernel = ({} if self.plan is None or self.plan.beam_attention is None
-                   else dict(slot_kernel=self.plan.beam_attention,
-                             kernel_interpret=self.plan.interpret))
     x = _attention(cfg, 'self_attention', coda, self.acm, 'decoder',
                    relative_embedding=self.relative_embedding, bidirectional=False,
-                   **slot_kernel)(
+                   plan=self.self_attention_plan)(
                        xn, xn, decoder_mask, decode=decode, deterministic=deterministic,
                        query_token_mask=token_mask, kv_token_mask=token_mask)
     x = _dropout(cfg)(x, deterministic=deterministic)
@@ -355,9 +362,8 @@ class DecoderLayer(nn.Module):
       x = _adapter(cfg, coda, 'adapter_attention', sequential=True)(x)
     x = x + inputs
     y = layers.RMSNorm(dtype=cfg.dtype, name='pre_cross_attention_layer_norm')(x)
-    kernel = {} if self.plan is None else dict(decode_kernel=self.plan.cross_attention,
-                                               kernel_interpret=self.plan.interpret)
-    y = _attention(cfg, 'encoder_decoder_attention', coda, self.acm, 'decoder', **kernel)(
+    y = _attention(cfg, 'encoder_decoder_attention', coda, self.acm, 'decoder',
+                   plan=self.cross_attention_plan)(
         y, encoded, encoder_decoder_mask, cache_kv=decode and cache_cross_kv,
         deterministic=deterministic, query_token_mask=token_mask,
         kv_token_mask=encoder_token_mask)
@@ -387,7 +393,7 @@ class Encoder(nn.Module):
   """Embedding, `num_encoder_layers` layers (dense or routed), final RMS norm.
 
   Its plan (`coda_jax.plan`) is resolved here, once per traced program, from
-  the configs, the chip the program is for (`target.current()`), the input
+  the configs, the chip the program is for (`plan.target.current()`), the input
   length and the mesh; the layers receive its choices.
   """
   config: T5Config
@@ -403,8 +409,7 @@ class Encoder(nn.Module):
     `mask_is_padding`: `encoder_mask` is the padding mask of the inputs (no
     segments)."""
     cfg = self.config
-    plan = plan_lib.resolve(cfg, self.coda, self.acm, target=target.current(),
-                            length=encoder_input_tokens.shape[1],
+    plan = plan_lib.resolve(cfg, self.coda, self.acm, length=encoder_input_tokens.shape[1],
                             batch=encoder_input_tokens.shape[0],
                             training=not deterministic, packed=not mask_is_padding,
                             sharded=tpu_blocks.split_axes('mlp', 'embed'))
@@ -423,7 +428,7 @@ class Encoder(nn.Module):
                                    name=f'layers_{lyr}')
       else:
         layer = EncoderLayer(cfg, rel_emb, plan.dense, self.coda, acm, name=f'layers_{lyr}')
-      x = layer(x, encoder_mask, deterministic, input_mask)
+      x = layer(x, encoder_mask, deterministic, input_mask, mask_is_padding)
     x = layers.RMSNorm(dtype=cfg.dtype, name='encoder_norm')(x)
     return _dropout(cfg)(x, deterministic=deterministic)
 
@@ -452,29 +457,34 @@ class Decoder(nn.Module):
     While decoding with the cross-attention cache, its plan
     (`coda_jax.plan.resolve_decoder`: how a step's cross-attention and its
     ACMs run) is resolved here, once per traced program, from the config,
-    the chip the program is for (`target.current()`) and the shapes; other
-    programs resolve how their ACMs run (`plan.resolve_acm`)."""
+    the chip the program is for (`plan.target.current()`) and the shapes; other
+    programs resolve how their ACMs run (`plan.resolve_acm`) and run XLA's
+    attention in the chip's form."""
     cfg = self.config
     plan = None
-    if decode and self.cache_cross_kv:
+    if decode:
       plan = plan_lib.resolve_decoder(
-          cfg, self.acm, target=target.current(), length=encoded.shape[1],
-          batch=encoded.shape[0],
+          cfg, self.acm, length=encoded.shape[1], batch=encoded.shape[0],
           beams=_beams(decoder_input_tokens.shape[0], encoded.shape[0], decode),
           cache_length=cache_length, coda=self.coda,
-          sharded=tpu_blocks.split_axes('mlp', 'embed', 'vocab'))
+          sharded=tpu_blocks.split_axes('mlp', 'embed', 'vocab'),
+          queries=decoder_input_tokens.shape[1], cross_cache=self.cache_cross_kv)
       plan_lib.note(plan)
       acm = plan_lib.with_acm_inference(self.acm, plan.acm)
+      sites = dict(self_attention_plan=plan.self_attention_plan,
+                   cross_attention_plan=plan.cross_attention_plan)
     else:
       acm = plan_lib.with_acm_inference(self.acm, plan_lib.resolve_acm(
-          self.acm, target.current(), decoder_input_tokens.size, 'decoder',
+          self.acm, None, decoder_input_tokens.size, 'decoder',
           training=not deterministic)[0])
+      xla = AttentionPlan(plan_lib.resolve_xla_attention()[0])
+      sites = dict(self_attention_plan=xla, cross_attention_plan=xla)
     rel_emb = _relative_embedding(cfg)
     y = self.shared_embedding(decoder_input_tokens.astype('int32'))
     y = _dropout(cfg)(y, deterministic=deterministic).astype(cfg.dtype)
     for lyr in range(cfg.num_decoder_layers):
       y = DecoderLayer(config=cfg, relative_embedding=rel_emb, coda=self.coda, acm=acm,
-                       plan=plan, name=f'layers_{lyr}')(
+                       plan=plan, name=f'layers_{lyr}', **sites)(
                            y, encoded, decoder_mask=decoder_mask,
                            encoder_decoder_mask=encoder_decoder_mask,
                            deterministic=deterministic, decode=decode,
@@ -538,13 +548,13 @@ class Transformer(nn.Module):
     cfg = self.config
     tokens = _encoder_inputs(cfg, encoder_input_tokens)
     real = encoder_real(cfg, tokens)
-    encoder_mask = layers.make_attention_mask(real, real, dtype=cfg.dtype)
+    encoder_mask = attention.make_attention_mask(real, real, dtype=cfg.dtype)
     if encoder_segment_ids is not None:
       if self.routes_tokens:
         raise ValueError(f'{PACKED_INPUTS_MESSAGE}; got encoder_segment_ids')
-      encoder_mask = layers.combine_masks(
+      encoder_mask = attention.combine_masks(
           encoder_mask,
-          layers.make_attention_mask(encoder_segment_ids, encoder_segment_ids,
+          attention.make_attention_mask(encoder_segment_ids, encoder_segment_ids,
                                      jnp.equal, dtype=cfg.dtype),
           dtype=cfg.dtype)
     return self.encoder(tokens, encoder_mask, deterministic=not enable_dropout,
@@ -572,25 +582,25 @@ class Transformer(nn.Module):
     decoder_input_tokens = decoder_input_tokens.astype(jnp.int32)
     decoder_target_tokens = decoder_target_tokens.astype(jnp.int32)
     real = encoder_real(cfg, encoder_input_tokens)
-    target_real = layers.real_token_mask(decoder_target_tokens)
+    target_real = attention.real_token_mask(decoder_target_tokens)
     beams = _beams(decoder_input_tokens.shape[0], encoder_input_tokens.shape[0], decode)
     if decode:
       decoder_mask = None
-      encoder_decoder_mask = layers.make_attention_mask(
+      encoder_decoder_mask = attention.make_attention_mask(
           jnp.ones_like(decoder_target_tokens), jnp.repeat(real, beams, axis=0),
           dtype=cfg.dtype)
     else:
-      decoder_mask = layers.make_decoder_mask(
+      decoder_mask = attention.make_decoder_mask(
           decoder_target_tokens, dtype=cfg.dtype, decoder_segment_ids=decoder_segment_ids)
-      encoder_decoder_mask = layers.make_attention_mask(target_real, real,
+      encoder_decoder_mask = attention.make_attention_mask(target_real, real,
                                                         dtype=cfg.dtype)
     if encoder_segment_ids is not None:
       if decode:
         raise ValueError('packed inputs (encoder_segment_ids) cannot be used while '
                          'decoding with the cache')
-      encoder_decoder_mask = layers.combine_masks(
+      encoder_decoder_mask = attention.combine_masks(
           encoder_decoder_mask,
-          layers.make_attention_mask(decoder_segment_ids, encoder_segment_ids,
+          attention.make_attention_mask(decoder_segment_ids, encoder_segment_ids,
                                      jnp.equal, dtype=cfg.dtype),
           dtype=cfg.dtype)
     return self.decoder(encoded, decoder_input_tokens, decoder_mask, encoder_decoder_mask,

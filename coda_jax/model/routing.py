@@ -294,12 +294,16 @@ class Router(nn.Module):
 
   Attributes:
     normalizer: "soft_topk", "sigmoid" or "truncation".
-    soft_topk: the soft top-k settings (`coda_jax.config.SoftTopKConfig`).
+    soft_topk: the soft top-k settings (`coda_jax.config.SoftTopKConfig`;
+      in a model, its impl the layer plan's).
     w_init: initialiser of the score vector w [embed].
+    soft_topk_interpret: the soft top-k kernel in Pallas interpret mode (the
+      layer plan's; None: as the plan says for the chip traced for).
   """
   normalizer: str = 'soft_topk'
   soft_topk: SoftTopKConfig = SoftTopKConfig()
   w_init: Initializer = nn.initializers.normal(stddev=0.02)
+  soft_topk_interpret: Optional[bool] = None
 
   def __post_init__(self):
     if self.normalizer not in NORMALIZERS:
@@ -359,5 +363,6 @@ class Router(nn.Module):
     if self.normalizer == 'sigmoid':
       weights = jnp.where(real, jax.nn.sigmoid(scores), 0.0)
     else:
-      weights = soft_topk_lib.soft_topk(scores, k, self.soft_topk, mask=real)
+      weights = soft_topk_lib.soft_topk(scores, k, self.soft_topk, mask=real,
+                                        interpret=self.soft_topk_interpret)
     return select_top_k(weights, k, real)

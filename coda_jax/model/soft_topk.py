@@ -40,8 +40,10 @@ of `coda_jax.kernels.soft_topk`: the T steps on-chip, forward and backward;
 Pallas interpret mode off GPU; method "exact" has no kernel and raises) or
 ``"auto"`` (the default: as `coda_jax.plan`'s measured rules say for the chip
 the program is for; XLA where no rule was measured, which today is every
-chip, and for method "exact"). `coda-jax selftest` checks the kernel against
-XLA on the devices present.
+chip, and for method "exact"). In a model the layer's plan resolves it (and
+whether the kernel runs in interpret mode) and the router passes both; a
+call on its own asks the plan (`plan.resolve_soft_topk`). `coda-jax
+selftest` checks the kernel against XLA on the devices present.
 
 Both compute in float32 (float64 inputs stay float64), accept a padding mask
 (`True` = real token; padding gets λ = 0 and no gradient), give every real
@@ -60,6 +62,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from coda_jax import plan as plan_lib
 from coda_jax.config import SOFT_TOPK_METHODS, SOFT_TOPK_PAD_SCORE, SoftTopKConfig
 
 Array = jax.Array
@@ -189,7 +192,8 @@ _exact.defvjp(_exact_fwd, _exact_bwd)
 
 
 def soft_topk(scores: Array, k: int, config: Optional[SoftTopKConfig] = None, *,
-              mask: Optional[Array] = None, **overrides) -> Array:
+              mask: Optional[Array] = None, interpret: Optional[bool] = None,
+              **overrides) -> Array:
   """Soft top-k weights λ of `scores` along the last axis.
 
   Args:
@@ -203,6 +207,9 @@ def soft_topk(scores: Array, k: int, config: Optional[SoftTopKConfig] = None, *,
       num_iters; impl 'xla', 'pallas' or 'auto' (module docstring).
     mask: optional [..., n] bool, True for real tokens. Padding gets λ = 0
       and zero gradient.
+    interpret: with impl 'pallas', the kernel in Pallas interpret mode (a
+      layer's plan's). None, or impl 'auto': the plan resolves both for the
+      chip the program is for (`plan.resolve_soft_topk`).
     **overrides: fields of `config` to replace (`method='exact'`, ...).
 
   Returns:
@@ -225,29 +232,26 @@ def soft_topk(scores: Array, k: int, config: Optional[SoftTopKConfig] = None, *,
     if mask.shape != scores.shape:
       raise ValueError(f'mask shape {mask.shape} must equal scores shape '
                        f'{scores.shape}')
-  if config.impl == 'auto':
-    # Resolved here, outside the jit: its trace is cached by the config, and
-    # the choice depends on the chip the program is for.
-    # Imported here: `coda_jax.plan` imports the kernels' modules.
-    from coda_jax import plan as plan_lib  # pylint: disable=g-import-not-at-top
-    from coda_jax.plan import target  # pylint: disable=g-import-not-at-top
-    config = dataclasses.replace(config, impl=plan_lib.soft_topk_impl(config, target.current()))
-  return _soft_topk(scores, mask, k=k, config=config)
+  if interpret is None or config.impl not in ('xla', 'pallas'):
+    # Resolved outside the jit: its trace is cached by the config, and the
+    # choice depends on the chip the program is for.
+    config, interpret = plan_lib.resolve_soft_topk(config)
+  return _soft_topk(scores, mask, k=k, config=config, interpret=bool(interpret))
 
 
-def _iterative_solver(config: SoftTopKConfig):
+def _iterative_solver(config: SoftTopKConfig, interpret: bool):
   """`_iterative` (XLA) or its Pallas kernel, as `config.impl` ('xla' or
   'pallas') says."""
   if config.impl == 'xla':
     return functools.partial(_iterative, b_init=config.b_init)
   # Imported here: `import coda_jax` never loads Pallas.
   from coda_jax.kernels import soft_topk as kernel_lib  # pylint: disable=g-import-not-at-top
-  return kernel_lib.soft_topk_iterative
+  return functools.partial(kernel_lib.soft_topk_iterative, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=('k', 'config'))
+@functools.partial(jax.jit, static_argnames=('k', 'config', 'interpret'))
 def _soft_topk(scores: Array, mask: Optional[Array], *, k: int,
-               config: SoftTopKConfig) -> Array:
+               config: SoftTopKConfig, interpret: bool) -> Array:
   """soft_topk after validation; jitted so that eager calls are cheap."""
   if config.impl == 'pallas' and config.method != 'iterative':
     raise ValueError(
@@ -281,7 +285,7 @@ def _soft_topk(scores: Array, mask: Optional[Array], *, k: int,
     sched = epsilon_schedule(config.num_iters, epsilon=config.epsilon,
                              epsilon_init=config.epsilon_init,
                              epsilon_decay=config.epsilon_decay)
-    solver = _iterative_solver(config)
+    solver = _iterative_solver(config, interpret)
     lam = solver(s, real_safe, k, sched)
   else:
     lam = _exact(s, real_safe.astype(dtype), k, config.epsilon)

@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 from coda_jax.model import acm as acm_lib
-from coda_jax.model import layers
+from coda_jax.model import attention
 from coda_jax.model import params as params_lib
 from coda_jax.model import partitioning
 from coda_jax.training import k_annealing
@@ -219,7 +219,7 @@ class Trainer:
     targets = batch['decoder_target_tokens']
     weights = batch.get('decoder_loss_weights')
     if weights is None:
-      weights = layers.real_token_mask(targets)
+      weights = attention.real_token_mask(targets)
     loss_sum, z_sum, correct = cross_entropy(logits, targets, weights, self.z_loss)
     num_tokens = jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
     ratios = [v['mass_ratio'] for v in jax.tree.leaves(

@@ -25,14 +25,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from coda_jax.model import layers
+from coda_jax.model.attention import MultiHeadDotProductAttention
 from coda_jax.model.acm.base import ACM_PROJECTION_PREFIX, Array
 from coda_jax.model.acm.learners import AcmLinear
 from coda_jax.config import AcmConfig
 
 
-class AcmAttention(layers.MultiHeadDotProductAttention):
-  """`layers.MultiHeadDotProductAttention` whose q/k/v/o projections are ACMs.
+class AcmAttention(MultiHeadDotProductAttention):
+  """`MultiHeadDotProductAttention` whose q/k/v/o projections are ACMs.
 
   Each projection keeps its pretrained `DenseGeneral` (`query/kernel`, ...:
   the checkpoint's leaves, the frozen teacher, run in phases 'distill' and

@@ -38,15 +38,16 @@ the self-attention cache where that pays:
 
   Where a step's scores outweigh its cache (many query heads over few
   key/value heads: multi-query attention), reordering moves fewer bytes
-  (`by_slot` decides), unless the decoder's plan reads the cache by slot
-  with the TPU kernel `kernels.slot_attention`, which keeps the scores in
-  VMEM and gathers each beam's ancestors' keys/values there (the plan's
-  `beam_attention`; `init_decode_cache` then addresses the cache by slot
-  for any heads). `decoding.init_decode_cache(..., num_beams=k)` then
-  adds `SLOTS` beside every self-attention cache, which is how
-  `layers.MultiHeadDotProductAttention` knows to use it. A cache without it
-  (t5x's `init(..., decode=True)`, `decoding.expand_to_beams`, or `by_slot`
-  False) is reordered at every step (`decoding._gather_beams`).
+  (`plan.beam_cache_by_slot` decides), unless the decoder's plan reads the
+  cache by slot with the TPU kernel `kernels.slot_attention`, which keeps
+  the scores in VMEM and gathers each beam's ancestors' keys/values there.
+  The decoder's plan says which (`DecoderPlan.self_attention_plan`:
+  'slot_kernel', 'xla_by_slot', or an XLA form over a reordered cache);
+  `decoding.init_decode_cache(..., num_beams=k)` adds `SLOTS` beside every
+  self-attention cache where it says by slot, and the attention layer reads
+  them where it says so. A cache without them (t5x's `init(...,
+  decode=True)`, `decoding.expand_to_beams`) is reordered at every step
+  (`decoding._gather_beams`).
 """
 from __future__ import annotations
 
@@ -59,19 +60,6 @@ import jax.numpy as jnp
 Array = jax.Array
 
 SLOTS = 'beam_slots'
-
-
-def by_slot(beams: int, heads: int, kv_heads: int, head_dim: int, itemsize: int) -> bool:
-  """Whether `slot_attention` moves fewer bytes than reordering the cache,
-  per cached row and position: its scores and weights for every slot
-  (`beams * heads` of each, float32, each written once and read once)
-  against the reorder's read and write of the keys and values (`2 *
-  kv_heads * head_dim` elements of `itemsize` bytes). T5 v1.1 base with 4
-  beams: 768 against 6144 bytes, by slot; the §6 XL model (32 query heads,
-  one 128-wide key/value head): 2048 against 1024, reordered."""
-  scores = 2 * 2 * beams * heads * 4
-  reorder = 2 * 2 * kv_heads * head_dim * itemsize
-  return scores < reorder
 
 
 def queries_per_example(query: Array, mask: Optional[Array], examples: int
@@ -122,10 +110,10 @@ def slot_attention(query: Array, key: Array, value: Array, bias: Optional[Array]
     bias: broadcastable to `[batch * beams, heads, 1, length]` (the causal
       mask over the cache and the relative position bias).
     slots: `SLOTS [batch, beams, length]`.
-    dtype, float32_logits: as `layers.dot_product_attention`'s.
+    dtype, float32_logits: as `dot_product.dot_product_attention`'s.
 
   Returns:
-    `[batch * beams, 1, heads, head_dim]`: what `layers.dot_product_attention`
+    `[batch * beams, 1, heads, head_dim]`: what `dot_product_attention`
     gives on the cache reordered so that row (b, j) holds beam j's ancestors'
     keys/values.
   """

@@ -6,11 +6,11 @@ adds a precomputed bias (mask and relative positions) to the logits. Its two
 matmuls take one of two forms, the same products and sums: 'batch_major',
 their batch axes (example, key/value head) leading in every operand, as
 XLA:CPU's batched matmul takes them, or 'einsums' over the operands as they
-come, the compiler choosing the layouts. `coda_jax.plan` picks the form for
-the chip the program is traced for (`plan.resolve_xla_attention`, from rows
-measured by `tools/bench_attention.py`: batch-major on a CPU; the einsums
-where no row says otherwise). `coda_jax.model.layers` imports it (t5x's layers.py
-has it).
+come, the compiler choosing the layouts. The plan picks the form for the chip
+the program is traced for (`plan.resolve_xla_attention`, from rows measured
+by `tools/bench_attention.py`: batch-major on a CPU; the einsums where no
+row says otherwise) and each layer passes it (`run.attend`); a call without
+a form asks the plan (`plan.xla_attention_form`).
 """
 from __future__ import annotations
 
@@ -20,12 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax import plan
-from coda_jax.plan import target
 
 Array = jax.Array
 
 KV_LAYOUTS = ('bskd', 'heads_major')
-FORMS = ('auto', plan.BATCH_MAJOR, plan.EINSUMS)
 
 
 def dot_product_attention(query: Array,
@@ -39,7 +37,7 @@ def dot_product_attention(query: Array,
                           float32_logits: bool = False,
                           kv_layout: str = 'bskd',
                           broadcast_dropout: bool = True,
-                          form: str = 'auto') -> Array:
+                          form: Optional[str] = None) -> Array:
   """Dot-product attention with grouped key/value heads; no 1/sqrt(d) scaling.
 
   Args:
@@ -56,8 +54,8 @@ def dot_product_attention(query: Array,
       shared by every query, as T5 and t5x's `dot_product_attention` drop
       attention weights (a mask per query draws q_length times the random
       bits, which dominates the TPU compile time of a train step).
-    form: 'batch_major' or 'einsums' (above); 'auto': the plan's for the
-      chip being traced for.
+    form: 'batch_major' or 'einsums' (above); None (or 'auto'): the plan's
+      for the chip being traced for (`plan.xla_attention_form`).
 
   Returns:
     `[batch, q_length, num_heads, head_dim]`.
@@ -65,8 +63,7 @@ def dot_product_attention(query: Array,
   batch, q_len, num_heads, head_dim = query.shape
   if kv_layout not in KV_LAYOUTS:
     raise ValueError(f'kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}')
-  if form not in FORMS:
-    raise ValueError(f'form must be one of {FORMS}, got {form!r}')
+  form = plan.xla_attention_form(form)
   heads_major = kv_layout == 'heads_major'
   num_kv_heads = key.shape[1] if heads_major else key.shape[-2]
   kv_len = key.shape[-1] if heads_major else key.shape[1]
@@ -78,8 +75,6 @@ def dot_product_attention(query: Array,
     key = key.astype(jnp.float32)
   # Heads h = kv_head * groups + g, the layout of HF/t5x grouped attention.
   query = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
-  if form == 'auto':
-    form = plan.resolve_xla_attention(target.current())[0]
   batch_major = form == plan.BATCH_MAJOR
   if batch_major:
     # [b, k, g, q, d], [b, k, d, s], [b, k, s, d].

@@ -1,6 +1,6 @@
 """Attention masks as t5x builds them: `[batch, 1, q, k]`, 1 where a query may attend.
 
-`layers` re-exports them (t5x's `layers.make_attention_mask` and the rest).
+t5x's layers.py holds them; here they are `coda_jax.model.attention`'s.
 """
 from __future__ import annotations
 
