@@ -49,7 +49,7 @@ DECODE_ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
 # How a beam search step's self-attention reads the cache: 'pallas' (a TPU
 # kernel over the cache addressed by slot, never reordered:
 # `kernels.slot_attention`), 'xla' (XLA, attending by slot or reordering the
-# cache, whichever moves fewer bytes: `beam_attention.by_slot`), or 'auto'
+# cache, whichever moves fewer bytes: `plan.beam_cache_by_slot`), or 'auto'
 # (as `coda_jax.plan`'s rules say for the chip). The kernel serves heads of
 # whole 128-lane rows without float32 logits or an ACM attention.
 BEAM_ATTENTION_KERNELS = ('auto', 'xla', 'pallas')

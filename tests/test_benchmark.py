@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from coda_jax.measure import bench as bm
+from coda_jax.measure import timing
 from coda_jax.measure.bench import decoding_latency
 from coda_jax.model import decoding
 from coda_jax.plan import flops
@@ -165,7 +166,6 @@ def test_time_round_robin_interleaves():
 
 def test_time_round_robin_times_small_calls_back_to_back():
   import time as time_lib  # pylint: disable=g-import-not-at-top
-  from coda_jax.measure import timing  # pylint: disable=g-import-not-at-top
   calls = []
   def slow():  # 20 ms a call
     calls.append('slow')
@@ -320,7 +320,7 @@ def _benchmark(argv):
 
 @pytest.mark.parametrize('argv,message', BAD_FLAGS)
 def test_bad_flag_values_stop_before_any_work(argv, message, capsys):
-  with bm.timing.CompileCounter() as counter:
+  with timing.CompileCounter() as counter:
     assert _benchmark(['--preset', 'tiny', '--no_progress', *argv]) == 2
   last_line = capsys.readouterr().err.strip().splitlines()[-1]
   assert message in last_line, last_line

@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip('seqio')
 
+from coda_jax.model import network  # pylint: disable=g-import-not-at-top
 from coda_jax.training import command as train_cli  # pylint: disable=g-import-not-at-top
 from coda_jax.training import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
 
@@ -80,7 +81,7 @@ def test_misspelt_configurable_with_dynamic_registration(tmp_path, capsys, no_co
   assert rc == 2
   assert err[0] == ("coda-jax train: error: gin configuration error: Couldn't resolve "
                     "selector network.Transfomer; <module 'coda_jax.model.network' from "
-                    f"'{os.path.dirname(train_cli.__file__)}/network.py'> has no attribute "
+                    f"'{network.__file__}'> has no attribute "
                     'Transfomer.')
   assert err[1:3] == [f'  In file "{gin_file}", line 5', f'    {line}']
   assert err[-1] == '  (did you mean network.Transformer?)'

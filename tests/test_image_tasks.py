@@ -73,7 +73,7 @@ def test_a_directory_task_gives_the_patches_of_its_images_and_questions(tmp_path
   task = seqio.get_mixture_or_task('coda_ocrvqa')
   assert image_tasks.has_patches(task)
   with gin.unlock_config():
-    gin.bind_parameter('coda_jax.data.images.tasks.ImageTaskSettings.data_dir', str(tmp_path))
+    gin.bind_parameter('coda_jax.image_tasks.ImageTaskSettings.data_dir', str(tmp_path))
   try:
     ds = seqio.get_dataset('coda_ocrvqa', task_feature_lengths={'inputs': 64, 'targets': 8},
                            feature_converter=data.feature_converter(task, False),

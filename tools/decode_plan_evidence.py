@@ -8,7 +8,7 @@ in both formulations (`T5Config.decode_attention_kernel` 'xla' and 'pallas',
 traffic (`hlo_costs.hbm_bytes`), flops and the roofline at them, with what
 the rules plan there. With `--num_beams` > 1, a step of beam search, its
 self-attention in both formulations instead (`T5Config.beam_attention_kernel`:
-XLA's by slot or reordered, `beam_attention.by_slot`; the kernel over the
+XLA's by slot or reordered, `plan.beam_cache_by_slot`; the kernel over the
 cache addressed by slot, `coda_jax.kernels.slot_attention`). With `--choice
 mlp`, the step's pre-MLP norm and MLP (`T5Config.mlp_kernel`: XLA's fusions,
 or `coda_jax.kernels.mlp` on the step's rows), greedy and beam search

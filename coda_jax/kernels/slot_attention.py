@@ -10,7 +10,7 @@ step computes, for example b, beam j, query head h = kv_head * groups + g:
                       + bias[b,j,h,t]
     out[b,j,h]      = Σ_t softmax_t(logits)[b,j,h,t] · value[b, SLOTS[b,j,t], kv_head, :, t]
 
-which is `beam_attention.slot_attention`, up to rounding: here each beam's
+which is `model.attention.beams.slot_attention`, up to rounding: here each beam's
 output is one float32 sum over its positions (`reference`), there each slot's
 share is rounded to the activation dtype before the slots are summed.
 

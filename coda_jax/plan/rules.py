@@ -28,7 +28,7 @@ DECODE_MLP = 'decode_mlp'
 # Beam search's LM head: each row's top logits and normaliser in a kernel
 # (`kernels.top_logits`), the decoder's.
 LM_HEAD = 'lm_head'
-# How XLA's attention (`dot_attention.dot_product_attention`, every layer's
+# How XLA's attention (`dot_product.dot_product_attention`, every layer's
 # where the plan gives no kernel) writes its two matmuls: as einsums over the
 # operands as they come, the compiler choosing the layouts, or batch-major
 # (example and key/value head leading every operand, as XLA:CPU's batched

@@ -299,9 +299,12 @@ def _module_hint(message: str) -> Optional[str]:
       path = importlib.import_module(package).__path__ if package else None
     except (ImportError, AttributeError):
       return ''
-    names = [m.name for m in pkgutil.iter_modules(path)]
-    close = difflib.get_close_matches(module, names, n=1, cutoff=0.6)
-    return f'{package}.{close[0]}' if close and package else (close[0] if close else '')
+    # Every module below the package, by its own name (coda_jax's are in
+    # folders: `from coda_jax import netwrk` means coda_jax.model.network).
+    found = {m.name.rpartition('.')[2]: m.name for m in pkgutil.walk_packages(
+        path, prefix=f'{package}.' if package else '', onerror=lambda _: None)}
+    close = difflib.get_close_matches(module, list(found), n=1, cutoff=0.6)
+    return found[close[0]] if close else ''
   return None
 
 

@@ -142,11 +142,17 @@ def check_run(model, length: int, ks: Sequence[int], *, dtype: str, training: bo
 
 
 def _how_far(result: Result) -> str:
+  """The kernel's errors, the bounds they were held to and (measured from the
+  float32 reference) XLA's own errors, as `kernel_checks.TOLERANCE` says."""
   if result.error is not None:
     return result.error
-  if result.gradient is None:                                   # compared forward only
-    return f'forward {result.forward:.2g} against tolerance {result.tolerance["forward"]:.0e}'
-  return (f'forward {result.forward:.2g}, gradient {result.gradient:.2g} against '
-          f'tolerances {result.tolerance["forward"]:.0e} / {result.tolerance["gradient"]:.0e}')
-
-
+  parts = ['forward'] + ([] if result.gradient is None else ['gradient'])
+  errors = ', '.join(f'{part} {getattr(result, part):.2g}' for part in parts)
+  plural = 's' if len(parts) > 1 else ''
+  if result.tolerance.against == 'xla':
+    return (f'{errors} against tolerance{plural} '
+            + ' / '.join(f'{result.bound(part):.0e}' for part in parts))
+  xla = ' / '.join(f'{getattr(result, "xla_" + part):.2g}' for part in parts)
+  return (f'{errors} against bound{plural} '
+          + ' / '.join(f'{result.bound(part):.2g}' for part in parts)
+          + f' ({result.tolerance.describe()}; XLA\'s {xla})')
