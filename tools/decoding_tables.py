@@ -56,7 +56,10 @@ def read_rows(paths: List[str]) -> List[Dict[str, Any]]:
     with open(path) as f:
       result = json.load(f)
     meta = result.get('meta') if isinstance(result, dict) else None
-    if not isinstance(meta, dict) or meta.get('tool') != 'coda_jax.measure.bench.chip_model':
+    # The module that wrote it (its path before the package had folders in
+    # the earlier runs).
+    if not isinstance(meta, dict) or meta.get('tool') not in (
+        'coda_jax.measure.bench.chip_model', 'coda_jax.bench.chip_model'):
       raise SystemExit(f'{path}: not a `coda-jax benchmark --chip` result')
     for task in result['tasks']:
       for v in task['variants']:

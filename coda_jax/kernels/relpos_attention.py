@@ -13,9 +13,10 @@ scaling, as in T5):
     out[b,i,h]      = softmax_j(logits[b,h,i,:]) @ v[b,:,h]
 
 `bucket` is T5's log-spaced relative position bucket
-(`coda_jax.kernels.relpos.relative_position_bucket`, which the XLA path uses too). The positions are the tokens' original ones, so
-a CoDA layer's routed queries (and, k-to-k, its routed keys) get the bias of
-the places they came from. Without a table (`table=None`: an image encoder,
+(`coda_jax.kernels.relpos.relative_position_bucket`, which the XLA path uses
+too). The positions are the tokens' original ones, so a CoDA layer's routed
+queries (and, k-to-k, its routed keys) get the bias of the places they came
+from. Without a table (`table=None`: an image encoder,
 Pix2Struct's, has no relative positions) the kernel is plain attention with
 the padding mask: no buckets, no bias.
 
@@ -42,13 +43,14 @@ reports for the call.
 Every key of a row is in one block (the softmax is a single pass, no running
 maximum); queries are split in blocks of at most `_MAX_BLOCK_ELEMENTS` /
 kv_length rows so that the float32 temporaries fit VMEM, heads so that the
-blocks fit `_VMEM_BUDGET` beside them (`query_block`, `head_block`). Keys longer than `MAX_KV_LENGTH`
-are refused by `supported` (the caller uses XLA).
+blocks fit `_VMEM_BUDGET` beside them (`query_block`, `head_block`). Keys
+longer than `MAX_KV_LENGTH` are refused by `supported` (the plan then runs
+XLA: `plan.blockers.attention`).
 
 Gradients: a custom VJP whose backward pass is XLA's derivative of the
 reference (`reference`, the same function in jnp), recomputed from the inputs;
 the forward pass is the kernel. Training with attention dropout uses XLA
-(`attention.MultiHeadDotProductAttention` decides).
+(`plan.blockers.attention` says so to the plan).
 
 Sharding: to XLA's partitioner a Pallas call is opaque (it would replicate
 its operands), so under a mesh (`jax.set_mesh`) the call runs in `shard_map`

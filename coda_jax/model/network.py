@@ -152,8 +152,8 @@ def _pretrained_update(config: T5Config, coda: Optional[CodaConfig],
   `xn` is LN(x), `kv [b, s, emb]` the normalised tokens attended to,
   `token_mask [b, q]` the real queries and `kv_token_mask [b, s]` the real
   keys (default: `token_mask`); `mask` is their padding mask
-  (`mask_is_padding`), or a packed row's. Returns `(att, ffn)`, each `[b, q, emb]`: the layer's output is
-  x + att + ffn.
+  (`mask_is_padding`), or a packed row's. Returns `(att, ffn)`, each `[b, q,
+  emb]`: the layer's output is x + att + ffn.
   """
   sequential = coda is not None and coda.adapter in SEQUENTIAL_ADAPTERS
   att = _attention(config, 'attention', coda, acm, 'encoder',
@@ -259,7 +259,8 @@ class RoutedEncoderLayer(nn.Module):
           normalizer=coda.normalizer,
           soft_topk=dataclasses.replace(coda.soft_topk, impl=plan.soft_topk),
           w_init=nn.initializers.normal(stddev=coda.router_init_stddev),
-          soft_topk_interpret=plan.soft_topk_interpret, name='router')(inputs, plan.k, input_mask, rms_scale=scale, rms_epsilon=norm.epsilon)
+          soft_topk_interpret=plan.soft_topk_interpret, name='router')(
+              inputs, plan.k, input_mask, rms_scale=scale, rms_epsilon=norm.epsilon)
     self.sow('intermediates', 'routing', {
         'indices': decision.indices, 'gate': decision.gate, 'weights': decision.weights,
         'mass_ratio': soft_topk.topk_mass_ratio(decision.weights, plan.k, mask=input_mask)})

@@ -7,7 +7,7 @@ distance, per-example positions (a CoDA layer's routed tokens at their
 original places) element-wise from the positions (`select_by_index`: no
 gather, no per-example `[batch, heads, q, k]` array in memory). The bucket
 arithmetic is `coda_jax.kernels.relpos`'s, which the TPU attention kernel computes
-too. `coda_jax.model.layers` re-exports both names, as t5x's layers.py has them.
+too. `coda_jax.model.attention` exports both names (t5x's layers.py has them).
 """
 from __future__ import annotations
 
