@@ -70,7 +70,7 @@ def test_end_to_end_is_encoder_prefill_and_the_steps(run):
     assert row['flop_bound']['end_to_end'] == pytest.approx(
         flops.end_to_end_speedup_bound(config, N, T, 3.0, row['attention']))
     assert row['soft_topk_share'] == pytest.approx(
-        enc['stages']['soft_topk'] / bandwidth / (ms['end_to_end'] / 1e3))
+        enc['stage_hbm_traffic']['soft_topk'] / bandwidth / (ms['end_to_end'] / 1e3))
     assert 0 < row['soft_topk_share'] < 1
   # The step's floor and its analytic flops are in the JSON and the table.
   assert task['step_floor']['total'] > 0

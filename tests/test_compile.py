@@ -176,6 +176,13 @@ def test_data_parallel_train_and_infer_programs(data_parallel_run):
       assert memory[field] > 0, (program['name'], field)
     assert program['fits'] and program['flops'] > 0 and program['bytes_accessed'] > 0
     assert program['roofline_seconds'] > 0
+    # The roofline is on HBM traffic; XLA's bytes accessed is beside it.
+    assert 0 < program['hbm_traffic'] <= program['bytes_accessed']
+    assert program['traffic_roofline_seconds'] == program['roofline_seconds']
+    if program['name'] != 'infer':      # infer's: encode + each decoding step's
+      chip = chips.CHIPS['v5e']
+      assert program['roofline_seconds'] == pytest.approx(max(
+          program['flops'] / chip.peak_flops, program['hbm_traffic'] / chip.hbm_bandwidth))
     assert not any('model' in c['axes'] for c in program['collectives'])
   for program in report['programs'][:2]:
     grads = [c for c in program['collectives'] if c['kind'] == 'all-reduce']
@@ -184,8 +191,10 @@ def test_data_parallel_train_and_infer_programs(data_parallel_run):
   assert report['versions']['jax'] == jax.__version__ and report['versions']['libtpu']
   assert report['topology']['accelerator_type'] == 'v5litepod-4'
   assert 'compile' in report['command'] and '--topology' in report['command']
-  # The table on stdout names every program.
+  # The table on stdout names every program, its HBM traffic and, labelled
+  # as XLA's, its bytes accessed.
   assert all(name in out for name in names) and 'v5litepod-4' in out
+  assert ' traffic GB   XLA GB roofline ms ' in out and 'roofline on HBM traffic' in out
 
 
 # Quickstart's routed encoder (k-to-all, no dropout, a parallel adapter) on

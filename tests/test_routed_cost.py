@@ -80,10 +80,17 @@ def test_every_variant_compiles_without_loops_and_reports_its_costs(rows):
   for r in rows:
     assert r.loops == 0 or r.program == variant_costs.DECODE_STEP, (r.variant, r.loops)
     assert r.flops > 0 and r.bytes_accessed > 0 and r.hbm_needed > 0
+    # The roofline and its bound are on HBM traffic, not XLA's bytes accessed
+    # (kept beside it, and at least as large: it counts on-chip reads too).
     chip = chips.CHIPS['v5e']
+    assert 0 < r.hbm_traffic <= r.bytes_accessed
     assert r.roofline_seconds == pytest.approx(
-        max(r.flops / chip.peak_flops, r.bytes_accessed / chip.hbm_bandwidth), rel=1e-6)
+        max(r.flops / chip.peak_flops, r.hbm_traffic / chip.hbm_bandwidth), rel=1e-6)
+    assert r.traffic_roofline_seconds == r.roofline_seconds
+    assert r.bound == ('memory' if r.hbm_traffic / chip.hbm_bandwidth
+                       > r.flops / chip.peak_flops else 'flops')
     assert sum(r.stages.values()) > 0
+    assert sum(r.stage_hbm_traffic.values()) == r.hbm_traffic
   base = encoders['parallel_adapter']
   assert base.roofline_speedup == 1.0 and base.efficiency == 1.0
   assert base.stages.get('router', 0) == 0 and base.stages.get('route', 0) == 0
@@ -94,6 +101,8 @@ def test_every_variant_compiles_without_loops_and_reports_its_costs(rows):
       assert routed.stages.get(stage, 0) > 0, (name, stage)
     assert routed.flops < base.flops
     assert routed.bound_speedup > 1.0
+    assert routed.roofline_speedup == pytest.approx(
+        base.roofline_seconds / routed.roofline_seconds)
   # The decoding step is the baseline's decoder: one row per chip.
   [step] = _by(rows, variant_costs.DECODE_STEP).values()
   assert step.flops > 0
@@ -200,6 +209,9 @@ def test_the_tool_prints_each_encoder_s_plan_and_keeps_it_in_the_json(tmp_path, 
                     '128', '--generations', 'v5e', '--reduction_factors', '5',
                     '--attentions', 'k_to_k', '--decode_steps', '1', '--out', str(out)]) == 0
   lines = capsys.readouterr().out.splitlines()
+  # One byte count prices the table: HBM traffic; XLA's bytes accessed is
+  # beside it, labelled so.
+  assert ' HBM GB  XLA GB roofline ms ' in lines[0] and 'stage HBM GB:' in lines[0]
   at = lines.index('plans (coda_jax.plan: how each encoder runs on the chip):')
   assert lines[at + 1:] == [
       '  v5e  parallel_adapter  tpu v5e: attention pallas, mlp pallas',
@@ -211,6 +223,14 @@ def test_the_tool_prints_each_encoder_s_plan_and_keeps_it_in_the_json(tmp_path, 
       ('parallel_adapter', variant_costs.PREFILL),
       ('parallel_adapter', variant_costs.DECODE_STEP)]
   base, coda, prefill, step = rows
+  chip = chips.CHIPS['v5e']
+  for r in rows:
+    assert 0 < r['hbm_traffic'] <= r['bytes_accessed']
+    assert r['roofline_seconds'] == pytest.approx(
+        max(r['flops'] / chip.peak_flops, r['hbm_traffic'] / chip.hbm_bandwidth))
+    assert sum(r['stage_hbm_traffic'].values()) == r['hbm_traffic']
+  assert coda['roofline_speedup'] == pytest.approx(
+      base['roofline_seconds'] / coda['roofline_seconds'])
   assert base['plan']['kernels'] == ['attention', 'mlp'] and base['plan']['routed'] is None
   assert coda['plan']['kernels'] == ['attention', 'mlp', 'output']
   assert coda['plan']['k'] == math.ceil(128 / 5) and coda['plan']['target'] == 'tpu v5e'

@@ -5,15 +5,22 @@ Compiles, on this machine (CPU; the TPU compiler comes with
 `coda-jax benchmark` (Parallel Adapter; CoDA r = 1, 3, 5, k-to-all and
 k-to-k) and one step of the decoding loop, for one chip of each TPU
 generation asked for, with random weights in the model dtype, and prints per
-variant: compiled flops and bytes accessed, the roofline time
-max(flops / peak, bytes / HBM bandwidth), the speed-ups over the Parallel
-Adapter (roofline, compiled flops, `flops.py`'s bound), their ratio
-(efficiency: the share of the skipped work that the roofline turns into
-time), while loops in the HLO, and the bytes of each stage of the encoder
-(norm, adapter, router, soft top-k, route, position bias, attention, MLP,
-un-route, other). Under the table, each encoder's plan (`coda_jax.plan`: how
-its token dispatch, attention, MLP, route, output and soft top-k run on that
-chip, as the encoder resolved it while compiled; `Plan.summary`), one line
+variant: compiled flops, HBM traffic (`hlo_costs.hbm_bytes`: the bytes that
+cross HBM, read from the compiled TPU HLO; column "HBM GB", JSON
+``hbm_traffic``), the roofline time max(flops / peak, HBM traffic / HBM
+bandwidth), the speed-ups over the Parallel Adapter (roofline, compiled
+flops, `flops.py`'s bound), their ratio (efficiency: the share of the
+skipped work that the roofline turns into time), while loops in the HLO, and
+the HBM traffic of each stage of the encoder (norm, adapter, router, soft
+top-k, route, position bias, attention, MLP, un-route, other; JSON
+``stage_hbm_traffic``). The roofline, ``bound`` and speed-up fields are on
+HBM traffic, as in `coda-jax benchmark --chip`. XLA's own ``bytes accessed``
+is printed beside it (column "XLA GB", JSON ``bytes_accessed``; its stages,
+counted the same way, ``stages``) and prices nothing: it also counts reads
+of weights already prefetched into VMEM / CMEM, each prefetch twice and a
+gather's whole table. Under the table, each encoder's plan (`coda_jax.plan`:
+how its token dispatch, attention, MLP, route, output and soft top-k run on
+that chip, as the encoder resolved it while compiled; `Plan.summary`), one line
 per chip and variant; the JSON's rows hold it in full (``plan``:
 `Plan.as_dict`, the reason of each choice; None for the decoding step). A
 model of the chip, not a timing (`coda_jax/measure/compile/variant_costs.py` says
@@ -25,8 +32,10 @@ what it counts and what it does not).
       [--attentions k_to_all,k_to_k] [--decode_steps 4]
       [--kernels auto|xla|pallas] [--out FILE]
 
-The base model at batch 128 takes about 2 minutes per compiled program on
-2 CPU cores (14 programs on the defaults).
+The base model at batch 128 took 4-108 s per compiled program on 2 CPU
+cores shared with other work: 9 programs per generation (7 encoders, the
+prefill and the decoding step), 36 for `--generations v5e,v4,v5p,v6e` in
+23 minutes of wall time.
 """
 from __future__ import annotations
 
@@ -52,7 +61,11 @@ def parse_args(argv):
       description=__doc__.split('\n\n')[0],
       epilog='Prints the table, then each encoder\'s plan (coda_jax.plan: how its token '
       'dispatch, attention, MLP, route, output and soft top-k run on the chip), one line '
-      'per chip and variant; the JSON\'s rows (--out) hold it in full ("plan").')
+      'per chip and variant; the JSON\'s rows (--out) hold it in full ("plan"). The '
+      'roofline max(flops / peak, HBM traffic / HBM bandwidth), its bound and the '
+      'speed-ups are on HBM traffic (column "HBM GB", JSON "hbm_traffic": the bytes that '
+      'cross HBM in the compiled TPU HLO); XLA\'s bytes accessed is beside it (column '
+      '"XLA GB", JSON "bytes_accessed") and prices nothing.')
   p.add_argument('--model', default='base', choices=MODELS)
   p.add_argument('--batch_size', type=flags.at_least_one, default=128)
   p.add_argument('--lengths', type=flags.required(flags.distinct(
@@ -96,19 +109,21 @@ def parse_args(argv):
 
 def table(rows) -> str:
   stages = [s for s, _ in variant_costs.STAGES] + [variant_costs.OTHER]
-  head = (f'{"chip":4} {"variant":22} {"program":11} {"n":>5} {"k":>4} {"GFLOP":>8} {"GB":>7} '
-          f'{"roofline ms":>11} {"speed-up":>8} {"flops x":>7} {"bound x":>7} '
-          f'{"effic.":>6} {"loops":>5}  stage GB: ' + ' '.join(stages))
+  head = (f'{"chip":4} {"variant":22} {"program":11} {"n":>5} {"k":>4} {"GFLOP":>8} '
+          f'{"HBM GB":>7} {"XLA GB":>7} {"roofline ms":>11} {"speed-up":>8} {"flops x":>7} '
+          f'{"bound x":>7} {"effic.":>6} {"loops":>5}  stage HBM GB: ' + ' '.join(stages))
   lines = [head]
   fmt = lambda v, spec: '-' if v is None else format(v, spec)
   for r in rows:
     lines.append(
         f'{r.generation:4} {r.variant:22} {r.program:11} {r.length:5d} {r.k:4d} {r.flops / 1e9:8.1f} '
-        f'{r.bytes_accessed / 1e9:7.2f} {r.roofline_seconds * 1e3:11.2f} '
+        f'{r.hbm_traffic / 1e9:7.2f} {r.bytes_accessed / 1e9:7.2f} '
+        f'{r.roofline_seconds * 1e3:11.2f} '
         f'{fmt(r.roofline_speedup, "8.2f")} {fmt(r.flops_speedup, "7.2f")} '
         f'{fmt(r.bound_speedup, "7.2f")} {fmt(r.efficiency, "6.2f")} {r.loops:5d}  '
-        + ' '.join(f'{r.stages.get(s, 0) / 1e9:.2f}' for s in stages))
-  return '\n'.join(lines)
+        + ' '.join(f'{r.stage_hbm_traffic.get(s, 0) / 1e9:.2f}' for s in stages))
+  return '\n'.join(lines + ['roofline max(flops / peak, HBM traffic / HBM bandwidth); HBM GB: '
+                             'HBM traffic; XLA GB: XLA\'s bytes accessed (prices nothing)'])
 
 
 def floor_lines(rows) -> str:
@@ -116,11 +131,11 @@ def floor_lines(rows) -> str:
   the decoder's weights, the cross-attention keys / values and the cache read
   once, the new keys / values and the logits written)."""
   lines = [f'  {r.generation:4} n={r.length}: HBM traffic {r.hbm_traffic / 1e9:.3f} GB '
-           f'({r.hbm_traffic / r.floor_bytes["total"]:.2f}x the floor; the compiler\'s bytes '
+           f'({r.hbm_traffic / r.floor_bytes["total"]:.2f}x the floor; XLA\'s bytes '
            f'accessed {r.bytes_accessed / 1e9:.3f} GB), floor '
            f'{r.floor_bytes["total"] / 1e9:.3f} GB (weights {r.floor_bytes["weights"] / 1e9:.3f}, '
            f'cross K/V {r.floor_bytes["cross_kv"] / 1e9:.3f}, cache '
-           f'{r.floor_bytes["self_cache"] / 1e9:.3f}); compiler\'s bytes '
+           f'{r.floor_bytes["self_cache"] / 1e9:.3f}); XLA\'s bytes accessed '
            f'{r.bytes_accessed / r.floor_bytes["total"]:.2f}x; flops '
            f'{r.flops / r.model_flops:.2f}x the analytic count'
            for r in rows if r.floor_bytes is not None]

@@ -399,12 +399,14 @@ def hbm_bytes(hlo_text: str) -> int:
 
 
 def stage_bytes(hlo_text: str, stages: Sequence[Tuple[str, str]],
-                other: str = 'other') -> Dict[str, int]:
+                other: str = 'other', hbm: bool = False) -> Dict[str, int]:
   """{stage: bytes} of the ops of the program's top-level computations (the
   entry and what loops and branches run; not the insides of fusions), each
   op under the first stage whose regular expression matches its op_name.
 
-  `stages`: (name, pattern) in order of precedence.
+  `stages`: (name, pattern) in order of precedence. `hbm`: each op's HBM
+  traffic (`op_hbm_bytes`; the stages then add up to `hbm_bytes`), not every
+  operand and result wherever it lives (`op_bytes`).
   """
   instructions, computations = hlo_lib.parse_hlo(hlo_text)
   compiled = [(name, re.compile(pattern)) for name, pattern in stages]
@@ -412,7 +414,8 @@ def stage_bytes(hlo_text: str, stages: Sequence[Tuple[str, str]],
   for text in _moving_ops(hlo_text, instructions, computations):
     where = op_name(text)
     stage = next((n for n, p in compiled if p.search(where)), other)
-    out[stage] += op_bytes(text, instructions)
+    out[stage] += (op_hbm_bytes(text, instructions, computations) if hbm
+                   else op_bytes(text, instructions))
   return dict(out)
 
 

@@ -83,7 +83,10 @@ def variant_rows(encoders: Sequence[variant_costs.Row], prefill: variant_costs.R
   seconds = lambda row: row.traffic_roofline_seconds
   for enc in encoders:
     e2e = seconds(enc) + seconds(prefill) + decode_steps * seconds(step)
-    soft_topk = enc.stages.get('soft_topk', 0) / bandwidth
+    # Its HBM traffic, the one byte count of the chip model (runs written
+    # before it was recorded per stage counted the stage's bytes XLA's way).
+    stages = enc.stage_hbm_traffic if enc.stage_hbm_traffic is not None else enc.stages
+    soft_topk = stages.get('soft_topk', 0) / bandwidth
     routed = enc.attention is not None
     out.append({
         'name': enc.variant, 'reduction_factor': enc.reduction_factor,

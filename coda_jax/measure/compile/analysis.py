@@ -7,11 +7,15 @@
 * memory (`compiled.memory_analysis()`): arguments, outputs (less what is
   aliased to donated arguments), temporaries and code, and the peak of the
   compiler's buffer assignment, against the chip's HBM;
-* cost (`compiled.cost_analysis()`): flops and bytes accessed of one run, and
-  the roofline time max(flops / peak FLOP/s, bytes / HBM bandwidth), with the
-  model FLOPs utilisation it implies for an analytic FLOP count. A loop's
-  body is counted once whatever its trip count; `optimal_seconds` is not a
-  time and is not used;
+* cost: flops of one run (`compiled.cost_analysis()`), its HBM traffic
+  (`hlo_costs.hbm_bytes`: the bytes that cross HBM, read from the compiled
+  TPU HLO by memory space), and the roofline time max(flops / peak FLOP/s,
+  HBM traffic / HBM bandwidth), with the model FLOPs utilisation it implies
+  for an analytic FLOP count. XLA's own `bytes accessed` is kept beside it,
+  labelled so, and prices nothing: it also counts reads of weights already
+  prefetched into VMEM / CMEM, each prefetch twice and a whole table for a
+  gather. A loop's body is counted once whatever its trip count;
+  `optimal_seconds` is not a time and is not used;
 * collectives (`hlo_costs.collectives`), with the time to send their bytes
   at the chip's interconnect bandwidth.
 
@@ -85,7 +89,10 @@ class ProgramReport:
   memory: Memory
   hbm_bytes: int
   flops: float
+  # XLA's `cost_analysis()['bytes accessed']`, kept beside the HBM traffic;
+  # no roofline uses it.
   bytes_accessed: float
+  # max(flops / peak, hbm_traffic / HBM bandwidth), and which of the two it is.
   roofline_seconds: float
   bound: str
   model_flops: Optional[float]
@@ -96,7 +103,8 @@ class ProgramReport:
   notes: List[str] = dataclasses.field(default_factory=list)
   # The bytes the program moves to and from HBM (`hlo_costs.hbm_bytes`: the
   # compiler's `bytes accessed` less what stays in on-chip memory), and the
-  # roofline at them: max(flops / peak, hbm_traffic / HBM bandwidth).
+  # roofline at them: max(flops / peak, hbm_traffic / HBM bandwidth), the
+  # same as `roofline_seconds` (kept under this name for its readers).
   hbm_traffic: Optional[float] = None
   traffic_roofline_seconds: Optional[float] = None
 
@@ -184,10 +192,11 @@ def check_arguments(name: str, arguments: ArgumentBytes, chip: Chip) -> None:
         'HBM', program=name, needed=arguments.total, arguments=arguments)
 
 
-def roofline_seconds(flops: float, bytes_accessed: float, chip: Chip) -> float:
+def roofline_seconds(flops: float, hbm_bytes: float, chip: Chip) -> float:
   """max(flops / peak FLOP/s, bytes / HBM bandwidth): the time of a program
-  that runs at the chip's peak in whichever it needs more of."""
-  return max(flops / chip.peak_flops, bytes_accessed / chip.hbm_bandwidth)
+  that runs at the chip's peak in whichever it needs more of (`analyze`
+  gives it the HBM traffic)."""
+  return max(flops / chip.peak_flops, hbm_bytes / chip.hbm_bandwidth)
 
 
 def _cost(compiled) -> Dict[str, float]:
@@ -249,10 +258,10 @@ def analyze(name: str, compiled, compile_seconds: float, chip: Chip, mesh,
   cost = _cost(compiled)
   flops = float(cost.get('flops', 0.0))
   bytes_accessed = float(cost.get('bytes accessed', 0.0))
-  seconds = roofline_seconds(flops, bytes_accessed, chip)
-  bound = 'memory' if bytes_accessed / chip.hbm_bandwidth > flops / chip.peak_flops else 'flops'
   text = compiled.as_text()
   traffic = float(hlo_costs.hbm_bytes(text))
+  seconds = roofline_seconds(flops, traffic, chip)
+  bound = 'memory' if traffic / chip.hbm_bandwidth > flops / chip.peak_flops else 'flops'
   found = hlo_costs.collectives(text, mesh.axis_names, tuple(mesh.devices.shape),
                                 device_slices)
   rows = hlo_costs.summarize_collectives(found, chip.ici_bandwidth, chip.dcn_bandwidth)
@@ -266,4 +275,4 @@ def analyze(name: str, compiled, compile_seconds: float, chip: Chip, mesh,
       roofline_seconds=seconds, bound=bound, model_flops=model_flops, mfu=mfu,
       loops=hlo_costs.count_loops(text), collectives=rows,
       collective_seconds=None if any(t is None for t in times) else sum(times),
-      hbm_traffic=traffic, traffic_roofline_seconds=roofline_seconds(flops, traffic, chip))
+      hbm_traffic=traffic, traffic_roofline_seconds=seconds)

@@ -11,12 +11,16 @@ with the real TPU compiler, on this machine, the run's programs for the pod
 (`coda_jax.measure.compile.programs`): the train step of every k rung (``--rungs``:
 all, or the first and / or last), the decoding
 program of ``coda-jax infer``, and that program's encoder and one decoding
-step on their own. For each, per chip: HBM needed against the chip's, flops
-and bytes accessed, the roofline time max(flops / peak, bytes / HBM
-bandwidth) and the model FLOPs utilisation it implies, and the collectives
-with their time at the interconnect's bandwidth. A table goes to stdout, a
-progress line per program (with its compile time) to stderr, and with
-``--out`` the JSON (the pod, the exact jax and libtpu versions, the command).
+step on their own. For each, per chip: HBM needed against the chip's, flops,
+HBM traffic (`hlo_costs.hbm_bytes`: the bytes that cross HBM, read from the
+compiled TPU HLO; column "traffic GB", JSON ``hbm_traffic``), the roofline time
+max(flops / peak, HBM traffic / HBM bandwidth) and the model FLOPs
+utilisation it implies, and the collectives with their time at the
+interconnect's bandwidth. XLA's own ``bytes accessed`` (column "XLA GB",
+JSON ``bytes_accessed``) is printed beside the HBM traffic and prices
+nothing: it counts reads of weights already prefetched on the chip too. A
+table goes to stdout, a progress line per program (with its compile time) to
+stderr, and with ``--out`` the JSON (the pod, the exact jax and libtpu versions, the command).
 
 Under the table, a line per program with an encoder (the train steps, the
 decoding program, its encoder; not the decoding step) gives its plan
@@ -138,6 +142,10 @@ def _ms(seconds: Optional[float]) -> str:
   return '-' if seconds is None else f'{seconds * 1e3:.2f}'
 
 
+def _gb(n: Optional[float]) -> str:
+  return '-' if n is None else f'{n / 1e9:.2f}'
+
+
 def suggestion(needed: Optional[int], pod, mesh_shape: Sequence[int], batch: int,
                batch_macro: str, unbatched: Optional[int] = None) -> str:
   """What to change so that a program that needs `needed` bytes per chip
@@ -205,13 +213,15 @@ def does_not_fit_line(name: str, needed: Optional[int], pod, advice: str,
 def table(reports: Sequence[Dict[str, Any]], pod) -> str:
   """The report as a text table, one row per program."""
   head = (f'{"program":<16} {"HBM GiB":>8} {"of":>6} {"args":>7} {"temp":>7} '
-          f'{"TFLOP":>8} {"GB":>8} {"roofline ms":>11} {"bound":>6} {"MFU":>6} '
+          f'{"TFLOP":>8} {"traffic GB":>10} {"XLA GB":>8} {"roofline ms":>11} {"bound":>6} '
+          f'{"MFU":>6} '
           f'{"collectives (kind@axes: count, MB sent)":<44} {"coll. ms":>8}')
   lines = [f'{pod.describe()}, per chip ({pod.chip.generation}: '
            f'{pod.chip.peak_flops / 1e12:.0f} TFLOP/s bf16, '
            f'{pod.chip.hbm_bandwidth / 1e9:.0f} GB/s HBM, '
            f'{pod.chip.ici_bandwidth / 1e9:.0f} GB/s ICI); the TPU compiler\'s model of the '
-           'chip, not a measurement', head, '-' * len(head)]
+           'chip, not a measurement; roofline on HBM traffic (traffic GB), XLA\'s '
+           'bytes accessed (XLA GB) beside it', head, '-' * len(head)]
   for r in reports:
     mem = r['memory']
     if r.get('not_compiled'):
@@ -230,7 +240,8 @@ def table(reports: Sequence[Dict[str, Any]], pod) -> str:
     lines.append(
         f'{r["name"]:<16} {gib(mem["needed"]):>8} {gib(r["hbm_bytes"]):>6} '
         f'{gib(mem["arguments"]):>7} {gib(mem["temporaries"]):>7} '
-        f'{r["flops"] / 1e12:>8.3f} {r["bytes_accessed"] / 1e9:>8.2f} '
+        f'{r["flops"] / 1e12:>8.3f} {_gb(r.get("hbm_traffic")):>10} '
+        f'{_gb(r["bytes_accessed"]):>8} '
         f'{_ms(r["roofline_seconds"]):>11} {r["bound"]:>6} {mfu:>6} {coll:<44.44} '
         f'{_ms(r["collective_seconds"]):>8}' + ('' if r['fits'] else '  DOES NOT FIT'))
   return '\n'.join(lines)
@@ -326,6 +337,7 @@ def _decoding_roofline(rows: List[Dict[str, Any]], steps: int, peak: float) -> N
                                               step['roofline_seconds']):
     return
   infer['roofline_seconds'] = enc['roofline_seconds'] + steps * step['roofline_seconds']
+  infer['traffic_roofline_seconds'] = infer['roofline_seconds']
   infer['notes'].append(f'roofline: encode + {steps} decode steps (the compiler counts the '
                         'loop body once in flops and bytes)')
   if infer.get('model_flops'):
@@ -381,7 +393,8 @@ def _failed_row(program, error, pod) -> Dict[str, Any]:
           'not_compiled': str(error) if by_arguments else None,
           'hbm_bytes': pod.chip.hbm_bytes,
           'memory': {'needed': error.needed, 'arguments': arguments, 'temporaries': None},
-          'flops': None, 'bytes_accessed': None, 'roofline_seconds': None, 'bound': '-',
+          'flops': None, 'bytes_accessed': None, 'hbm_traffic': None,
+          'roofline_seconds': None, 'traffic_roofline_seconds': None, 'bound': '-',
           'mfu': None, 'collectives': [], 'collective_seconds': None, 'notes': []}
 
 

@@ -7,14 +7,20 @@ cross-attention prefill (`lower_prefill`) and one step of its decoding loop
 as the loop runs it, its cache donated (`Predictor.lower_decode_step`; with
 its byte floor, `programs.decode_step_floor`) are compiled for one
 chip of a TPU generation (`topology`, as `coda-jax compile` does) and read
-back: flops and bytes accessed of the compiled program (`cost_analysis`), the
-roofline time max(flops / peak, bytes / HBM bandwidth) at the chip's figures
-(`chips.CHIPS`), while loops in the TPU HLO, and the bytes of each stage of
-the layers (norm, adapter, router, soft top-k, route, attention and its
-position bias, MLP or its ACM, un-route) from the `jax.named_scope`s and
-module names the compiled ops carry in their `op_name`, and the encoder's
-plan (`coda_jax.plan`: which formulation and kernel each step of its layers
-runs).
+back: flops of the compiled program (`cost_analysis`), its HBM traffic
+(`hlo_costs.hbm_bytes`: what crosses HBM, by memory space in the compiled
+TPU HLO), the roofline time max(flops / peak, HBM traffic / HBM bandwidth)
+at the chip's figures (`chips.CHIPS`), while loops in the TPU HLO, the HBM
+traffic of each stage of the layers (norm, adapter, router, soft top-k,
+route, attention and its position bias, MLP or its ACM, un-route) from the
+`jax.named_scope`s and module names the compiled ops carry in their
+`op_name`, and the encoder's plan (`coda_jax.plan`: which formulation and
+kernel each step of its layers runs). Beside them, labelled as XLA's, the
+compiler's own `bytes accessed` (`Row.bytes_accessed`) and each stage's
+operands and results wherever they live, counted as XLA counts (`Row.stages`);
+no roofline or speed-up uses them: they also count reads of weights that
+memory-space assignment already prefetched into VMEM / CMEM, each prefetch
+twice, and a gather's whole table.
 
 Per variant, against the baseline on the same chip: the roofline speed-up,
 the compiled-flops speed-up and `flops.py`'s analytic bound. The ratio of the
@@ -22,11 +28,9 @@ first two (`efficiency`) says how much of the work a routed layer skips turns
 into time on a chip that runs at its roofline: 1 when bytes fall as fast as
 flops.
 
-This is a model of the chip, not a timing: the compiler's cost analysis
-counts each op's operands and results at their tiled sizes, as if every op
-read and wrote HBM, and assumes peak throughput; it ignores overlap of
-compute with memory traffic, and a Pallas kernel counts only its declared
-`pl.CostEstimate`.
+This is a model of the chip, not a timing: it assumes peak throughput and
+full overlap of compute with memory traffic, and a Pallas kernel counts only
+its declared `pl.CostEstimate` (in the share of its operands in HBM).
 """
 from __future__ import annotations
 
@@ -85,14 +89,21 @@ class Row:
   k: int
   program: str
   flops: float
+  # XLA's `cost_analysis()['bytes accessed']`, beside the HBM traffic; no
+  # roofline uses it.
   bytes_accessed: float
+  # max(flops / peak, hbm_traffic / HBM bandwidth), and which of the two it is.
   roofline_seconds: float
   bound: str
   model_flops: float
   loops: int
   hbm_needed: int
   compile_seconds: float
+  # Each stage's operands and results wherever they live (`hlo_costs.op_bytes`,
+  # XLA's way of counting); `stage_hbm_traffic` is its HBM traffic.
   stages: Dict[str, int]
+  # Speed-ups over the baseline: at the roofline (on HBM traffic), in
+  # compiled flops, `flops.py`'s bound; efficiency = roofline / flops speed-up.
   roofline_speedup: Optional[float] = None
   flops_speedup: Optional[float] = None
   bound_speedup: Optional[float] = None
@@ -104,9 +115,13 @@ class Row:
   floor_bytes: Optional[Dict[str, float]] = None
   # The bytes it moves to and from HBM (`hlo_costs.hbm_bytes`: prefetches into
   # on-chip memory counted once, not again where the chip reads them) and the
-  # roofline at them.
+  # roofline at them (= `roofline_seconds`, kept under this name for its
+  # readers).
   hbm_traffic: Optional[float] = None
   traffic_roofline_seconds: Optional[float] = None
+  # {stage: HBM traffic} (`hlo_costs.stage_bytes(hbm=True)`: adds up to
+  # `hbm_traffic`).
+  stage_hbm_traffic: Optional[Dict[str, int]] = None
 
   def as_dict(self) -> Dict[str, Any]:
     return dataclasses.asdict(self)
@@ -128,6 +143,7 @@ def _compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Vari
                   ) -> Row:
   compiled, seconds = analysis.compile_program(name, lowered, pod.chip)
   report = analysis.analyze(name, compiled, seconds, pod.chip, mesh)
+  text = compiled.as_text()
   return Row(
       generation=pod.chip.generation, variant=variant.name,
       reduction_factor=variant.reduction_factor, attention=variant.attention,
@@ -135,9 +151,10 @@ def _compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Vari
       roofline_seconds=report.roofline_seconds, bound=report.bound,
       model_flops=model_flops, loops=report.loops, hbm_needed=report.memory.needed,
       compile_seconds=seconds,
-      stages=hlo_costs.stage_bytes(compiled.as_text(), STAGES, OTHER),
+      stages=hlo_costs.stage_bytes(text, STAGES, OTHER),
       hbm_traffic=report.hbm_traffic,
       traffic_roofline_seconds=report.traffic_roofline_seconds,
+      stage_hbm_traffic=hlo_costs.stage_bytes(text, STAGES, OTHER, hbm=True),
       plan=None if plan is None else plan.as_dict())
 
 
@@ -189,7 +206,7 @@ def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, le
 
 def add_speedups(rows: List[Row]) -> None:
   """Each row's speed-ups over the baseline's row of the same chip, program
-  and length."""
+  and length (the roofline's: on HBM traffic)."""
   key = lambda r: (r.generation, r.program, r.length)
   base = {key(r): r for r in rows if r.attention is None}
   for r in rows:
