@@ -19,7 +19,7 @@ from coda_jax.training import trainer as trainer_lib  # pylint: disable=g-import
 INCLUDE = "include 'gin_configs/runs/quickstart.gin'\n"
 DYNAMIC = ('from __gin__ import dynamic_registration\n'
            'from coda_jax import config\n'
-           'from coda_jax import network\n')
+           'from coda_jax.model import network\n')
 
 
 @pytest.fixture

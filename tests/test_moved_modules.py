@@ -89,10 +89,16 @@ def test_a_gin_file_with_the_old_imports_builds_the_same_run(tmp_path):
   assert built['quickstart.gin'] == built['old.gin']
 
 
-def test_every_gin_files_imports_name_modules_that_exist():
+def test_the_gin_files_name_modules_where_they_are_now():
+  """Every module the repository's gin files import or name as the task
+  module exists, under its path of today (not an old one of `MOVED`)."""
   for path in sorted((REPO / 'gin_configs').rglob('*.gin')):
-    for module in re.findall(r'^from (coda_jax[\w.]*) import (\w+)', path.read_text(), re.M):
-      importlib.import_module(f'{module[0]}.{module[1]}')
+    text = path.read_text()
+    named = [f'{m}.{n}' for m, n in re.findall(r'^from (coda_jax[\w.]*) import (\w+)', text, re.M)]
+    named += re.findall(r"^MIXTURE_OR_TASK_MODULE = '([\w.]+)'", text, re.M)
+    for module in named:
+      assert module[len('coda_jax.'):] not in coda_jax.MOVED, (path.name, module)
+      importlib.import_module(module)
 
 
 @pytest.mark.parametrize('argv', [['-m', 'coda_jax.train', '--help'],
