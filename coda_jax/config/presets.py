@@ -1,0 +1,94 @@
+"""The model presets by name: T5 v1.1's sizes, the paper's §6 text models and
+the image models (Pix2Struct's public sizes and the §6 vision model). No flax."""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Dict
+
+from coda_jax.config.t5 import PATCHES, T5Config
+
+# t5x's T5 v1.1 sizes (t5x/examples/t5/t5_1_1/*.gin).
+T5_1_1_SIZES = {
+    'small': dict(emb_dim=512, num_heads=6, num_encoder_layers=8,
+                  num_decoder_layers=8, head_dim=64, mlp_dim=1024),
+    'base': dict(emb_dim=768, num_heads=12, num_encoder_layers=12,
+                 num_decoder_layers=12, head_dim=64, mlp_dim=2048),
+    'large': dict(emb_dim=1024, num_heads=16, num_encoder_layers=24,
+                  num_decoder_layers=24, head_dim=64, mlp_dim=2816),
+    'xl': dict(emb_dim=2048, num_heads=32, num_encoder_layers=24,
+               num_decoder_layers=24, head_dim=64, mlp_dim=5120),
+    'xxl': dict(emb_dim=4096, num_heads=64, num_encoder_layers=24,
+                num_decoder_layers=24, head_dim=64, mlp_dim=10240),
+}
+
+
+# The paper's own text models (§6, App. A, Table 7), with which it measured
+# its decoding speed-ups: T5 v1.1's layers (gated-GELU FFN, RMS norm,
+# relative position buckets, 32128-token vocabulary) with multi-query
+# attention (one key/value head for every query head), 6 decoder layers and
+# a wider FFN and head ("a neutral effect on model quality, but speed up
+# auto-regressive decoding significantly"); adapters of width 64 (d_adpt).
+# The paper pre-trains them from scratch on C4 span corruption, then runs
+# CoDA's procedure (§3.2).
+CODA_TEXT_SIZES = {
+    'text_base': dict(emb_dim=768, num_heads=12, num_encoder_layers=12,
+                      num_decoder_layers=6, head_dim=128, mlp_dim=3072, num_kv_heads=1),
+    'text_large': dict(emb_dim=1024, num_heads=16, num_encoder_layers=24,
+                       num_decoder_layers=6, head_dim=128, mlp_dim=4096, num_kv_heads=1),
+    'text_xl': dict(emb_dim=2048, num_heads=32, num_encoder_layers=24,
+                    num_decoder_layers=6, head_dim=128, mlp_dim=8192, num_kv_heads=1),
+}
+# Image models: Pix2Struct's public checkpoints (google/pix2struct-base and
+# -large, their config.json) and the paper's vision model (§6, App. A,
+# Table 7: the text models' multi-query attention, 6 decoder layers and heads
+# of 128; adapters of width 256, `PAPER_ADAPTER_DIMS`). Each reads 16 x 16
+# patches (no encoder relative position bias) and decodes Pix2Struct's
+# 50244-piece vocabulary with an untied LM head.
+PIX2STRUCT_SIZES = {
+    'pix2struct_base': dict(emb_dim=768, num_heads=12, num_encoder_layers=12,
+                            num_decoder_layers=12, head_dim=64, mlp_dim=2048),
+    'pix2struct_large': dict(emb_dim=1536, num_heads=24, num_encoder_layers=18,
+                             num_decoder_layers=18, head_dim=64, mlp_dim=3968),
+    'vision': dict(emb_dim=1536, num_heads=24, num_encoder_layers=18, num_decoder_layers=6,
+                   head_dim=128, mlp_dim=3968, num_kv_heads=1),
+}
+PIX2STRUCT_INPUT = dict(vocab_size=50244, encoder_input=PATCHES, patch_dim=768,
+                        patch_positions=4096)
+# Table 7's adapter widths (d_adpt) where they are not DEFAULT_ADAPTER_DIM.
+PAPER_ADAPTER_DIMS = {'vision': 256}
+# Every model `preset` builds by name.
+PRESETS = tuple(T5_1_1_SIZES) + tuple(CODA_TEXT_SIZES) + tuple(PIX2STRUCT_SIZES)
+
+
+def t5_1_1(size: str, **overrides) -> T5Config:
+  """The T5 v1.1 preset `size` (small, base, large, xl, xxl) with overrides."""
+  if size not in T5_1_1_SIZES:
+    raise ValueError(f'unknown T5 v1.1 size {size!r}; known: {sorted(T5_1_1_SIZES)}')
+  return _t5_layers(T5_1_1_SIZES[size], overrides)
+
+
+def preset(size: str, **overrides) -> T5Config:
+  """A model by name, with overrides: a T5 v1.1 size (`t5_1_1`), one of
+  the paper's §6 text models ('text_base', 'text_large', 'text_xl') or an
+  image model (`PIX2STRUCT_SIZES`: 'pix2struct_base', 'pix2struct_large',
+  'vision')."""
+  if size in T5_1_1_SIZES:
+    return t5_1_1(size, **overrides)
+  if size in PIX2STRUCT_SIZES:
+    return _t5_layers({**PIX2STRUCT_INPUT, **PIX2STRUCT_SIZES[size]}, overrides)
+  if size not in CODA_TEXT_SIZES:
+    close = difflib.get_close_matches(str(size), PRESETS, 1, 0.6)
+    raise ValueError(f'unknown model size {size!r}' + (f' (did you mean {close[0]!r}?)'
+                                                        if close else '')
+                     + f'; known: T5 v1.1 {list(T5_1_1_SIZES)}, '
+                     f"the paper's §6 text models {list(CODA_TEXT_SIZES)}, "
+                     f'the image models {list(PIX2STRUCT_SIZES)}')
+  return _t5_layers(CODA_TEXT_SIZES[size], overrides)
+
+
+def _t5_layers(sizes: Dict[str, Any], overrides: Dict[str, Any]) -> T5Config:
+  kwargs = dict(vocab_size=32128, mlp_activations=('gelu', 'linear'),
+                logits_via_embedding=False)
+  kwargs.update(sizes)
+  kwargs.update(overrides)
+  return T5Config(**kwargs)
