@@ -9,6 +9,9 @@
              share (adapter types, attention variants, router normalisers,
              logical axes) and `k = ceil(n / r)`
   acm        `AcmConfig`, `AcmInferenceConfig`
+  audio      `AudioConfig` (the log-mel front end), `SpecAugmentConfig`,
+             `StemConfig` (speech's subsampling stem)
+  speech     `TransducerConfig` (the RNN-T's prediction and joint networks)
   serialize  `to_dict` / `from_dict`: configs as JSON
 
 Every name is importable from `coda_jax.config`, and every config's gin name
@@ -21,3 +24,5 @@ from coda_jax.config.presets import *  # noqa: F401,F403
 from coda_jax.config.coda import *  # noqa: F401,F403
 from coda_jax.config.acm import *  # noqa: F401,F403
 from coda_jax.config.serialize import *  # noqa: F401,F403
+from coda_jax.config.audio import *  # noqa: F401,F403
+from coda_jax.config.speech import *  # noqa: F401,F403

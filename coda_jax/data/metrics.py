@@ -1,4 +1,5 @@
-"""Metrics of the image-to-text tasks (Pix2Struct's), as seqio metric functions.
+"""Metrics of the image-to-text tasks (Pix2Struct's) and of speech
+recognition (word error rate), as seqio metric functions.
 
 The CoDA paper's Table 6 evaluates a Pix2Struct model on OCR-VQA (exact
 match), DocVQA (ANLS) and Screen2Words (CIDEr). These functions compute them
@@ -37,13 +38,25 @@ on caption text of words, contractions, numbers and ordinary punctuation (not
 on every rule of the PTB lexer: e.g. "a&b", "5:30pm", "y'all"). For the exact
 COCO numbers, tokenise with pycocoevalcap's PTBTokenizer and pass
 `tokenizer=None`: `cider` then splits on whitespace only, as `Cider` does.
+
+Word error rate (the CoDA paper's Table 5, LibriSpeech): `word_error_rate`
+is the corpus WER in percent, 100 x (substitutions + deletions + insertions)
+/ reference words summed over the utterances (not a mean of per-utterance
+rates), with each utterance's edit counts (`WordEdits`); `wer` is its seqio
+form. Words as jiwer's default transform (`wer_default`) splits them: runs
+of two or more whitespace characters become one space, the ends are
+stripped, words are the non-empty pieces between spaces; no case or
+punctuation normalisation (normalise the texts first). The counts split the
+edit distance as jiwer (through rapidfuzz's Levenshtein alignment) does, so
+substitutions, deletions and insertions each equal jiwer's, not only their
+sum.
 """
 from __future__ import annotations
 
 import collections
 import math
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -384,3 +397,123 @@ def cider(targets: Sequence[Any], predictions: Sequence[Any],
     answers = [[tokenizer(a) for a in options] for options in answers]
     preds = [tokenizer(p) for p in preds]
   return {'cider': 100.0 * float(np.mean(cider_scores(answers, preds)))}
+
+
+# ----------------------------------------------------------------------------
+# Word error rate (speech recognition).
+# ----------------------------------------------------------------------------
+
+_WHITESPACE_RUN = re.compile(r'\s\s+')
+
+
+def words(text: Any) -> List[str]:
+  """The words of `text` as jiwer's `wer_default` splits them (module
+  docstring): 'a  b\tc ' -> ['a', 'b\tc'], a lone tab or newline is no
+  separator; '' -> []."""
+  return [w for w in _WHITESPACE_RUN.sub(' ', _text(text)).strip().split(' ') if w]
+
+
+class WordEdits(NamedTuple):
+  """One utterance's alignment of hypothesis to reference words."""
+  substitutions: int
+  deletions: int
+  insertions: int
+  hits: int
+
+  @property
+  def errors(self) -> int:
+    """The word edit distance S + D + I."""
+    return self.substitutions + self.deletions + self.insertions
+
+  @property
+  def reference_words(self) -> int:
+    """N = H + S + D."""
+    return self.hits + self.substitutions + self.deletions
+
+
+def _edit_table(ref: Sequence[str], hyp: Sequence[str]) -> List[List[int]]:
+  """d[i][j]: the edit distance of ref[:i] and hyp[:j]."""
+  d = [list(range(len(hyp) + 1))]
+  for i, r in enumerate(ref, 1):
+    row = [i]
+    for j, h in enumerate(hyp, 1):
+      row.append(min(d[i - 1][j] + 1, row[j - 1] + 1, d[i - 1][j - 1] + (r != h)))
+    d.append(row)
+  return d
+
+
+def word_edits(reference: Any, hypothesis: Any) -> WordEdits:
+  """The edits turning `hypothesis`'s words into `reference`'s, counted on
+  one minimal alignment: the common leading and trailing words are hits,
+  then the rest is traced back from its end preferring a deletion, then an
+  insertion where the distance drops along the reference before it, then
+  the diagonal (rapidfuzz's `Levenshtein.opcodes`, which jiwer counts)."""
+  ref, hyp = words(reference), words(hypothesis)
+  start = 0
+  while start < min(len(ref), len(hyp)) and ref[start] == hyp[start]:
+    start += 1
+  end = 0
+  while end < min(len(ref), len(hyp)) - start and ref[-1 - end] == hyp[-1 - end]:
+    end += 1
+  ref, hyp = ref[start:len(ref) - end], hyp[start:len(hyp) - end]
+  d = _edit_table(ref, hyp)
+  i, j, counts = len(ref), len(hyp), collections.Counter()
+  while i and j:
+    if d[i][j] == d[i - 1][j] + 1:
+      counts['deletions'] += 1
+      i -= 1
+    elif d[i][j - 1] == d[i - 1][j - 1] - 1:
+      counts['insertions'] += 1
+      j -= 1
+    else:
+      counts['hits' if ref[i - 1] == hyp[j - 1] else 'substitutions'] += 1
+      i, j = i - 1, j - 1
+  return WordEdits(counts['substitutions'], counts['deletions'] + i,
+                   counts['insertions'] + j, counts['hits'] + start + end)
+
+
+class WordErrorRate(NamedTuple):
+  """A corpus's word error rate and its utterances' edits."""
+  wer: float                  # percent: 100 x errors / reference words
+  errors: int                 # S + D + I over the corpus
+  reference_words: int        # N over the corpus
+  edits: List[WordEdits]      # per utterance, in order
+
+
+def word_error_rate(references: Sequence[Any], hypotheses: Sequence[Any]) -> WordErrorRate:
+  """Corpus word error rate in percent (the project reports metrics in %):
+  100 x the summed edits / the summed reference words, as jiwer's `wer` of
+  the two lists (module docstring: words, counts).
+
+  Args:
+    references: [N] reference transcripts (strings or bytes; one may be
+      empty: its hypothesis' words are insertions).
+    hypotheses: [N] recognised transcripts.
+
+  Returns:
+    `WordErrorRate` (wer, errors, reference_words, per-utterance edits).
+
+  Raises:
+    ValueError: the lists differ in length or are empty, or the references
+      hold no word at all (the rate would divide by zero).
+  """
+  if isinstance(references, (str, bytes)) or isinstance(hypotheses, (str, bytes)):
+    raise ValueError('references and hypotheses must be lists of transcripts, not one '
+                     'string')
+  if len(references) != len(hypotheses):
+    raise ValueError(f'{len(references)} references but {len(hypotheses)} hypotheses')
+  if not len(references):
+    raise ValueError('no utterances to score (references and hypotheses are empty)')
+  edits = [word_edits(r, h) for r, h in zip(references, hypotheses)]
+  errors = sum(e.errors for e in edits)
+  total = sum(e.reference_words for e in edits)
+  if not total:
+    raise ValueError(f'the {len(edits)} references hold no words: the word error rate '
+                     'divides by their number')
+  return WordErrorRate(100.0 * errors / total, errors, total, edits)
+
+
+def wer(targets: Sequence[Any], predictions: Sequence[Any]) -> Dict[str, float]:
+  """seqio metric: {'wer': corpus word error rate in percent} of the
+  predictions against the targets (`word_error_rate`)."""
+  return {'wer': word_error_rate(targets, predictions).wer}
