@@ -3,7 +3,8 @@
   t5         `T5Config` (t5x's field names, so gin files move between t5x and
              coda_jax unchanged), the encoder's input kinds, each layer
              kernel's setting
-  presets    the models by name (`preset`, `t5_1_1`): T5 v1.1, the paper's §6
+  presets    the models by name (`preset`, `t5_1_1`; `paper_coda`: the paper's
+             CodaConfig for each): T5 v1.1, the paper's §6
              text and vision models, Pix2Struct
   coda       `CodaConfig` with its `SoftTopKConfig`; the names the modules
              share (adapter types, attention variants, router normalisers,

@@ -1,10 +1,12 @@
 """The model presets by name: T5 v1.1's sizes, the paper's §6 text models and
-the image models (Pix2Struct's public sizes and the §6 vision model). No flax."""
+the image models (Pix2Struct's public sizes and the §6 vision model), and the
+paper's CoDA settings for each (`paper_coda`). No flax."""
 from __future__ import annotations
 
 import difflib
 from typing import Any, Dict
 
+from coda_jax.config.coda import DEFAULT_ADAPTER_DIM, CodaConfig
 from coda_jax.config.t5 import PATCHES, T5Config
 
 # t5x's T5 v1.1 sizes (t5x/examples/t5/t5_1_1/*.gin).
@@ -54,8 +56,10 @@ PIX2STRUCT_SIZES = {
 }
 PIX2STRUCT_INPUT = dict(vocab_size=50244, encoder_input=PATCHES, patch_dim=768,
                         patch_positions=4096)
-# Table 7's adapter widths (d_adpt) where they are not DEFAULT_ADAPTER_DIM.
-PAPER_ADAPTER_DIMS = {'vision': 256}
+# Table 7's adapter widths (d_adpt) of the models it lists: the §6 text models
+# 64, the vision model 256. Table 7 gives none for T5 v1.1 (§5) or the public
+# Pix2Struct checkpoints: `paper_coda` gives them DEFAULT_ADAPTER_DIM (64).
+PAPER_ADAPTER_DIMS = {'text_base': 64, 'text_large': 64, 'text_xl': 64, 'vision': 256}
 # Every model `preset` builds by name.
 PRESETS = tuple(T5_1_1_SIZES) + tuple(CODA_TEXT_SIZES) + tuple(PIX2STRUCT_SIZES)
 
@@ -65,6 +69,15 @@ def t5_1_1(size: str, **overrides) -> T5Config:
   if size not in T5_1_1_SIZES:
     raise ValueError(f'unknown T5 v1.1 size {size!r}; known: {sorted(T5_1_1_SIZES)}')
   return _t5_layers(T5_1_1_SIZES[size], overrides)
+
+
+def _unknown(size: str) -> ValueError:
+  close = difflib.get_close_matches(str(size), PRESETS, 1, 0.6)
+  return ValueError(f'unknown model size {size!r}' + (f' (did you mean {close[0]!r}?)'
+                                                      if close else '')
+                    + f'; known: T5 v1.1 {list(T5_1_1_SIZES)}, '
+                    f"the paper's §6 text models {list(CODA_TEXT_SIZES)}, "
+                    f'the image models {list(PIX2STRUCT_SIZES)}')
 
 
 def preset(size: str, **overrides) -> T5Config:
@@ -77,13 +90,31 @@ def preset(size: str, **overrides) -> T5Config:
   if size in PIX2STRUCT_SIZES:
     return _t5_layers({**PIX2STRUCT_INPUT, **PIX2STRUCT_SIZES[size]}, overrides)
   if size not in CODA_TEXT_SIZES:
-    close = difflib.get_close_matches(str(size), PRESETS, 1, 0.6)
-    raise ValueError(f'unknown model size {size!r}' + (f' (did you mean {close[0]!r}?)'
-                                                        if close else '')
-                     + f'; known: T5 v1.1 {list(T5_1_1_SIZES)}, '
-                     f"the paper's §6 text models {list(CODA_TEXT_SIZES)}, "
-                     f'the image models {list(PIX2STRUCT_SIZES)}')
+    raise _unknown(size)
   return _t5_layers(CODA_TEXT_SIZES[size], overrides)
+
+
+def paper_coda(size: str, **overrides) -> CodaConfig:
+  """The paper's CoDA settings for the model `size` names (any `preset`
+  name), with overrides: `preset(size)`'s companion.
+
+  Per model, Table 7's adapter width (`PAPER_ADAPTER_DIMS`: 64 for the §6
+  text models, 256 for the vision model; DEFAULT_ADAPTER_DIM, 64, for the
+  models Table 7 does not list). The rest is the paper's for every text and
+  vision model, CodaConfig's defaults: parallel adapters (§3), k-to-all
+  attention (§5, the variant §6 uses), the soft top-k router with App. C.2's
+  ε = 0.03, ε0 = 4, β = 0.7 and T = 20 iterations. r is the run's choice
+  (CodaConfig's default 3; App. A pre-trains the text models at k = 192 of
+  n = 512 and the vision model at 1024 of 4096: r = 4).
+
+    coda = config.paper_coda('vision')                       # adapter_dim 256
+    coda = config.paper_coda('text_base', reduction_factor=5.0)
+  """
+  if size not in PRESETS:
+    raise _unknown(size)
+  settings = {'adapter_dim': PAPER_ADAPTER_DIMS.get(size, DEFAULT_ADAPTER_DIM)}
+  settings.update(overrides)
+  return CodaConfig(**settings)
 
 
 def _t5_layers(sizes: Dict[str, Any], overrides: Dict[str, Any]) -> T5Config:

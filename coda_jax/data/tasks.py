@@ -23,7 +23,8 @@ Registered names (`register_tasks`, run at import with T5's vocabulary):
   coda_quickstart_*       generated on the fly, no download (`coda_jax.data.offline_tasks`);
                           coda_quickstart_span_corruption: span corruption over
                           generated documents (pre-training without C4)
-  coda_ocrvqa, coda_docvqa, coda_screen2words, coda_quickstart_read_text(_vqa)
+  coda_ocrvqa, coda_docvqa, coda_screen2words, coda_screenshot_parsing (pre-training),
+  coda_quickstart_read_text(_vqa)
                           image tasks for Pix2Struct models (`coda_jax.data.images.tasks`:
                           images + JSONL from IMAGE_DATA_DIR, or generated);
                           exact match, ANLS, CIDEr

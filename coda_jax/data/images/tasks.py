@@ -8,7 +8,8 @@ the image first, `image_patches.render_header`), and ``targets`` the answer,
 tokenised with the run's vocabulary. The model must read patches
 (`T5Config.encoder_input='patches'`); `check_model` says so otherwise.
 
-* **A directory** (how OCR-VQA, DocVQA or Screen2Words come in): files
+* **A directory** (how OCR-VQA, DocVQA, Screen2Words or screenshots to
+  parse come in): files
   ``<split>.jsonl`` (train, validation, test) with one example a line,
   ``{"image": "<path, relative to the directory>", "question": "<optional>",
   "answer": "<text>" | ["<text>", ...]}``. Training targets the first answer;
@@ -18,6 +19,13 @@ tokenised with the run's vocabulary. The model must read patches
     coda_ocrvqa         exact match (Pix2Struct's and the CoDA paper's metric)
     coda_docvqa         ANLS
     coda_screen2words   CIDEr
+    coda_screenshot_parsing
+                        screenshot parsing, the objective Pix2Struct pre-trains
+                        with and the CoDA paper's vision pre-training (§6, App.
+                        A): a screenshot in, its text (the "answer": the page's
+                        parse, as the user's pipeline writes it) out; no
+                        question header (a line with a "question" is refused);
+                        ANLS (partial credit for a long text)
 
 * **Generated**, nothing to download (`offline_tasks`' train stream and
   held-out validation split; the example's ``scene`` says what to draw):
@@ -87,6 +95,9 @@ class DirectoryTask:
   name: str
   metric_fn: Callable[..., Mapping[str, float]]
   description: str
+  # Whether a line's "question" is drawn as a header above its image; False:
+  # the task reads images alone and refuses a line with a question.
+  questions: bool = True
 
 
 DIRECTORY_TASKS = {t.name: t for t in (
@@ -95,6 +106,9 @@ DIRECTORY_TASKS = {t.name: t for t in (
     DirectoryTask('coda_docvqa', answer_metrics.anls, 'DocVQA: questions about documents (ANLS)'),
     DirectoryTask('coda_screen2words', answer_metrics.cider,
                   'Screen2Words: a summary of a mobile screen (CIDEr)'),
+    DirectoryTask('coda_screenshot_parsing', answer_metrics.anls,
+                  'screenshot parsing (Pix2Struct pre-training): a screenshot -> its text '
+                  '(ANLS)', questions=False),
 )}
 
 
@@ -177,7 +191,13 @@ def _directory_examples(name: str, split: str) -> List[Dict[str, Any]]:
   path = os.path.join(data_dir, f'{split}.jsonl')
   if not os.path.exists(path):
     raise ValueError(f'task {name!r}: no {split}.jsonl in {data_dir}')
-  return read_jsonl(path, data_dir)
+  examples = read_jsonl(path, data_dir)
+  asked = [ex[IMAGE] for ex in examples if ex[QUESTION]]
+  if asked and not DIRECTORY_TASKS[name].questions:
+    raise ValueError(f'task {name!r} reads images without a question header, but '
+                     f'{len(asked)} line(s) of {path} have a "question" (the first: image '
+                     f'{os.path.relpath(asked[0], data_dir)!r})')
+  return examples
 
 
 def _directory_dataset(name: str, split: str, shuffle_files: bool = False,

@@ -137,8 +137,8 @@ from coda_jax.measure.bench.decoding_programs import (DECODER, IMAGE_TASKS, NEVE
 from coda_jax.measure.bench.latency_task import (benchmark_task, coda_row)  # pylint: disable=unused-import
 from coda_jax.measure.bench.targets import (BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP,
     ENCODER_FRACTION_OF_BOUND, R1_MIN_SPEEDUP, SOFT_TOPK_MAX_SHARE, checks)
-from coda_jax.config import (ATTENTION_VARIANTS, DISPATCHES, PAPER_ADAPTER_DIMS, AcmConfig,
-                             CodaConfig, SoftTopKConfig, T5Config, coda_k)
+from coda_jax.config import (ATTENTION_VARIANTS, DISPATCHES, PRESETS, AcmConfig, CodaConfig,
+                             SoftTopKConfig, T5Config, coda_k, paper_coda)
 
 # The paper's batch: 128 sequences per TPUv4 chip (Table 12). On a CPU the
 # default is small enough that the default run takes a few minutes.
@@ -251,8 +251,10 @@ def _check_model_and_tasks(args: argparse.Namespace) -> None:
 
 def make_coda_template(args: argparse.Namespace) -> CodaConfig:
   """The CoDA settings every variant shares; --adapter_dim by default the
-  paper's width for --model (Table 7: 256 for vision, else 64)."""
-  adapter_dim = args.adapter_dim or PAPER_ADAPTER_DIMS.get(args.model, CodaConfig.adapter_dim)
+  paper's width for --model (`config.paper_coda`, Table 7: 256 for vision,
+  else 64; 'tiny' CodaConfig's 64)."""
+  paper = paper_coda(args.model) if args.model in PRESETS else CodaConfig()
+  adapter_dim = args.adapter_dim or paper.adapter_dim
   return CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
                     adapter_dim=adapter_dim, dispatch=args.dispatch)
 
