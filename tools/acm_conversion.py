@@ -17,7 +17,9 @@ evaluation mode (argmax gate, no Gumbel noise):
   (the importance split alone, before any training) for comparison;
 * the achieved budget at each β: the fraction of learners used over every
   ACM's real tokens (encoder inputs and teacher-forced decoder targets) with
-  the argmax gate, per stack and as a histogram of k;
+  the argmax gate, per stack and as a histogram of k; and the budget as the
+  run's budget loss counts it (the default, the ACM authors': each ACM's mean
+  k weighted by its learners' MACs), which "within tolerance" holds to β;
 * the task metric (exact match, %) by greedy decoding with 'masked' inference
   (every learner, masked: the trainer's evaluation) and with 'gather'
   inference (learner n only on the first C_n tokens ordered by k), its
@@ -37,7 +39,14 @@ against β) to --out.
   python tools/acm_conversion.py --workdir /tmp/acm_conversion \\
       --out benchmarks/acm_conversion [--budgets 0.25,0.5,0.75] \\
       [--dense_steps 2000 --distill_steps 500 --gate_steps 500 --finetune_steps 500] \\
-      [--in_process] [--eval_examples N] [--gin NAME=VALUE ...]
+      [--in_process] [--eval_examples N] [--gin NAME=VALUE ...] \\
+      [--finetune_trainable acm_finetune_acms]
+
+The ACM phases train as the ACM authors' code does (the `AcmConfig`
+defaults, docs/acm.md); coda_jax's earlier forms are a few flags away:
+--gin "config.AcmConfig.label_rule='smallest'" and the three loss forms
+('pooled', 'pooled', 'std'), --finetune_trainable acm_finetune_acms
+(benchmarks/acm_conversion/README.md has the command and its run).
 
 Each phase's MODEL_DIR is under --workdir; a phase whose run already reached
 its steps is not trained again (the trainer resumes or finds it finished),
@@ -89,8 +98,10 @@ def budget_name(beta: float) -> str:
 
 def train_argv(phase: str, model_dir: str, steps: int, initial: Optional[str] = None,
                beta: Optional[float] = None, eval_examples: Optional[int] = None,
-               extra: Sequence[str] = (), trainer_eval: bool = True) -> List[str]:
-  """`coda_jax.train` arguments of one phase ('dense', 'distill', 'gate', 'finetune')."""
+               extra: Sequence[str] = (), trainer_eval: bool = True,
+               trainable: Optional[str] = None) -> List[str]:
+  """`coda_jax.train` arguments of one phase ('dense', 'distill', 'gate',
+  'finetune'); `trainable`: its TRAINABLE set (default 'acm_<phase>')."""
   period = max(1, steps)
   argv = [f'--gin.MODEL_DIR={model_dir}', f'--gin.TRAIN_STEPS={steps}',
           f'--gin.EVAL_PERIOD={period if trainer_eval else 0}',
@@ -101,7 +112,8 @@ def train_argv(phase: str, model_dir: str, steps: int, initial: Optional[str] = 
     argv = [f'--gin_file={DENSE_GIN}', '--gin.network.Transformer.coda=None'] + argv
   else:
     argv = [f'--gin_file={ACM_GIN}', f"--gin.ACM_PHASE='{phase}'",
-            f"--gin.TRAINABLE='acm_{phase}'", f'--gin.INITIAL_CHECKPOINT_PATH={initial}'] + argv
+            f"--gin.TRAINABLE='{trainable or 'acm_' + phase}'",
+            f'--gin.INITIAL_CHECKPOINT_PATH={initial}'] + argv
     if beta is not None:
       argv.append(f'--gin.ACM_BUDGET={beta}')
   return argv + [a if a.startswith('--') else f'--gin.{a}' for a in extra]
@@ -262,12 +274,16 @@ def reconstruction_errors(ev: Evaluation, model, params) -> Dict[str, Any]:
 
 def achieved_budget(ev: Evaluation, model, params) -> Dict[str, Any]:
   """The fraction of learners used in evaluation mode (argmax gate), over every
-  ACM's real tokens; per stack; the distribution of k."""
+  ACM's real tokens; per stack; the distribution of k; and 'budget_used', the
+  budget as the default ('authors') budget loss counts it: per ACM the mean k
+  over its real tokens times one learner's MACs, summed, over Σ N · MACs
+  (`acm.losses.budget_used`, here over the whole validation set)."""
   from coda_jax.model import acm as acm_lib  # pylint: disable=g-import-not-at-top
   num = model.acm.num_learners
   used = {'encoder': 0.0, 'decoder': 0.0}
   tokens = {'encoder': 0.0, 'decoder': 0.0}
   histogram = {'encoder': np.zeros(num + 1), 'decoder': np.zeros(num + 1)}
+  per_acm: Dict[str, List[float]] = {}     # path -> [Σ k, real tokens, MACs of a learner]
   for batch, inter in ev.forward(model, params):
     enc, _, tgt = batch
     for path, stats in acm_lib.collect_named_stats(inter):
@@ -277,12 +293,18 @@ def achieved_budget(ev: Evaluation, model, params) -> Dict[str, Any]:
       used[stack] += float(np.sum(k * real)) / num
       tokens[stack] += float(np.sum(real))
       histogram[stack] += np.bincount(k[real].ravel(), minlength=num + 1)[:num + 1]
+      acc = per_acm.setdefault(path, [0.0, 0.0, float(stats.learner_macs)])
+      acc[0] += float(np.sum(k * real))
+      acc[1] += float(np.sum(real))
   total = sum(used.values()) / max(sum(tokens.values()), 1.0)
+  weighted = (sum(c * k / max(n, 1.0) for k, n, c in per_acm.values())
+              / sum(c * num for _, n, c in per_acm.values() if n))
   both = histogram['encoder'] + histogram['decoder']
   stacks = [s for s in used if tokens[s]]
   fractions = {s: histogram[s] / histogram[s].sum() for s in stacks}
   return {
       'learners_used': total,
+      'budget_used': weighted,
       'per_stack': {s: used[s] / tokens[s] for s in stacks},
       'k_fractions': [float(x) for x in both / max(both.sum(), 1.0)],
       'k_fractions_per_stack': {s: [float(x) for x in fractions[s]] for s in stacks},
@@ -365,6 +387,8 @@ def measure(workdir: str, budgets: Sequence[float], ev: Evaluation,
     eval_model = _with_acm(run.model, phase='finetune', budget=beta)
     budget = achieved_budget(ev, eval_model, run.params)
     achieved = budget['learners_used']
+    # What the run's budget loss held to β ('authors': MAC-weighted per-ACM means).
+    held = budget['budget_used'] if run.model.acm.budget_loss_form == 'authors' else achieved
     # 'gather' capacities: from β alone (every learner gets ceil(1.25 β T)
     # tokens: u_n = β, `capacities(budget_only=True)`), and from the usage of each learner
     # u_n = P(k >= n) (AcmConfig.learner_usage) that the trainer measured on
@@ -382,9 +406,12 @@ def measure(workdir: str, budgets: Sequence[float], ev: Evaluation,
         'beta': beta,
         'step': run.step,
         'learners_used_eval': achieved,
-        'budget_error': achieved - beta,
-        'within_tolerance': bool(abs(achieved - beta) <= BUDGET_TOLERANCE),
+        'budget_used_eval': budget['budget_used'],
+        'budget_loss_form': run.model.acm.budget_loss_form,
+        'budget_error': held - beta,
+        'within_tolerance': bool(abs(held - beta) <= BUDGET_TOLERANCE),
         'learners_used_train_last_window': train_last.get('acm_learners_used'),
+        'budget_used_train_last_window': train_last.get('acm_budget_used'),
         'per_stack': budget['per_stack'],
         'k_fractions': budget['k_fractions'],
         'k_fractions_per_stack': budget['k_fractions_per_stack'],
@@ -420,15 +447,17 @@ def table(report: Mapping[str, Any]) -> str:
           ('relative, at ACMization', d['validation_at_acmization']['relative'])]
   for name, values in rows:
     lines.append(f'| {name} | ' + ' | '.join(f'{values[k]:.4g}' for k in ks) + ' |')
-  lines += ['', '| β | learners used (eval) | within 0.05 | exact match % (masked) | '
-            'gather, capacities from β | gather, capacities from recorded usage | '
-            'encoder FLOP bound |', '| --- | --- | --- | --- | --- | --- | --- |']
+  lines += ['', '| β | learners used (eval) | budget loss\'s measure (eval) | within 0.05 | '
+            'exact match % (masked) | gather, capacities from β | '
+            'gather, capacities from recorded usage | encoder FLOP bound |',
+            '| --- | --- | --- | --- | --- | --- | --- | --- |']
   for r in report['budgets']:
     lines.append(f"| {r['beta']:g} | {r['learners_used_eval']:.3f} | "
+                 f"{r.get('budget_used_eval', r['learners_used_eval']):.3f} | "
                  f"{'yes' if r['within_tolerance'] else 'no'} | {r['exact_match']:.2f} | "
                  f"{r['exact_match_gather']:.2f} | {r['exact_match_gather_usage']:.2f} | "
                  f"{r['encoder_flop_bound']:.2f}x |")
-  lines.append(f"| dense | 1 | | {report['dense']['exact_match']:.2f} | | | 1x |")
+  lines.append(f"| dense | 1 | 1 | | {report['dense']['exact_match']:.2f} | | | 1x |")
   if not report['distilled_fixed_k']:
     return '\n'.join(lines)
   lines += ['', '| distilled, fixed k | ' + ' | '.join(
@@ -467,7 +496,10 @@ def plot(report: Mapping[str, Any], path: str) -> None:
   bx.fill_between([0, 1], [-BUDGET_TOLERANCE, 1 - BUDGET_TOLERANCE],
                   [BUDGET_TOLERANCE, 1 + BUDGET_TOLERANCE], color='green', alpha=0.12,
                   label=f'±{BUDGET_TOLERANCE}')
-  bx.plot(betas, [r['learners_used_eval'] for r in rows], 'o', label='achieved (eval, argmax)')
+  bx.plot(betas, [r['learners_used_eval'] for r in rows], 'o',
+          label='learners used (eval, argmax)')
+  bx.plot(betas, [r.get('budget_used_eval', r['learners_used_eval']) for r in rows], 'x',
+          label="the budget loss's measure (eval)")
   bx.set_xlabel('target budget β')
   bx.set_ylabel('fraction of learners used')
   bx.set_title('achieved budget in evaluation mode')
@@ -520,6 +552,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
   parser.add_argument('--gin', action='append', default=[],
                       help='NAME=VALUE for every ACM phase (repeatable), e.g. '
                       'config.AcmConfig.budget_loss_weight=0.5')
+  parser.add_argument('--finetune_trainable', default='acm_finetune',
+                      choices=('acm_finetune', 'acm_finetune_acms'),
+                      help="what fine-tuning trains: 'acm_finetune' (default: the whole "
+                      "model but the replaced modules, as the ACM authors' code) or "
+                      "'acm_finetune_acms' (learners, gates and layer norms)")
   args = parser.parse_args(argv)
   budgets = list(args.budgets)
   out_dir = args.out or args.workdir
@@ -550,8 +587,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     name = budget_name(beta)
     times[name] = run_phase(name, train_argv(
         'finetune', phase_dir(workdir, name), args.finetune_steps, previous, beta=beta,
-        eval_examples=ev_n, extra=extra, trainer_eval=not args.no_trainer_eval), workdir,
-        args.in_process)
+        eval_examples=ev_n, extra=extra, trainer_eval=not args.no_trainer_eval,
+        trainable=args.finetune_trainable), workdir, args.in_process)
 
   start = time.perf_counter()
   ev = Evaluation(ev_n)
@@ -566,7 +603,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
       'device': jax.devices()[0].device_kind, 'jax': jax.__version__,
       'steps': {'dense': args.dense_steps, 'distill': args.distill_steps,
                 'gate': args.gate_steps, 'finetune': args.finetune_steps},
-      'extra_gin': args.gin, 'model_gin': args.model_gin, 'validation_examples': ev.num_examples,
+      'extra_gin': args.gin, 'model_gin': args.model_gin,
+      'finetune_trainable': args.finetune_trainable, 'validation_examples': ev.num_examples,
       'budget_tolerance': BUDGET_TOLERANCE, 'wall_s': times,
       **results,
   }

@@ -33,6 +33,14 @@ def _acm_module_hint(name) -> Optional[str]:
   return _ACM_MODULE_ALIASES.get(close[0], close[0]) if close else None
 ACM_PHASES = ('distill', 'gate', 'finetune')
 ACM_INFERENCE = ('masked', 'gather', 'auto')
+# How each fine-tuning loss and the gate labels are computed: 'authors' as the
+# ACM authors' code does (github.com/bartwojcik/adaptive_computation_modules,
+# methods/acm/end_to_end.py and gating_networks_train.py; docs/acm.md), or
+# coda_jax's earlier definitions, kept by name.
+ACM_LOSS_FORMS = {'budget_loss_form': ('authors', 'pooled'),
+                  'entropy_loss_form': ('authors', 'pooled'),
+                  'diversity_loss_form': ('authors', 'std'),
+                  'label_rule': ('authors', 'smallest')}
 
 
 @gin.configurable(module=GIN_MODULE)
@@ -66,9 +74,28 @@ class AcmConfig:
   budget_loss_weight: float = 0.1
   entropy_loss_weight: float = 0.05
   diversity_loss_weight: float = 0.05
-  # Gate labels (phase 'gate'): the smallest k after which one more learner
-  # improves the error by less than this factor.
+  # What the losses are ('authors': as the ACM authors' code, end_to_end.py
+  # lines 158-198; docs/acm.md). budget 'authors': |Σ_a c_a mean_a(k) /
+  # Σ_a N c_a - β|, c_a the ACM's MACs per learner, mean_a over its real
+  # tokens; 'pooled': |k/N over every real token of every ACM - β|.
+  # entropy 'authors': -mean over (sequence, ACM) of the entropy of the
+  # counts of the hard choices / log(N + 1); 'pooled': -entropy (nats) of
+  # each ACM's softmax probabilities summed over the batch, averaged.
+  # diversity 'authors': -2 mean over pairs (i, j) of |d_i - d_j|, d the
+  # example's mean k / (N + 1); 'std': -std of the example's mean k / N.
+  budget_loss_form: str = 'authors'
+  entropy_loss_form: str = 'authors'
+  diversity_loss_form: str = 'authors'
+  # Gate labels (phase 'gate'), from the errors e_k of k learners: 'authors'
+  # (gating_networks_train.py lines 152-161): j = the first k with
+  # e_k / e_{k+1} < label_error_factor; the label is N when j = 0 or there is
+  # none, else j + 1. 'smallest': j itself, or N.
+  label_rule: str = 'authors'
   label_error_factor: float = 1.2
+  # The fewest learners an attention projection's gate may choose (the
+  # authors' runs: 1 for q/k/v/o, scripts/pretrained_vit_b_acm_imagenet.py
+  # line 431; an FFN ACM may choose 0). 0: any k.
+  attention_min_learners: int = 1
   # Inference: 'masked' (every learner on every token, masked: exact),
   # 'gather' (learner n runs only on the tokens that chose k >= n, at most a
   # static capacity of them: real savings where there are enough tokens) or
@@ -106,6 +133,14 @@ class AcmConfig:
       if getattr(self, name) not in choices:
         raise ValueError(f'AcmConfig.{name} must be one of {choices}, '
                          f'got {getattr(self, name)!r}')
+    for name, choices in ACM_LOSS_FORMS.items():
+      if getattr(self, name) not in choices:
+        raise ValueError(f'AcmConfig.{name} must be one of {choices}, '
+                         f'got {getattr(self, name)!r}')
+    least = self.attention_min_learners
+    if not is_int(least) or not 0 <= least <= self.num_learners:
+      raise ValueError(f'AcmConfig.attention_min_learners must be an int in '
+                       f'[0, {self.num_learners}], got {least!r}')
     k = self.force_learners
     if k is not None and (not is_int(k) or not 0 <= k <= self.num_learners):
       raise ValueError(f'AcmConfig.force_learners must be None or an int in '

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, FrozenSet, Iterable, Mapping, Optional, Sequence,
+                    Tuple)
 
 import flax
 import jax
@@ -115,17 +116,36 @@ def is_new_leaf(names: Sequence[str]) -> bool:
 
 # What a fine-tuning run trains: 'coda' (paper §3.2: the new leaves and the
 # layer norms), or one of ACM's conversion phases: 'acm_distill' (the
-# learners), 'acm_gate' (the gates), 'acm_finetune' (learners, gates, norms).
-TRAINABLE_SETS = ('coda', 'acm_distill', 'acm_gate', 'acm_finetune')
+# learners), 'acm_gate' (the gates), 'acm_finetune' (the whole model, as the
+# ACM authors' phase 3, `acm_finetune_mode = 'entire_model'`, but the frozen
+# teachers the ACMs replaced: `acm_teachers`), 'acm_finetune_acms' (learners,
+# gates and layer norms: coda_jax's earlier phase 3).
+TRAINABLE_SETS = ('coda', 'acm_distill', 'acm_gate', 'acm_finetune', 'acm_finetune_acms')
 ACM_PREFIX = 'acm'
 ACM_GATE = 'gate'
 
 
-def is_trainable(names: Sequence[str], which: str = 'coda') -> bool:
+def acm_teachers(leaves: Iterable[Sequence[str]]) -> FrozenSet[Tuple[str, ...]]:
+  """The leaves (path components) of the pretrained modules an ACM replaces.
+
+  A module `x` with an `acm_x` sibling (`mlp` beside `acm_mlp`, an
+  attention's `query` beside `acm_query`, ...) is the teacher of phases
+  'distill' and 'gate' and runs no more in 'finetune': it stays, frozen.
+  """
+  leaves = [tuple(names) for names in leaves]
+  acm_modules = {names[:i + 1] for names in leaves for i, n in enumerate(names)
+                 if n.startswith(ACM_PREFIX + '_')}
+  return frozenset(names for names in leaves
+                   if any(names[:i] + (f'{ACM_PREFIX}_{n}',) in acm_modules
+                          for i, n in enumerate(names)))
+
+
+def is_trainable(names: Sequence[str], which: str = 'coda', teacher: bool = False) -> bool:
   """Whether the leaf at `names` trains in the `which` set (`TRAINABLE_SETS`).
 
   'coda': a new leaf (router, adapter, LoRA factor, ACM) or a layer norm;
-  everything else is frozen.
+  everything else is frozen. `teacher`: the leaf is one of `acm_teachers`
+  (frozen in every set; only 'acm_finetune' would otherwise train it).
   """
   norm = any(n.endswith(NORM_SUFFIX) for n in names)
   if which == 'coda':
@@ -135,7 +155,7 @@ def is_trainable(names: Sequence[str], which: str = 'coda') -> bool:
   acm = any(n.startswith(ACM_PREFIX) for n in names)
   gate = acm and ACM_GATE in names
   return {'acm_distill': acm and not gate, 'acm_gate': gate,
-          'acm_finetune': acm or norm}[which]
+          'acm_finetune': not teacher, 'acm_finetune_acms': acm or norm}[which]
 
 
 def new_component_regex() -> str:

@@ -4,7 +4,10 @@ Paper §3.2: "we train CoDA on downstream tasks by only updating the adapter,
 router and layer normalization parameters". Which leaves those are is
 `coda_jax.model.params.is_trainable` (adapters, routers, LoRA factors and every
 layer norm); everything else (embeddings, attention and MLP kernels, relative
-position biases, logits) is frozen.
+position biases, logits) is frozen. ACM's conversion phases have sets of
+their own ('acm_distill', 'acm_gate', 'acm_finetune': the whole model but
+the teachers its ACMs replaced, as the ACM authors' phase 3;
+'acm_finetune_acms').
 """
 from __future__ import annotations
 
@@ -32,10 +35,18 @@ def trainable_mask(params: PyTree, which: str = 'coda') -> PyTree:
 
   `params` may be the raw parameter tree or a variables dict `{'params': ...}`
   (a FrozenDict works too); leaves may be arrays or `jax.ShapeDtypeStruct`s.
-  `which` is the trainable set (`coda_jax.model.params.TRAINABLE_SETS`).
+  `which` is the trainable set (`coda_jax.model.params.TRAINABLE_SETS`); the
+  pretrained modules an ACM replaced (`params.acm_teachers`, read from the
+  whole tree) stay frozen in every set.
   """
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: params_lib.is_trainable(params_lib.path_names(path), which), params)
+  leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+  teachers = params_lib.acm_teachers(params_lib.path_names(path) for path, _ in leaves)
+
+  def trained(path, _):
+    names = params_lib.path_names(path)
+    return params_lib.is_trainable(names, which, teacher=tuple(names) in teachers)
+
+  return jax.tree_util.tree_map_with_path(trained, params)
 
 
 def _leaf_size(x) -> int:

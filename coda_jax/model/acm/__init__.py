@@ -52,10 +52,20 @@ Phases (`AcmConfig.phase`), all on one parameter tree:
     mean_k MSE(h(z, k), f(z)), k = 1..N.
   * 'gate': the forward pass is the teacher; the gate is trained with
     cross-entropy on labels from the learners' errors e_k = ||h(z, k) - f(z)||
-    (`gate_labels`: the smallest k after which one more learner improves the
-    error by less than a factor τ_label; N if none).
+    (`gate_labels`, by default the ACM authors' rule: j, the first k after
+    which one more learner improves the error by less than a factor
+    τ_label, labels j + 1, and N where j is 0 or there is none).
   * 'finetune': the forward pass is the ACM; `aux_losses` adds the budget,
-    entropy and diversity losses.
+    entropy and diversity losses, by default as the authors' code computes
+    them (a budget weighed by each ACM's learner MACs, per-sequence entropies
+    of the hard choices, pairwise gaps of the examples' mean k); the
+    trainable set 'acm_finetune' is the whole model but the replaced
+    teachers, as the authors' phase 3 ('entire_model'). docs/acm.md has
+    the sources and the earlier forms, kept by name.
+
+An attention projection's gate chooses at least
+`AcmConfig.attention_min_learners` learners (1, as the authors' q/k/v/o
+gates: `gate.at_least`); an FFN's may choose none.
 
 Every ACM sows what the losses and diagnostics need into 'intermediates'
 under ``acm`` (`AcmStats`); `aux_losses` reads them from the whole model, and
@@ -77,8 +87,9 @@ decoding step's few rows run masked).
 
 Modules (each imports only those above it in this list; none imports this one):
 ``base`` (parameter names, logical axes), ``gate`` (`Gate`, `gumbel_softmax`,
-`learner_mask`, `gate_labels`), ``stats`` (`AcmStats`, their collection,
-the learner usage), ``losses`` (`aux_losses`), ``gather`` ('gather'
+`learner_mask`, `at_least`, `gate_labels`), ``stats`` (`AcmStats`, their
+collection, the learner usage), ``losses`` (`aux_losses` and its three
+fine-tuning losses), ``gather`` ('gather'
 inference), ``learners`` (the body every ACM shares; `AcmMlp`, `AcmLinear`),
 ``attention`` (`AcmAttention`). This package re-exports their public names.
 """
@@ -92,17 +103,17 @@ from coda_jax.model.acm import stats
 from coda_jax.model.acm.attention import AcmAttention
 from coda_jax.model.acm.base import (ACM_MLP, ACM_PROJECTION_PREFIX, ACM_PROJECTIONS,
     CHOICES_AXIS, GATE_AXIS, GATE_IN_AXIS, GATE_NAME, LOW_RANK_LEAVES, RANK_AXIS)
-from coda_jax.model.acm.gate import Gate, gate_labels, gumbel_softmax, learner_mask
+from coda_jax.model.acm.gate import Gate, at_least, gate_labels, gumbel_softmax, learner_mask
 from coda_jax.model.acm.gather import gathered
 from coda_jax.model.acm.learners import AcmLinear, AcmMlp
-from coda_jax.model.acm.losses import aux_losses
+from coda_jax.model.acm.losses import aux_losses, budget_used, diversity_loss, entropy_loss
 from coda_jax.model.acm.stats import (AcmStats, collect_named_stats, collect_stats,
     learner_usage, learner_usage_counts, module_kind)
 
 __all__ = [
     'ACM_MLP', 'ACM_PROJECTION_PREFIX', 'ACM_PROJECTIONS', 'CHOICES_AXIS', 'GATE_AXIS',
     'GATE_IN_AXIS', 'GATE_NAME', 'LOW_RANK_LEAVES', 'RANK_AXIS', 'AcmAttention', 'AcmLinear',
-    'AcmMlp', 'AcmStats', 'Gate', 'aux_losses', 'collect_named_stats', 'collect_stats',
-    'gate_labels', 'gathered', 'gumbel_softmax', 'learner_mask', 'learner_usage',
-    'learner_usage_counts', 'module_kind',
+    'AcmMlp', 'AcmStats', 'Gate', 'at_least', 'aux_losses', 'budget_used', 'collect_named_stats',
+    'collect_stats', 'diversity_loss', 'entropy_loss', 'gate_labels', 'gathered',
+    'gumbel_softmax', 'learner_mask', 'learner_usage', 'learner_usage_counts', 'module_kind',
 ]

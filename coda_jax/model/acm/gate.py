@@ -7,7 +7,10 @@ non-linearity, which collapses them to one linear map). Its one-hot choice c
 training; argmax in evaluation; `AcmConfig.force_learners` fixes k) becomes
 the learner mask m_n = Σ_{j>=n} c_j, which MULTIPLIES the learners' outputs,
 so the task loss reaches the gate (the official code only indexes with
-argmax). In phase 'gate' it is trained on `gate_labels`.
+argmax). An attention projection's gate never chooses fewer than
+`AcmConfig.attention_min_learners` (`at_least`), as the authors' q/k/v/o
+gates. In phase 'gate' it is trained on `gate_labels` (the authors' rule by
+default, `AcmConfig.label_rule`).
 """
 from __future__ import annotations
 
@@ -49,27 +52,61 @@ def learner_mask(choice: Array) -> Array:
   return jnp.cumsum(choice[..., ::-1], axis=-1)[..., ::-1][..., 1:]
 
 
-def gate_labels(errors: Array, error_factor: float) -> Array:
+# The logit of a choice below a gate's minimum: exp() of it is 0 in float32,
+# and it stays finite through the Gumbel noise and the temperature.
+EXCLUDED_LOGIT = -1e9
+
+
+def at_least(logits: Array, min_learners: int) -> Array:
+  """[..., N+1] logits with the choices k < `min_learners` excluded.
+
+  The authors' gate for q/k/v/o has N outputs for k = 1..N and a constant
+  zero prepended for k = 0 after the (Gumbel-)softmax
+  (architectures/acm.py lines 92-100 and 114-119): the same as a softmax
+  over N+1 logits whose first is -inf. Here it is `EXCLUDED_LOGIT`, so the
+  gate keeps its N+1 outputs (one parameter layout for every ACM).
+  """
+  if min_learners <= 0:
+    return logits
+  below = jnp.arange(logits.shape[-1]) < min_learners
+  return jnp.where(below, jnp.asarray(EXCLUDED_LOGIT, logits.dtype), logits)
+
+
+def gate_labels(errors: Array, error_factor: float, rule: str = 'authors',
+                min_learners: int = 0) -> Array:
   """Gate labels from the learners' errors (phase 'gate').
+
+  j is the first k in 0..N-1 with e_k / e_{k+1} < τ_label (one more learner
+  improves the error by less than the factor). `rule` 'authors' (the ACM
+  authors' code, methods/acm/gating_networks_train.py lines 152-161: a
+  boolean argmax, then `where(j == 0, N, j + 1)`) labels j + 1, and N when j
+  is 0 or there is none; 'smallest' labels j itself, or N when there is none.
+  Labels below `min_learners` (an attention ACM's gate) are raised to it.
 
   Args:
     errors: [..., N+1] e_k = ||h(z, k) - f(z)|| for k = 0..N (e_0 = ||f(z)||).
     error_factor: τ_label > 0.
+    rule: 'authors' or 'smallest' (`AcmConfig.label_rule`).
+    min_learners: the fewest learners the gate may choose.
 
   Returns:
-    [...] int32: the smallest k in 0..N-1 with e_k / e_{k+1} < τ_label (one more
-    learner improves the error by less than the factor), or N if there is none.
-    (The official code labels that k + 1, and N when the condition first holds
-    at k = 0.)
+    [...] int32 labels in min_learners..N.
   """
   num_learners = errors.shape[-1] - 1
   current, following = errors[..., :-1], errors[..., 1:]
-  # e_{k+1} = 0: the next learner removes the error, an infinite improvement.
+  # e_{k+1} = 0: the next learner removes the error, an infinite improvement
+  # (torch's x / 0 = inf, and 0 / 0 = nan, is never < τ either).
   improvement = jnp.where(following > 0, current / jnp.where(following > 0, following, 1.0),
                           jnp.inf)
   small = improvement < error_factor
-  return jnp.where(jnp.any(small, axis=-1), jnp.argmax(small, axis=-1),
-                   num_learners).astype(jnp.int32)
+  first = jnp.argmax(small, axis=-1)
+  if rule == 'authors':
+    labels = jnp.where(first == 0, num_learners, first + 1)   # argmax 0: j = 0 or none
+  elif rule == 'smallest':
+    labels = jnp.where(jnp.any(small, axis=-1), first, num_learners)
+  else:
+    raise ValueError(f"gate_labels' rule must be 'authors' or 'smallest', got {rule!r}")
+  return jnp.maximum(labels, min_learners).astype(jnp.int32)
 
 
 class Gate(nn.Module):

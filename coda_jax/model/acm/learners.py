@@ -8,10 +8,12 @@ units each. Low-rank learners (`AcmLinear`, the attention projections of
 `attention.AcmAttention`): W [in, out] ≈ Σ_n a_n b_n, a [in, R], b [R, out],
 learner n the rank R/N slice of W's truncated SVD (`acmize.low_rank_learners`).
 
-`_learners_forward` is what both share: the gate (`gate.Gate`), the phases
-(`AcmConfig.phase`: 'distill' and 'gate' run the teacher and add the
-reconstruction loss / the gate's cross-entropy, 'finetune' runs the learners
-the gate chose), the `stats.AcmStats` it sows, and inference:
+`_learners_forward` is what both share: the gate (`gate.Gate`; an attention
+projection's never chooses fewer than `AcmConfig.attention_min_learners`),
+the phases (`AcmConfig.phase`: 'distill' and 'gate' run the teacher and add
+the reconstruction loss / the gate's cross-entropy, 'finetune' runs the
+learners the gate chose), the `stats.AcmStats` it sows (with one learner's
+MACs per token, which the budget loss weighs by), and inference:
 'masked' runs every learner on every token and masks (exact; the training
 path), 'gather' runs learner n only on the tokens that chose k >= n
 (`gather.gathered`). The token that picks k runs learners 1..k, all of them
@@ -32,34 +34,70 @@ import jax.numpy as jnp
 from coda_jax.model import layers
 from coda_jax.model.acm import gather
 from coda_jax.model.acm.base import GATE_NAME, RANK_AXIS, Array
-from coda_jax.model.acm.gate import Gate, gate_labels, gumbel_softmax, learner_mask
+from coda_jax.model.acm.gate import Gate, at_least, gate_labels, gumbel_softmax, learner_mask
 from coda_jax.model.acm.gather import HiddenFn
 from coda_jax.model.acm.stats import AcmStats
 from coda_jax.config import AcmConfig
+
+
+def _module_wise_losses(module: nn.Module, z: Array, teacher: Array, logits: Array,
+                        real_f: Array, hidden: HiddenFn, out_kernel: Array, h: int,
+                        min_learners: int) -> Tuple[Array, Array, Array]:
+  """Phases 'distill' and 'gate': (distill loss, gate loss, reconstruction [N]).
+
+  The learners run on the teacher's input (stop-gradient) against the
+  teacher's output f(z); 'distill' returns mean_k MSE(h(z, k), f(z)),
+  'gate' the gate's cross-entropy on `gate_labels` (the rule of
+  `AcmConfig.label_rule`) over the real tokens.
+  """
+  acm = module.acm
+  n_learners = acm.num_learners
+  batch, length, _ = z.shape
+  out_dim = out_kernel.shape[-1]
+  zero = jnp.zeros((), jnp.float32)
+  target = lax.stop_gradient(jnp.asarray(teacher, jnp.float32))
+  hid = hidden(lax.stop_gradient(z)).reshape(batch, length, n_learners, h)
+  parts = jnp.einsum('blnh,nhe->blne', hid,
+                     jnp.asarray(out_kernel, module.dtype).reshape(n_learners, h, out_dim))
+  partial = jnp.cumsum(parts.astype(jnp.float32), axis=2)        # h(z, k), k = 1..N
+  per_k = jnp.mean(jnp.square(partial - target[:, :, None, :]), axis=3)   # [b, l, N]
+  per_k = jnp.sum(per_k * real_f[..., None], axis=(0, 1)) / jnp.maximum(jnp.sum(real_f), 1.0)
+  reconstruction = lax.stop_gradient(per_k)
+  if acm.phase == 'distill':
+    return jnp.mean(per_k), zero, reconstruction
+  partial = lax.stop_gradient(partial)
+  errors = jnp.linalg.norm(
+      jnp.concatenate([jnp.zeros_like(partial[:, :, :1]), partial], axis=2)
+      - target[:, :, None, :], axis=-1)                          # [b, l, N+1]
+  labels = gate_labels(errors, acm.label_error_factor, acm.label_rule, min_learners)
+  ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels[..., None],
+                            axis=-1)[..., 0]
+  return zero, jnp.sum(ce * real_f) / jnp.maximum(jnp.sum(real_f), 1.0), reconstruction
 
 
 def _learners_forward(module: nn.Module, z: Array, token_mask: Optional[Array],
                       teacher: Optional[Array], deterministic: bool,
                       learners: Optional[Array], *, hidden: HiddenFn, out_kernel: Array,
                       learner_dim: int, gate_in_axis: str, out_axes: Tuple[str, ...],
-                      sow: bool = True) -> Array:
+                      learner_macs: int, min_learners: int = 0, sow: bool = True) -> Array:
   """The body of an ACM (`AcmMlp`, `AcmLinear`) on `z [batch, length, in]`.
 
   Learner n is `hidden(z, Block(n h, h)) @ out_kernel[n h:(n+1) h]`; the
   gate, the phases, the statistics and 'gather' inference are the same for
   every kind of learner. Called from the module's compact `__call__`: the
-  gate is its submodule `gate`. Returns `[batch, length, out]`.
+  gate is its submodule `gate`, which never chooses k < `min_learners`
+  (`gate.at_least`; `learners` and `force_learners` override it as given).
+  `learner_macs` is one learner's multiply-accumulates per token, sown for
+  the budget loss. Returns `[batch, length, out]`.
   """
   acm = module.acm
   n_learners, h = acm.num_learners, learner_dim
   batch, length, _ = z.shape
-  out_dim = out_kernel.shape[-1]
   real = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
   real_f = real.astype(jnp.float32)
   # Module-wise phases train on the teacher's input: nothing flows back into z.
-  logits = Gate(n_learners + 1, acm.gate_dim, in_axis=gate_in_axis, name=GATE_NAME)(
-      z if acm.phase == 'finetune' else lax.stop_gradient(z))
-  probs = jax.nn.softmax(logits, axis=-1)
+  logits = at_least(Gate(n_learners + 1, acm.gate_dim, in_axis=gate_in_axis, name=GATE_NAME)(
+      z if acm.phase == 'finetune' else lax.stop_gradient(z)), min_learners)
   zero = jnp.zeros((), jnp.float32)
   distill_loss = gate_loss = zero
   reconstruction = jnp.zeros((n_learners,), jnp.float32)
@@ -68,27 +106,8 @@ def _learners_forward(module: nn.Module, z: Array, token_mask: Optional[Array],
     if teacher is None:
       raise ValueError(f"AcmConfig.phase={acm.phase!r} needs the pretrained module's output "
                        '(teacher)')
-    target = lax.stop_gradient(jnp.asarray(teacher, jnp.float32))
-    x = lax.stop_gradient(z)
-    hid = hidden(x).reshape(batch, length, n_learners, h)
-    parts = jnp.einsum('blnh,nhe->blne', hid,
-                       jnp.asarray(out_kernel, module.dtype).reshape(n_learners, h, out_dim))
-    partial = jnp.cumsum(parts.astype(jnp.float32), axis=2)        # h(z, k), k = 1..N
-    per_k = jnp.mean(jnp.square(partial - target[:, :, None, :]), axis=3)   # [b, l, N]
-    per_k = jnp.sum(per_k * real_f[..., None], axis=(0, 1)) / jnp.maximum(
-        jnp.sum(real_f), 1.0)
-    reconstruction = lax.stop_gradient(per_k)
-    if acm.phase == 'distill':
-      distill_loss = jnp.mean(per_k)
-    else:
-      partial = lax.stop_gradient(partial)
-      errors = jnp.linalg.norm(
-          jnp.concatenate([jnp.zeros_like(partial[:, :, :1]), partial], axis=2)
-          - target[:, :, None, :], axis=-1)                          # [b, l, N+1]
-      labels = gate_labels(errors, acm.label_error_factor)
-      ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels[..., None],
-                                axis=-1)[..., 0]
-      gate_loss = jnp.sum(ce * real_f) / jnp.maximum(jnp.sum(real_f), 1.0)
+    distill_loss, gate_loss, reconstruction = _module_wise_losses(
+        module, z, teacher, logits, real_f, hidden, out_kernel, h, min_learners)
     choice = jax.nn.one_hot(jnp.argmax(logits, axis=-1), n_learners + 1)
     out = jnp.asarray(teacher, module.dtype)
   else:
@@ -108,13 +127,16 @@ def _learners_forward(module: nn.Module, z: Array, token_mask: Optional[Array],
       out = hid @ jnp.asarray(out_kernel, module.dtype)
 
   if sow:
-    learners = jnp.argmax(choice, axis=-1).astype(jnp.int32) * real
-    # k / N counted with the straight-through choice: the budget loss reaches the gate.
-    k_frac = jnp.sum(learner_mask(choice), axis=-1) / n_learners
+    # Counted with the straight-through choice: the fine-tuning losses reach the gate.
+    real_choice = choice * real_f[..., None]                         # [b, l, N+1]
+    k_frac = jnp.sum(learner_mask(real_choice), axis=-1) / n_learners
     module.sow('intermediates', 'acm', AcmStats(
-        learners=learners, learners_sum=jnp.sum(k_frac * real_f, axis=-1),
-        tokens=jnp.sum(real_f, axis=-1),
-        choice_probs_sum=jnp.sum(probs * real_f[..., None], axis=(0, 1)),
+        learners=jnp.argmax(choice, axis=-1).astype(jnp.int32) * real,
+        learners_sum=jnp.sum(k_frac, axis=-1), tokens=jnp.sum(real_f, axis=-1),
+        choice_counts=jnp.sum(real_choice, axis=1),
+        choice_probs_sum=jnp.sum(jax.nn.softmax(logits, axis=-1) * real_f[..., None],
+                                 axis=(0, 1)),
+        learner_macs=jnp.asarray(learner_macs, jnp.float32),
         distill_loss=distill_loss, gate_loss=gate_loss, reconstruction_error=reconstruction))
   return layers.with_sharding_constraint(out, out_axes)
 
@@ -206,7 +228,9 @@ class AcmMlp(_LearnerStack):
         self, z, token_mask, teacher, deterministic, learners,
         hidden=lambda x, block=None: self._hidden(x, wi, block), out_kernel=wo,
         learner_dim=self.learner_dim, gate_in_axis='embed',
-        out_axes=('batch', 'length', 'embed'))
+        out_axes=('batch', 'length', 'embed'),
+        # One learner on one token: its h units of every input kernel and of wo.
+        learner_macs=(len(wi) + 1) * z.shape[-1] * self.learner_dim)
 
 
 # ----------------------------------------------------------------------------
@@ -222,7 +246,9 @@ class AcmLinear(_LearnerStack):
   `acmize.acmize` sets a = U √S, b = √S Vᵀ of W's SVD, singular values largest
   first: learner 1 holds the top R/N directions and, with R = min(in, out),
   all N learners ARE W. Parameters `a`, `b` and `gate/...`, every one with
-  logical axes (`RANK_AXIS` for R).
+  logical axes (`RANK_AXIS` for R). Its gate chooses k >=
+  `AcmConfig.attention_min_learners` (1 by default, as the ACM authors'
+  q/k/v/o gates; an `AcmMlp` may choose 0).
 
   Attributes:
     acm: the `AcmConfig`.
@@ -259,4 +285,6 @@ class AcmLinear(_LearnerStack):
     return _learners_forward(
         self, z, token_mask, teacher, deterministic, learners, hidden=hidden, out_kernel=b,
         learner_dim=self.learner_dim, gate_in_axis=self.in_axis,
-        out_axes=('batch', 'length', self.out_axis), sow=sow)
+        out_axes=('batch', 'length', self.out_axis),
+        learner_macs=(z.shape[-1] + self.features) * self.learner_dim,
+        min_learners=self.acm.attention_min_learners, sow=sow)

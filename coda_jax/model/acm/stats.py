@@ -23,11 +23,19 @@ from coda_jax.model.acm.base import ACM_MLP, ACM_PROJECTIONS, Array
 class AcmStats:
   """What one ACM sows (`intermediates/.../acm`); sums run over real tokens.
 
+  The sums over tokens of the gate's choice c (one-hot, with the straight-
+  through gradient of the Gumbel-softmax in training) carry the gradient of
+  the fine-tuning losses (`losses.aux_losses`) back to the gate.
+
   Attributes:
     learners: [batch, length] int32 k of every token (0 on padding).
     learners_sum: [batch] Σ_tokens k / N (the fraction of learners used).
     tokens: [batch] number of real tokens.
+    choice_counts: [batch, N+1] Σ_tokens c: how many of the sequence's real
+      tokens chose each k (the authors' entropy and diversity losses).
     choice_probs_sum: [N+1] Σ_tokens softmax(gate logits).
+    learner_macs: scalar, one learner's multiply-accumulates per token (the
+      authors' budget loss weighs each ACM's k by it).
     distill_loss: scalar, mean_k MSE(h(z, k), f(z)) (0 outside phase 'distill').
     gate_loss: scalar, the gate's cross-entropy (0 outside phase 'gate').
     reconstruction_error: [N] MSE(h(z, k), f(z)) for k = 1..N, over real
@@ -36,7 +44,9 @@ class AcmStats:
   learners: Array
   learners_sum: Array
   tokens: Array
+  choice_counts: Array
   choice_probs_sum: Array
+  learner_macs: Array
   distill_loss: Array
   gate_loss: Array
   reconstruction_error: Array
