@@ -333,7 +333,8 @@ def test_acm_rows_next_to_the_dense_model(acm_task):
 def test_the_committed_profile_gives_the_conversions_capacities():
   """Read as the benchmark reads it, the quickstart conversion's usage gives
   the capacities the conversion itself ran 'gather' with (64 rows a decoding
-  step) and 46 / 68 / 89% of the dense FFN's work at β = 0.25 / 0.5 / 0.75."""
+  step) and 38 / 63 / 98% of the dense FFN's work at β = 0.25 / 0.5 / 0.75
+  (the conversion trained as the ACM authors' code does)."""
   profile = acm_usage.read(PROFILE)
   assert profile.budgets == (0.25, 0.5, 0.75) and profile.num_learners == 4
   with open(PROFILE) as f:
@@ -343,7 +344,7 @@ def test_the_committed_profile_gives_the_conversions_capacities():
     acm = profile.config(profile.template(), budget)
     assert list(acm.capacities(64)) == rows[budget]['gather_usage_capacities_per_decoding_step']
     fractions[budget] = round(flops.acm_ffn_fraction(acm, 64), 2)
-  assert fractions == {0.25: 0.46, 0.5: 0.68, 0.75: 0.89}
+  assert fractions == {0.25: 0.38, 0.5: 0.63, 0.75: 0.98}
 
 
 def test_acm_decoder_is_the_models_own():
