@@ -11,7 +11,8 @@
              logical axes) and `k = ceil(n / r)`
   acm        `AcmConfig`, `AcmInferenceConfig`
   audio      `AudioConfig` (the log-mel front end), `SpecAugmentConfig`,
-             `StemConfig` (speech's subsampling stem)
+             `StemConfig` (speech's subsampling stem), `BestRqConfig`
+             (BEST-RQ pre-training)
   speech     `TransducerConfig` (the RNN-T's prediction and joint networks)
   serialize  `to_dict` / `from_dict`: configs as JSON
 

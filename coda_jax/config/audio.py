@@ -1,6 +1,7 @@
 """The speech input's settings: the log-mel front end (`AudioConfig`),
-SpecAugment (`SpecAugmentConfig`) and the 4x convolutional subsampling stem
-(`StemConfig`), with the stem's logical axis names. No flax.
+SpecAugment (`SpecAugmentConfig`), the 4x convolutional subsampling stem
+(`StemConfig`), with the stem's logical axis names, and BEST-RQ's
+self-supervised pre-training (`BestRqConfig`). No flax.
 
 The paper (CoDA §6, App. A) does not state its front end; these defaults are
 the standard one of BEST-RQ / Lingvo's LibriSpeech models: 80 log-mel bins of
@@ -27,8 +28,7 @@ STEM_ACTIVATIONS = ('relu', 'swish', 'silu', 'gelu')
 
 # Logical axes of the stem's parameters: a convolution kernel is
 # [time, freq, in channels, channels]; the projection [channels x reduced
-# mels, embed]. All small: replicated (not yet in the partitioner's rules,
-# where an axis without a rule is replicated anyway).
+# mels, embed]. All small: replicated (`model.partitioning`'s rules).
 STEM_KERNEL_TIME_AXIS = 'stem_kernel_time'
 STEM_KERNEL_FREQ_AXIS = 'stem_kernel_freq'
 STEM_IN_CHANNELS_AXIS = 'stem_in_channels'
@@ -173,3 +173,68 @@ class StemConfig:
     if self.activation not in STEM_ACTIVATIONS:
       raise ValueError(f'StemConfig.activation must be one of {STEM_ACTIVATIONS}, '
                        f'got {self.activation!r}')
+
+
+def _fraction(value, name: str) -> float:
+  """`value` as a float in [0, 1]."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+    raise ValueError(f'{name} must be a number in [0, 1], got {value!r}')
+  return float(value)
+
+
+@gin.configurable(module=GIN_MODULE)
+@dataclasses.dataclass(frozen=True)
+class BestRqConfig:
+  """BEST-RQ (Chiu et al., ICML 2022, "Self-supervised learning with
+  random-projection quantizer for speech recognition"):
+  `model.speech.bestrq`.
+
+  A frozen random projection of `stack_frames` stacked, normalised log-mel
+  frames to `codebook_dim`, and the index of the nearest of
+  `codebook_size` random codes (both l2-normalised), labels each encoder
+  frame; the encoder sees the log-mels with spans replaced by noise and
+  predicts the labels of the masked frames with a softmax.
+
+  The paper's values: `codebook_size` 8192, `codebook_dim` 16, one codebook
+  (`num_codebooks` > 1: its multi-softmax ablation, an independent
+  projection, codebook and softmax each, losses averaged), `mask_prob` 0.01
+  (each frame starts a span with that probability), spans of 400 ms
+  (`mask_span` 40 frames at AudioConfig's 10 ms hop), masked frames
+  replaced by noise N(0, `noise_std`^2) with `noise_std` 0.1, 4 frames
+  stacked (= the stem's 4x subsampling: one label per encoder frame), the
+  projection Xavier-uniform and the codes standard normal.
+
+  Choices (the paper does not state them): `seed` 0 (the quantizer is drawn
+  with NumPy from it, so it needs no checkpoint); the input normalisation
+  (the paper normalises the features, mean 0 and variance 1 per dimension)
+  is per utterance, per mel bin, over its real frames, with
+  `norm_epsilon` added to the variance; `normalize=False` leaves features
+  as given (already normalised, e.g. by global statistics).
+  """
+  codebook_size: int = 8192
+  codebook_dim: int = 16
+  num_codebooks: int = 1
+  mask_prob: float = 0.01
+  mask_span: int = 40
+  noise_std: float = 0.1
+  stack_frames: int = 4
+  seed: int = 0
+  normalize: bool = True
+  norm_epsilon: float = 1e-5
+
+  def __post_init__(self):
+    for name in ('codebook_size', 'codebook_dim', 'num_codebooks', 'mask_span',
+                 'stack_frames'):
+      object.__setattr__(self, name, positive_int(getattr(self, name), f'BestRqConfig.{name}'))
+    object.__setattr__(self, 'mask_prob', _fraction(self.mask_prob, 'BestRqConfig.mask_prob'))
+    std = self.noise_std
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or std < 0:
+      raise ValueError(f'BestRqConfig.noise_std must be a number >= 0, got {std!r}')
+    object.__setattr__(self, 'noise_std', float(std))
+    if not is_int(self.seed) or self.seed < 0:
+      raise ValueError(f'BestRqConfig.seed must be an integer >= 0, got {self.seed!r}')
+    object.__setattr__(self, 'seed', int(self.seed))
+    if not isinstance(self.normalize, bool):
+      raise ValueError(f'BestRqConfig.normalize must be True or False, got {self.normalize!r}')
+    object.__setattr__(self, 'norm_epsilon',
+                       _positive(self.norm_epsilon, 'BestRqConfig.norm_epsilon'))

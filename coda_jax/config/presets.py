@@ -1,13 +1,14 @@
-"""The model presets by name: T5 v1.1's sizes, the paper's §6 text models and
-the image models (Pix2Struct's public sizes and the §6 vision model), and the
-paper's CoDA settings for each (`paper_coda`). No flax."""
+"""The model presets by name: T5 v1.1's sizes, the paper's §6 text models, the
+image models (Pix2Struct's public sizes and the §6 vision model) and the §6
+speech encoders, and the paper's CoDA settings for each (`paper_coda`). No
+flax."""
 from __future__ import annotations
 
 import difflib
 from typing import Any, Dict
 
-from coda_jax.config.coda import DEFAULT_ADAPTER_DIM, CodaConfig
-from coda_jax.config.t5 import PATCHES, T5Config
+from coda_jax.config.coda import DEFAULT_ADAPTER_DIM, CodaConfig, SoftTopKConfig
+from coda_jax.config.t5 import AUDIO, PATCHES, T5Config
 
 # t5x's T5 v1.1 sizes (t5x/examples/t5/t5_1_1/*.gin).
 T5_1_1_SIZES = {
@@ -56,12 +57,35 @@ PIX2STRUCT_SIZES = {
 }
 PIX2STRUCT_INPUT = dict(vocab_size=50244, encoder_input=PATCHES, patch_dim=768,
                         patch_positions=4096)
+# The paper's speech encoders (§6, App. A, Table 7: "31, 2" / "32, 2" layers,
+# the second number the transducer's LSTM layers, `TransducerConfig`): T5's
+# layers (RMS norms, relative position bias) with Swish feed-forward blocks
+# ("standard Transformer with Swish", after Conformer), over the 4x stem's
+# frames of 80 log-mels (`AudioConfig`, `StemConfig`). No decoder: a
+# `SpeechTransducer`'s RNN-T reads the encoder; `vocab_size` is unused there
+# (set to TransducerConfig's 1024 labels and the blank).
+SPEECH_SIZES = {
+    'speech_base': dict(emb_dim=768, num_heads=8, num_encoder_layers=31, head_dim=96,
+                        mlp_dim=3072),
+    'speech_large': dict(emb_dim=1280, num_heads=8, num_encoder_layers=32, head_dim=160,
+                         mlp_dim=5120),
+    'speech_xl': dict(emb_dim=1664, num_heads=8, num_encoder_layers=32, head_dim=208,
+                      mlp_dim=6656),
+}
+SPEECH_INPUT = dict(vocab_size=1025, encoder_input=AUDIO, num_mels=80, num_decoder_layers=0,
+                    mlp_activations=('swish',))
 # Table 7's adapter widths (d_adpt) of the models it lists: the §6 text models
-# 64, the vision model 256. Table 7 gives none for T5 v1.1 (§5) or the public
-# Pix2Struct checkpoints: `paper_coda` gives them DEFAULT_ADAPTER_DIM (64).
-PAPER_ADAPTER_DIMS = {'text_base': 64, 'text_large': 64, 'text_xl': 64, 'vision': 256}
+# 64, the vision and speech models 256. Table 7 gives none for T5 v1.1 (§5)
+# or the public Pix2Struct checkpoints: `paper_coda` gives them
+# DEFAULT_ADAPTER_DIM (64).
+PAPER_ADAPTER_DIMS = {'text_base': 64, 'text_large': 64, 'text_xl': 64, 'vision': 256,
+                      **{name: 256 for name in SPEECH_SIZES}}
+# App. C: the soft top-k's ε and β for speech (text and vision: 0.03 and 0.7,
+# SoftTopKConfig's defaults); ε0 = 4 and T = 20 for all.
+SPEECH_SOFT_TOPK = dict(epsilon=1.0, epsilon_decay=0.85)
 # Every model `preset` builds by name.
-PRESETS = tuple(T5_1_1_SIZES) + tuple(CODA_TEXT_SIZES) + tuple(PIX2STRUCT_SIZES)
+PRESETS = (tuple(T5_1_1_SIZES) + tuple(CODA_TEXT_SIZES) + tuple(PIX2STRUCT_SIZES)
+           + tuple(SPEECH_SIZES))
 
 
 def t5_1_1(size: str, **overrides) -> T5Config:
@@ -77,18 +101,22 @@ def _unknown(size: str) -> ValueError:
                                                       if close else '')
                     + f'; known: T5 v1.1 {list(T5_1_1_SIZES)}, '
                     f"the paper's §6 text models {list(CODA_TEXT_SIZES)}, "
-                    f'the image models {list(PIX2STRUCT_SIZES)}')
+                    f'the image models {list(PIX2STRUCT_SIZES)}, '
+                    f'the speech encoders {list(SPEECH_SIZES)}')
 
 
 def preset(size: str, **overrides) -> T5Config:
   """A model by name, with overrides: a T5 v1.1 size (`t5_1_1`), one of
   the paper's §6 text models ('text_base', 'text_large', 'text_xl') or an
   image model (`PIX2STRUCT_SIZES`: 'pix2struct_base', 'pix2struct_large',
-  'vision')."""
+  'vision') or a speech encoder (`SPEECH_SIZES`: 'speech_base',
+  'speech_large', 'speech_xl', for a `SpeechTransducer`)."""
   if size in T5_1_1_SIZES:
     return t5_1_1(size, **overrides)
   if size in PIX2STRUCT_SIZES:
     return _t5_layers({**PIX2STRUCT_INPUT, **PIX2STRUCT_SIZES[size]}, overrides)
+  if size in SPEECH_SIZES:
+    return _t5_layers({**SPEECH_INPUT, **SPEECH_SIZES[size]}, overrides)
   if size not in CODA_TEXT_SIZES:
     raise _unknown(size)
   return _t5_layers(CODA_TEXT_SIZES[size], overrides)
@@ -99,13 +127,15 @@ def paper_coda(size: str, **overrides) -> CodaConfig:
   name), with overrides: `preset(size)`'s companion.
 
   Per model, Table 7's adapter width (`PAPER_ADAPTER_DIMS`: 64 for the §6
-  text models, 256 for the vision model; DEFAULT_ADAPTER_DIM, 64, for the
-  models Table 7 does not list). The rest is the paper's for every text and
-  vision model, CodaConfig's defaults: parallel adapters (§3), k-to-all
+  text models, 256 for the vision and speech models; DEFAULT_ADAPTER_DIM,
+  64, for the models Table 7 does not list). The rest is the paper's for
+  every model, CodaConfig's defaults: parallel adapters (§3), k-to-all
   attention (§5, the variant §6 uses), the soft top-k router with App. C.2's
-  ε = 0.03, ε0 = 4, β = 0.7 and T = 20 iterations. r is the run's choice
+  ε = 0.03, ε0 = 4, β = 0.7 and T = 20 iterations; for the speech encoders
+  App. C's ε = 1.0 and β = 0.85 (`SPEECH_SOFT_TOPK`). r is the run's choice
   (CodaConfig's default 3; App. A pre-trains the text models at k = 192 of
-  n = 512 and the vision model at 1024 of 4096: r = 4).
+  n = 512 and the vision model at 1024 of 4096: r = 4; speech fine-tunes
+  at r = 2 and 4).
 
     coda = config.paper_coda('vision')                       # adapter_dim 256
     coda = config.paper_coda('text_base', reduction_factor=5.0)
@@ -113,6 +143,8 @@ def paper_coda(size: str, **overrides) -> CodaConfig:
   if size not in PRESETS:
     raise _unknown(size)
   settings = {'adapter_dim': PAPER_ADAPTER_DIMS.get(size, DEFAULT_ADAPTER_DIM)}
+  if size in SPEECH_SIZES:
+    settings['soft_topk'] = SoftTopKConfig(**SPEECH_SOFT_TOPK)
   settings.update(overrides)
   return CodaConfig(**settings)
 

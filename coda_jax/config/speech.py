@@ -17,6 +17,11 @@ import gin
 from coda_jax.config.t5 import GIN_MODULE
 from coda_jax.validation import is_int, positive_int
 
+# The logical axis of the joint network's hidden units (`model.speech.
+# transducer`): replicated, so that its output kernel [joint, vocab] splits
+# the outputs over the mesh's model axis as an LM head does.
+JOINT_AXIS = 'joint'
+
 
 @gin.configurable(module=GIN_MODULE)
 @dataclasses.dataclass(frozen=True)

@@ -62,11 +62,19 @@ LM_HEAD_KERNELS = ('auto', 'xla', 'pallas')
 # `image_patches.extract_patches`, row id 0 padding), embedded by a linear
 # projection of the pixel values plus learned row and column embeddings,
 # with no relative position bias in the encoder.
-TOKENS, PATCHES = 'tokens', 'patches'
+# or 'audio' (speech: `[batch, frames, 1 + num_mels]` rows of
+# `data.audio`, a frame's realness (1.0, 0.0 at padding) before its
+# log-mels), subsampled 4x by a convolutional stem (`model.speech.stem`),
+# SpecAugment while training, T5's relative position bias in the encoder.
+TOKENS, PATCHES, AUDIO = 'tokens', 'patches', 'audio'
 # A patch row's row id and column id before its pixel values (Pix2Struct's
 # `[row_id, col_id, values...]`: `data.images.patches`, `model.patch_embed`).
 PATCH_ID_COLUMNS = 2
-ENCODER_INPUTS = (TOKENS, PATCHES)
+# An audio frame's realness column before its log-mels (`data.audio`,
+# `model.speech.encoder_input`): 1.0 at a real frame, 0.0 at padding, so
+# that the zeros a batch is padded with are padding frames.
+AUDIO_MASK_COLUMNS = 1
+ENCODER_INPUTS = (TOKENS, PATCHES, AUDIO)
 
 
 @gin.configurable(module=GIN_MODULE)
@@ -105,11 +113,13 @@ class T5Config:
   beam_attention_kernel: str = 'auto'
   # 'auto' | 'xla' | 'pallas' (see LM_HEAD_KERNELS).
   lm_head_kernel: str = 'auto'
-  # 'tokens' | 'patches' (see ENCODER_INPUTS); with patches, the values per
-  # patch (16 x 16 x 3) and the rows (and columns) the position tables hold.
+  # 'tokens' | 'patches' | 'audio' (see ENCODER_INPUTS); with patches, the
+  # values per patch (16 x 16 x 3) and the rows (and columns) the position
+  # tables hold; with audio, the log-mel bins per frame (`AudioConfig.num_mels`).
   encoder_input: str = 'tokens'
   patch_dim: int = 768
   patch_positions: int = 4096
+  num_mels: int = 80
 
   def __post_init__(self):
     if isinstance(self.dtype, str):
@@ -117,7 +127,8 @@ class T5Config:
     object.__setattr__(self, 'mlp_activations', tuple(self.mlp_activations))
     for name in ('vocab_size', 'emb_dim', 'num_heads', 'head_dim', 'mlp_dim',
                  'relative_attention_num_buckets',
-                 'relative_attention_max_distance', 'patch_dim', 'patch_positions'):
+                 'relative_attention_max_distance', 'patch_dim', 'patch_positions',
+                 'num_mels'):
       positive_int(getattr(self, name), f'T5Config.{name}')
     for name in ('num_encoder_layers', 'num_decoder_layers'):
       if int(getattr(self, name)) < 0:

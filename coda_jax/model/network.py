@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax import plan as plan_lib
-from coda_jax.config import (NO_ADAPTER, PARALLEL, PATCHES, SEQUENTIAL_ADAPTERS,
-                             SEQUENTIAL_HOULSBY, AcmConfig, CodaConfig, T5Config,
-                             parallel_adapter_baseline, t5_1_1)  # noqa: F401
+from coda_jax.config import (AUDIO, NO_ADAPTER, PARALLEL, PATCHES, SEQUENTIAL_ADAPTERS,
+                             SEQUENTIAL_HOULSBY, AcmConfig, CodaConfig, SpecAugmentConfig,
+                             StemConfig, T5Config, parallel_adapter_baseline,
+                             t5_1_1)  # noqa: F401
 from coda_jax.kernels import route_adapter
 from coda_jax.kernels import tpu_blocks
 from coda_jax.kernels import unroute_combine
@@ -29,6 +30,7 @@ from coda_jax.model import lm_head
 from coda_jax.model import patch_embed
 from coda_jax.model import routing
 from coda_jax.model import soft_topk
+from coda_jax.model.speech import audio_input
 from coda_jax.plan import AttentionPlan, LayerPlan
 
 Array = jax.Array
@@ -114,19 +116,29 @@ def _beams(decoder_rows: int, encoder_rows: int, decode: bool) -> int:
 
 
 def _encoder_inputs(config: T5Config, inputs: Array) -> Array:
-  """Token ids as int32; Pix2Struct's patches as they are, checked."""
+  """Token ids as int32; Pix2Struct's patches and audio rows as they are,
+  checked."""
   if config.encoder_input == PATCHES:
     patch_embed.check_patches(config, inputs)
+    return inputs
+  if config.encoder_input == AUDIO:
+    audio_input.check_audio(config, inputs)
     return inputs
   return inputs.astype(jnp.int32)
 
 
 def encoder_real(config: T5Config, inputs: Array) -> Array:
-  """bool `[batch, length]`: the real inputs, not padding (token id 0, or
-  a patch row with row id 0)."""
+  """bool `[batch, encoder length]`: the encoder's real tokens, not padding
+  (token id 0, a patch row with row id 0, or for audio the stem's output
+  frames that read only real frames)."""
   if config.encoder_input == PATCHES:
     return patch_embed.real_patches(inputs)
+  if config.encoder_input == AUDIO:
+    return audio_input.real_frames(inputs)
   return attention.real_token_mask(inputs)
+
+
+encoder_length = audio_input.encoder_length
 
 
 def _relative_embedding(config: T5Config) -> attention.RelativePositionBiases:
@@ -394,35 +406,45 @@ class Encoder(nn.Module):
   """Embedding, `num_encoder_layers` layers (dense or routed), final RMS norm.
 
   Its plan (`coda_jax.plan`) is resolved here, once per traced program, from
-  the configs, the chip the program is for (`plan.target.current()`), the input
-  length and the mesh; the layers receive its choices.
+  the configs, the chip the program is for (`plan.target.current()`), the
+  encoder's length (for audio the stem's output frames) and the mesh; the
+  layers receive its choices. Audio rows go through `audio_input.AudioEmbed`
+  (`stem_config`; SpecAugment while training with `spec_augment_config`).
   """
   config: T5Config
-  shared_embedding: nn.Module
+  shared_embedding: Optional[nn.Module]
   coda: Optional[CodaConfig] = None
   acm: Optional[AcmConfig] = None
+  stem_config: StemConfig = StemConfig()
+  spec_augment_config: Optional[SpecAugmentConfig] = None
 
   @nn.compact
   def __call__(self, encoder_input_tokens: Array, encoder_mask: Optional[Array] = None,
                deterministic: bool = False, mask_is_padding: bool = False) -> Array:
     """`[batch, length]` tokens (or Pix2Struct's patches `[batch, length, 2 +
-    patch_dim]`, `T5Config.encoder_input`) -> `[batch, length, emb]`;
+    patch_dim]`, or audio rows `[batch, frames, 1 + num_mels]`: length =
+    ceil(frames / 4), `T5Config.encoder_input`) -> `[batch, length, emb]`;
     `mask_is_padding`: `encoder_mask` is the padding mask of the inputs (no
     segments)."""
     cfg = self.config
-    plan = plan_lib.resolve(cfg, self.coda, self.acm, length=encoder_input_tokens.shape[1],
+    plan = plan_lib.resolve(cfg, self.coda, self.acm,
+                            length=encoder_length(cfg, encoder_input_tokens.shape[1]),
                             batch=encoder_input_tokens.shape[0],
                             training=not deterministic, packed=not mask_is_padding,
                             sharded=tpu_blocks.split_axes('mlp', 'embed'))
     plan_lib.note(plan)
     acm = plan_lib.with_acm_inference(self.acm, plan.acm)
+    input_mask = encoder_real(cfg, encoder_input_tokens)
     if cfg.encoder_input == PATCHES:
       rel_emb, x = None, patch_embed.embed_patches(cfg, encoder_input_tokens)
+    elif cfg.encoder_input == AUDIO:
+      rel_emb = _relative_embedding(cfg)
+      x, _ = audio_input.AudioEmbed(cfg, self.stem_config, self.spec_augment_config,
+                                    name='audio_embed')(encoder_input_tokens, deterministic)
     else:
       rel_emb = _relative_embedding(cfg)
       x = self.shared_embedding(encoder_input_tokens.astype('int32'))
     x = _dropout(cfg)(x, deterministic=deterministic).astype(cfg.dtype)
-    input_mask = encoder_real(cfg, encoder_input_tokens)
     for lyr in range(cfg.num_encoder_layers):
       if self.coda is not None and self.coda.is_routed(lyr, cfg.num_encoder_layers):
         layer = RoutedEncoderLayer(cfg, rel_emb, plan.routed, self.coda, acm,

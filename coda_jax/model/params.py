@@ -27,7 +27,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from coda_jax.config import PATCHES
+from coda_jax.config import AUDIO, AUDIO_MASK_COLUMNS, PATCHES
 from coda_jax.config import PATCH_ID_COLUMNS as ID_COLUMNS
 
 PyTree = Any
@@ -95,8 +95,10 @@ def unflatten(flat: Mapping[str, Any]) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------
 
 # Module name prefixes of what CoDA and ACM add to a T5 layer: `router`,
-# `adapter`, `adapter_attention`, `adapter_mlp`, `acm_mlp`.
-NEW_MODULE_PREFIXES = ('adapter', 'router', 'acm')
+# `adapter`, `adapter_attention`, `adapter_mlp`, `acm_mlp`; and a speech
+# model's `transducer` (`model.speech_network`: its prediction and joint
+# networks are new in fine-tuning, on a backbone pre-trained without them).
+NEW_MODULE_PREFIXES = ('adapter', 'router', 'acm', 'transducer')
 # LoRA's factors, next to a pretrained projection's `kernel`.
 LORA_LEAVES = ('lora_a', 'lora_b')
 # Layer norms (`pre_attention_layer_norm`, `encoder_norm`, ...): pretrained,
@@ -179,9 +181,10 @@ def example_inputs(batch: int = 1, encoder_length: int = EXAMPLE_ENCODER_LENGTH,
                    decoder_length: int = EXAMPLE_DECODER_LENGTH, config=None):
   """(encoder tokens, decoder input tokens, decoder target tokens), all ones
   (with a `config` whose encoder reads patches, the encoder's input is
-  `[batch, encoder_length, 2 + patch_dim]` ones: patch rows with ids 1)."""
-  if config is not None and config.encoder_input == PATCHES:
-    enc = jnp.ones((batch, encoder_length, ID_COLUMNS + config.patch_dim), jnp.float32)
+  `[batch, encoder_length, 2 + patch_dim]` ones: patch rows with ids 1; for
+  audio `[batch, encoder_length, 1 + num_mels]` ones: real frames)."""
+  if config is not None and config.encoder_input in (PATCHES, AUDIO):
+    enc = jnp.ones(encoder_input_spec(config, batch, encoder_length).shape, jnp.float32)
   else:
     enc = jnp.ones((batch, encoder_length), jnp.int32)
   dec = jnp.ones((batch, decoder_length), jnp.int32)
@@ -191,9 +194,13 @@ def example_inputs(batch: int = 1, encoder_length: int = EXAMPLE_ENCODER_LENGTH,
 def encoder_input_spec(config, batch: int, length: int) -> jax.ShapeDtypeStruct:
   """The encoder's input as a shape: `[batch, length]` int32 token ids, or
   for an image encoder (`T5Config.encoder_input` 'patches') `[batch, length,
-  2 + patch_dim]` float32 patch rows."""
+  2 + patch_dim]` float32 patch rows; for audio `[batch, length, 1 +
+  num_mels]` float32 frames."""
   if config.encoder_input == PATCHES:
     return jax.ShapeDtypeStruct((batch, length, ID_COLUMNS + config.patch_dim), jnp.float32)
+  if config.encoder_input == AUDIO:
+    return jax.ShapeDtypeStruct((batch, length, AUDIO_MASK_COLUMNS + config.num_mels),
+                                jnp.float32)
   return jax.ShapeDtypeStruct((batch, length), jnp.int32)
 
 

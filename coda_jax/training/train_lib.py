@@ -157,9 +157,9 @@ def _prepare_tasks(train_cfg, infer_eval_dataset_cfg, vocabulary, register_tasks
         '; copy the file somewhere readable and bind it, e.g. '
         '--gin.seqio.SentencePieceVocabulary.sentencepiece_model_file=/path/to/'
         'sentencepiece.model') from e
-  if vocab_size > model.config.vocab_size:
-    raise ConfigError(f'the task\'s vocabulary has {vocab_size} ids but the model '
-                      f'only {model.config.vocab_size} embeddings')
+  too_small = trainer_lib.vocabulary_misfit(model, vocab_size)
+  if too_small:
+    raise ConfigError(too_small)
   data_lib.check_inputs(model.config, task, eval_cfg and eval_cfg.mixture_or_task_name)
   return task, eval_cfg
 
@@ -189,7 +189,8 @@ def build_trainer(model, lengths: Mapping[str, int], total_steps: int, mesh,
                                              trainable_params)
   schedule = None
   if model.routes_tokens:
-    schedule = k_annealing.k_schedule(lengths['inputs'], model.coda.reduction_factor,
+    schedule = k_annealing.k_schedule(network.encoder_length(model.config, lengths['inputs']),
+                                      model.coda.reduction_factor,
                                       total_steps, k_anneal_fraction, k_anneal_max_rungs)
   trainer = trainer_lib.Trainer(
       model, optimizer, mesh, k_schedule=schedule, rules=logical_axis_rules,
@@ -225,7 +226,7 @@ def setup(model, train_dataset_cfg, infer_eval_dataset_cfg, total_steps: int,
     raise ConfigError(f'the train dataset has no shuffling seed (DATA_SEED = None): the '
                       f'{jax.process_count()} processes would read different orders; '
                       'set DATA_SEED')
-  n = lengths['inputs']
+  n = network.encoder_length(model.config, lengths['inputs'])
   checked = preflight.check_run(
       model, n, [model.coda.num_selected(n), n] if model.routes_tokens else [n],
       dtype=jnp.dtype(model.config.dtype).name, training=True, mode=selftest,

@@ -32,6 +32,7 @@ from coda_jax.model import acm as acm_lib
 from coda_jax.model import attention
 from coda_jax.model import params as params_lib
 from coda_jax.model import partitioning
+from coda_jax.model import speech_network
 from coda_jax.training import k_annealing
 from coda_jax.training import optimizer as optimizer_lib
 
@@ -65,6 +66,40 @@ def _is_routed(model) -> bool:
   return bool(getattr(model, 'routes_tokens', False))
 
 
+def is_transducer(model) -> bool:
+  """Whether `model` is a speech transducer (`speech_network.SpeechTransducer`:
+  trained on the RNN-T loss, decoded by `speech_network.transcribe`) rather
+  than an encoder-decoder (cross entropy, `decoding.predict_batch`)."""
+  return isinstance(model, speech_network.SpeechTransducer)
+
+
+def vocabulary_misfit(model, vocab_size: int) -> Optional[str]:
+  """Why a task vocabulary of `vocab_size` ids does not fit `model` (its
+  embeddings, or a transducer's outputs), or None when it fits."""
+  if is_transducer(model):
+    if vocab_size > model.transducer.num_outputs:
+      return (f'the task\'s vocabulary has {vocab_size} ids but the transducer only '
+              f'{model.transducer.num_outputs} outputs (TransducerConfig.vocab_size = '
+              f'{model.transducer.vocab_size} labels and the blank, id 0): set '
+              f'TransducerConfig.vocab_size = {vocab_size - 1}')
+  elif vocab_size > model.config.vocab_size:
+    return (f'the task\'s vocabulary has {vocab_size} ids but the model only '
+            f'{model.config.vocab_size} embeddings')
+  return None
+
+
+def transducer_loss(nll: jax.Array, targets: jax.Array) -> Tuple[jax.Array, Dict[str, jax.Array]]:
+  """The RNN-T objective of a batch: the utterances' -log P(y | x) `nll
+  [batch]` summed and divided by the number of labels (`targets [batch, U]`,
+  0 padding), as the cross entropy is per target token; with the mean per
+  utterance as a metric. Returns (objective, metrics)."""
+  num_labels = jnp.maximum(jnp.sum(attention.real_token_mask(targets).astype(jnp.float32)),
+                           1.0)
+  loss = jnp.sum(nll.astype(jnp.float32)) / num_labels
+  return loss, {'loss': loss, 'utterance_loss': jnp.mean(nll.astype(jnp.float32)),
+                'num_tokens': num_labels}
+
+
 def rung_models(model, schedule: Optional[k_annealing.KSchedule]):
   """One model per k rung (the same module routing that rung's k)."""
   if schedule is None or not _is_routed(model):
@@ -73,10 +108,12 @@ def rung_models(model, schedule: Optional[k_annealing.KSchedule]):
 
 
 class Trainer:
-  """Sharded state and jitted train / predict steps for a `Transformer`.
+  """Sharded state and jitted train / predict steps for a `Transformer` or a
+  `SpeechTransducer`.
 
   Args:
-    model: the `network.Transformer` (dense T5 or CoDA) at its target k.
+    model: the `network.Transformer` (dense T5 or CoDA) or the
+      `speech_network.SpeechTransducer`, at its target k.
     optimizer: the optax transformation (usually `optimizer.create_optimizer`).
     mesh: the `(data, model)` mesh.
     k_schedule: the k ladder (None or a one-rung schedule: no annealing).
@@ -212,25 +249,22 @@ class Trainer:
 
   def _loss_fn(self, model, params, batch, rng):
     extra = {k: batch[k] for k in _OPTIONAL_FEATURES if k in batch}
-    logits, aux = model.apply(
+    outputs, aux = model.apply(
         {'params': params}, batch['encoder_input_tokens'], batch['decoder_input_tokens'],
         batch['decoder_target_tokens'], **extra, enable_dropout=True,
         rngs={'dropout': rng}, mutable=['intermediates'])
     targets = batch['decoder_target_tokens']
-    weights = batch.get('decoder_loss_weights')
-    if weights is None:
-      weights = attention.real_token_mask(targets)
-    loss_sum, z_sum, correct = cross_entropy(logits, targets, weights, self.z_loss)
-    num_tokens = jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
+    if is_transducer(model):
+      objective, metrics = transducer_loss(outputs, targets)
+    else:
+      objective, metrics = self._cross_entropy(outputs, targets,
+                                               batch.get('decoder_loss_weights'))
     ratios = [v['mass_ratio'] for v in jax.tree.leaves(
         aux.get('intermediates', {}), is_leaf=lambda x: isinstance(x, dict) and 'mass_ratio' in x)
         if isinstance(v, dict)]
-    metrics = {'loss': loss_sum / num_tokens, 'z_loss': z_sum / num_tokens,
-               'accuracy': correct / num_tokens, 'num_tokens': num_tokens}
     if ratios:
       metrics['routing_mass_ratio'] = jnp.mean(jnp.stack(
           [jnp.mean(r.astype(jnp.float32)) for r in ratios]))
-    objective = loss_sum / num_tokens
     if getattr(model, 'acm', None) is not None:
       # ACM conversion (coda_jax.model.acm): phases 'distill' and 'gate' train on
       # their module-wise losses alone (the forward pass is the frozen teacher);
@@ -239,6 +273,16 @@ class Trainer:
       metrics.update({f'acm_{name}': value for name, value in terms.items()})
       objective = terms['loss'] + (objective if model.acm.phase == 'finetune' else 0.0)
     return objective, metrics
+
+  def _cross_entropy(self, logits, targets, weights):
+    """(objective, metrics) of teacher-forced logits: t5x's cross entropy with
+    z-loss per weighted target token."""
+    if weights is None:
+      weights = attention.real_token_mask(targets)
+    loss_sum, z_sum, correct = cross_entropy(logits, targets, weights, self.z_loss)
+    num_tokens = jnp.maximum(jnp.sum(weights.astype(jnp.float32)), 1.0)
+    return loss_sum / num_tokens, {'loss': loss_sum / num_tokens, 'z_loss': z_sum / num_tokens,
+                                   'accuracy': correct / num_tokens, 'num_tokens': num_tokens}
 
   def _make_step(self, rung: int) -> Callable:
     model = self.models[rung]
@@ -334,7 +378,10 @@ class Trainer:
     return self._learner_usage
 
   def predict_fn(self, max_decode_length: int, rung: int = -1) -> Callable:
-    """Jitted greedy decoding `(params, encoder_input_tokens) -> tokens` (replicated)."""
+    """Jitted greedy decoding `(params, encoder_input_tokens) -> tokens`
+    (replicated): `max_decode_length` tokens of the decoder, or a
+    transducer's labels (`speech_network.transcribe`: at most the model's
+    symbols per encoder frame; `max_decode_length` unused)."""
     rung = rung % len(self.models)
     key = (rung, int(max_decode_length))
     if key not in self._predict:
@@ -343,6 +390,8 @@ class Trainer:
 
       def predict(params, tokens):
         with partitioning.axis_rules(self.rules):
+          if is_transducer(model):
+            return speech_network.transcribe(model, params, tokens).tokens
           seqs, _ = decoding.predict_batch(model, params, tokens,
                                            max_decode_length=int(max_decode_length),
                                            method='greedy')

@@ -11,4 +11,7 @@ own; this package imports none of them.
                         its state for decoding) and the joint network
   transducer_decoding   greedy and beam search (time-synchronous, a cap on
                         labels per frame)
+  bestrq                BEST-RQ pre-training (Chiu et al. 2022): the frozen
+                        random-projection quantizer's labels, span masks
+                        with noise, target frames, the softmax head and loss
 """

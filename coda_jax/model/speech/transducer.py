@@ -31,9 +31,11 @@ apply unchanged; an axis name appears once per array):
   prediction/lstm_<l>/input_kernel [E or H, 4H] ('embed', 'mlp')
   prediction/lstm_<l>/recurrent_kernel [H, 4H] ('embed', 'mlp')
   prediction/lstm_<l>/bias         [4H]       ('mlp',)
-  joint/encoder_projection/kernel  [D, J]     ('embed', 'mlp'), joint/bias [J] ('mlp',)
-  joint/prediction_projection/kernel [H, J]   ('embed', 'mlp')
-  joint/output/kernel              [J, V+1]   ('mlp', 'vocab'), joint/output_bias [V+1]
+  joint/encoder_projection/kernel  [D, J]     ('embed', 'joint'), joint/bias [J] ('joint',)
+  joint/prediction_projection/kernel [H, J]   ('embed', 'joint')
+  joint/output/kernel              [J, V+1]   ('joint', 'vocab'), joint/output_bias [V+1]
+('joint', `config.JOINT_AXIS`, is replicated: the outputs split over the
+mesh's model axis as an LM head's vocabulary does.)
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from coda_jax.config import TransducerConfig
+from coda_jax.config import JOINT_AXIS, TransducerConfig
 from coda_jax.model import layers
 from coda_jax.model.speech import rnnt
 
@@ -168,11 +170,11 @@ class JointNetwork(nn.Module):
     cfg = self.config
     dense = lambda features, axes: layers.DenseGeneral(features, dtype=self.dtype,
                                                        kernel_axes=axes)
-    self.encoder_projection = dense(cfg.joint_dim, ('embed', 'mlp'))
-    self.prediction_projection = dense(cfg.joint_dim, ('embed', 'mlp'))
-    self.output = dense(cfg.num_outputs, ('mlp', 'vocab'))
+    self.encoder_projection = dense(cfg.joint_dim, ('embed', JOINT_AXIS))
+    self.prediction_projection = dense(cfg.joint_dim, ('embed', JOINT_AXIS))
+    self.output = dense(cfg.num_outputs, (JOINT_AXIS, 'vocab'))
     self.bias = param_with_axes('bias', nn.initializers.zeros, (cfg.joint_dim,),
-                                jnp.float32, axes=('mlp',))
+                                jnp.float32, axes=(JOINT_AXIS,))
     self.output_bias = param_with_axes('output_bias', nn.initializers.zeros,
                                        (cfg.num_outputs,), jnp.float32, axes=('vocab',))
 
