@@ -1,5 +1,7 @@
 """The speech model: audio rows through the stem and the (routed) Transformer
 encoder into the RNN-T (`model.speech_network`), and its training step."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -176,3 +178,51 @@ def test_coda_training_steps_lower_the_loss_and_keep_the_backbone():
     assert moved == trained, name
   tokens = trainer.predict_fn(8)(state['params'], batch['encoder_input_tokens'])
   assert tokens.shape == (3, 10 * TRANSDUCER.max_symbols_per_frame)
+
+
+def test_bestrq_pretraining_learns_the_codes_and_hands_its_encoder_on():
+  """BEST-RQ's masked prediction trains the encoder (loss down, accuracy
+  up on a fixed batch); its `encoder/` leaves are a SpeechTransducer's."""
+  cfg = CFG
+  bestrq = C.BestRqConfig(codebook_size=16, codebook_dim=8, mask_prob=0.05, mask_span=8)
+  model = speech_network.BestRqPretraining(cfg, bestrq, stem_config=STEM)
+  mesh = partitioning.create_mesh((1, 1), jax.devices()[:1])
+  optimizer = optimizer_lib.create_optimizer(lambda step: 1e-2, optax.adam, 'all')
+  trainer = trainer_lib.Trainer(model, optimizer, mesh, trainable_params='all')
+  state = trainer.init_state(trainer.init_params(jax.random.PRNGKey(0)), jax.random.PRNGKey(1))
+  # Segments of 16 frames, each one of 4 spectra (and a little noise): a
+  # masked span's codes follow from the unmasked frames around it.
+  rng = np.random.default_rng(4)
+  spectra = rng.normal(size=(4, MELS)) * 2
+  x = _rows([64, 64, 48], 64)
+  for b, n in enumerate([64, 64, 48]):
+    segments = spectra[rng.integers(0, 4, size=n // 16)]
+    x[b, :n, 1:] = np.repeat(segments, 16, axis=0) + 0.05 * rng.normal(size=(n, MELS))
+  batch = trainer.shard_batch({'encoder_input_tokens': x, 'decoder_input_tokens': LABELS,
+                               'decoder_target_tokens': LABELS}, 3)
+  # Held to a fixed mask (an evaluation's) with more targets than a step's.
+  evaluation = speech_network.BestRqPretraining(
+      cfg, dataclasses.replace(bestrq, mask_prob=0.15), stem_config=STEM)
+  evaluate = jax.jit(lambda p: evaluation.apply({'params': p}, x, LABELS, LABELS,
+                                               enable_dropout=False))
+  before = evaluate(state['params'])
+  counts = []
+  for step in range(60):
+    state, metrics = trainer.train_step(state, batch, step)
+    counts.append(float(metrics['num_tokens']))
+  after = evaluate(state['params'])
+  assert int(before[2]) == int(after[2]) > 20
+  assert float(after[0]) < 0.6 * float(before[0]), (before, after)
+  assert float(after[1]) > float(before[1]) + 0.2, (before, after)
+  assert all(0 <= c <= 3 * 16 for c in counts) and max(counts) > 0   # real encoder frames
+  # No targets, no loss: mask probability 0.
+  quiet = speech_network.BestRqPretraining(
+      cfg, C.BestRqConfig(codebook_size=16, codebook_dim=8, mask_prob=0.0), stem_config=STEM)
+  loss, accuracy, count = quiet.apply({'params': state['params']}, x, LABELS, LABELS,
+                                      enable_dropout=False)
+  assert (float(loss), float(accuracy), int(count)) == (0.0, 0.0, 0)
+  transducer_params = params_lib.flatten(params_lib.abstract_params(_model()))
+  pretrained = params_lib.flatten(jax.tree.map(np.asarray, state['params']))
+  assert {n for n in transducer_params if n.startswith('encoder/')} == {
+      n for n in pretrained if n.startswith('encoder/')}
+  assert {n.split('/')[0] for n in pretrained} == {'encoder', 'bestrq_head'}

@@ -164,12 +164,25 @@ class StemConfig:
   channels each, `activation` after each, then a projection to the model's
   width. Defaults: ReLU (ESPnet's / Conformer's `Conv2dSubsampling`) and 128
   channels (a setting: ESPnet uses the model width, which costs a 768-wide
-  3x3 convolution over the half-rate frames)."""
+  3x3 convolution over the half-rate frames).
+
+  Before the stem (and SpecAugment) each utterance's log-mels are normalised
+  per mel bin to mean 0 and variance 1 over its real frames (`normalize`,
+  `norm_epsilon` added to the variance: `model.speech.bestrq.
+  normalize_features`, the normalisation BEST-RQ's quantizer reads too), so
+  that pre-training and fine-tuning see the same scale whatever the
+  recording's level."""
   channels: int = 128
   activation: str = 'relu'
+  normalize: bool = True
+  norm_epsilon: float = 1e-5
 
   def __post_init__(self):
     object.__setattr__(self, 'channels', positive_int(self.channels, 'StemConfig.channels'))
+    if not isinstance(self.normalize, bool):
+      raise ValueError(f'StemConfig.normalize must be True or False, got {self.normalize!r}')
+    object.__setattr__(self, 'norm_epsilon',
+                       _positive(self.norm_epsilon, 'StemConfig.norm_epsilon'))
     if self.activation not in STEM_ACTIVATIONS:
       raise ValueError(f'StemConfig.activation must be one of {STEM_ACTIVATIONS}, '
                        f'got {self.activation!r}')

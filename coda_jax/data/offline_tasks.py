@@ -54,8 +54,9 @@ VALIDATION_SEED = 1
 DEFAULT_TRAIN_SEED = 0
 # What an offline task trains (`OfflineTask.objective`).
 # 'image_to_text': `coda_jax.data.images.tasks` draws the example's ``scene`` and
-# registers the task itself.
-OBJECTIVES = ('text_to_text', 'span_corruption', 'image_to_text')
+# registers the task itself; 'speech_to_text': `coda_jax.data.audio.tasks`
+# synthesises the example's ``audio`` and registers the task itself.
+OBJECTIVES = ('text_to_text', 'span_corruption', 'image_to_text', 'speech_to_text')
 # Draws per validation example before a generator is declared too small.
 _MAX_DRAWS_PER_EXAMPLE = 100
 
@@ -80,7 +81,9 @@ class OfflineTask:
       C4: cut into windows that fill the inputs, noise spans replaced by
       sentinels; no metric), or 'image_to_text' (an image task of
       `coda_jax.data.images.tasks`: the example's ``scene`` drawn, its
-      ``targets`` the answer; that module registers it).
+      ``targets`` the answer; that module registers it), or 'speech_to_text'
+      (a speech task of `coda_jax.data.audio.tasks`: the example's ``audio``
+      synthesised, its ``targets`` the transcript; that module registers it).
   """
   name: str
   generate: Generator
@@ -205,8 +208,8 @@ def task_specs(vocabulary, postprocess_fn: Callable[..., Any],
   import seqio  # pylint: disable=g-import-not-at-top
   specs = {}
   for name, task in OFFLINE_TASKS.items():
-    if task.objective == 'image_to_text':
-      continue                                   # `coda_jax.data.images.tasks.task_specs`
+    if task.objective in ('image_to_text', 'speech_to_text'):
+      continue                                   # images/tasks.py's, audio/tasks.py's task_specs
     source = seqio.FunctionDataSource(task.dataset, splits=SPLITS)
     if task.objective == 'span_corruption':
       if not span_corruption:

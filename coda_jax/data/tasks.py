@@ -28,6 +28,10 @@ Registered names (`register_tasks`, run at import with T5's vocabulary):
                           image tasks for Pix2Struct models (`coda_jax.data.images.tasks`:
                           images + JSONL from IMAGE_DATA_DIR, or generated);
                           exact match, ANLS, CIDEr
+  coda_speech_directory, coda_librispeech, coda_quickstart_dtmf
+                          speech tasks for speech models (`coda_jax.data.audio.tasks`:
+                          WAV / FLAC + JSONL from AUDIO_DATA_DIR, TFDS librispeech, or
+                          generated DTMF tones); WER
 
 Labels of classification tasks are T5's label names; a prediction that is no
 label scores as wrong. Metrics are percentages, as T5 reports them, and
@@ -49,6 +53,7 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
+from coda_jax.data.audio import tasks as audio_tasks
 from coda_jax.data.images import tasks as image_tasks
 from coda_jax.data import offline_tasks
 
@@ -82,7 +87,9 @@ BOOLQ_FEATURE_KEYS = ('question', 'passage')
 
 TASK_NAMES = ('coda_glue_mnli', 'coda_glue_rte', 'coda_super_glue_boolq',
               'coda_super_glue_record', 'coda_squad_v1_1', 'coda_xsum',
-              'coda_c4_span_corruption') + tuple(offline_tasks.OFFLINE_TASKS)
+              'coda_c4_span_corruption') + tuple(offline_tasks.OFFLINE_TASKS) + tuple(
+                  name for name in audio_tasks.TASK_NAMES
+                  if name not in offline_tasks.OFFLINE_TASKS)
 
 
 def default_vocabulary():
@@ -587,6 +594,7 @@ def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
       **offline_tasks.task_specs(vocabulary, text_postprocessor, accuracy,
                                  span_corruption=(concat_and_split, span_corruption)),
       **image_tasks.task_specs(vocabulary),
+      **audio_tasks.task_specs(vocabulary),
   }
 
 

@@ -8,6 +8,13 @@ a 2-layer LSTM transducer (RNN-T, Graves 2012).
       ─ Transducer (prediction network, joint) ─> logits [B, T'', U+1, V+1]
       ─ rnnt_loss ─> -log P(y | x) [B]
 
+`BestRqPretraining` is the same encoder pre-trained by BEST-RQ (App. A: "we
+pre-train the backbone as BEST-RQ"): masked frames, a frozen random-projection
+quantizer's labels, a softmax over its codes (`model.speech.bestrq`). Its
+`encoder/...` leaves are a `SpeechTransducer`'s: a fine-tuning run reads
+them from the pre-training run's MODEL_DIR (`INITIAL_CHECKPOINT_PATH`), the
+softmax (`bestrq_head/`) left behind.
+
 `SpeechTransducer` keeps t5x's calling convention (`__call__(encoder_input_tokens,
 decoder_input_tokens, decoder_target_tokens)`), so the trainer, the
 partitioner and the checkpoints treat it as they treat `network.Transformer`:
@@ -26,14 +33,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from coda_jax.config import (AUDIO, AcmConfig, CodaConfig, SpecAugmentConfig, StemConfig,
-                             T5Config, TransducerConfig)
+from coda_jax.config import (AUDIO, AUDIO_MASK_COLUMNS, AcmConfig, BestRqConfig, CodaConfig,
+                             SpecAugmentConfig, StemConfig, T5Config, TransducerConfig)
 from coda_jax.model import attention
 from coda_jax.model import network
+from coda_jax.model.speech import audio_input
+from coda_jax.model.speech import bestrq as bestrq_lib
 from coda_jax.model.speech import transducer as transducer_lib
 from coda_jax.model.speech import transducer_decoding
 
 Array = jax.Array
+
+
+def _routes(config: T5Config, coda: Optional[CodaConfig]) -> bool:
+  return coda is not None and any(coda.is_routed(i, config.num_encoder_layers)
+                                  for i in range(config.num_encoder_layers))
 
 
 def label_lengths(labels: Array) -> Array:
@@ -62,9 +76,7 @@ class SpeechTransducer(nn.Module):
   spec_augment_config: Optional[SpecAugmentConfig] = SpecAugmentConfig()
 
   def setup(self):
-    if self.config.encoder_input != AUDIO:
-      raise ValueError(f"SpeechTransducer needs T5Config.encoder_input = 'audio', got "
-                       f'{self.config.encoder_input!r}')
+    _check_audio_model(self.config, 'SpeechTransducer')
     self.encoder = network.Encoder(
         config=self.config, shared_embedding=None, coda=self.coda, acm=self.acm,
         stem_config=self.stem_config, spec_augment_config=self.spec_augment_config)
@@ -74,9 +86,7 @@ class SpeechTransducer(nn.Module):
   @property
   def routes_tokens(self) -> bool:
     """Whether any encoder layer routes."""
-    return self.coda is not None and any(
-        self.coda.is_routed(i, self.config.num_encoder_layers)
-        for i in range(self.config.num_encoder_layers))
+    return _routes(self.config, self.coda)
 
   def encode(self, encoder_input_tokens: Array, enable_dropout: bool = True
              ) -> Tuple[Array, Array]:
@@ -101,6 +111,63 @@ class SpeechTransducer(nn.Module):
     encoded, lengths = self.encode(encoder_input_tokens, enable_dropout=enable_dropout)
     labels = decoder_target_tokens.astype(jnp.int32)
     return self.rnnt.loss(encoded, lengths, labels, label_lengths(labels))
+
+
+def _check_audio_model(config: T5Config, name: str) -> None:
+  if config.encoder_input != AUDIO:
+    raise ValueError(f"{name} needs T5Config.encoder_input = 'audio', got "
+                     f'{config.encoder_input!r}')
+
+
+class BestRqPretraining(nn.Module):
+  """The speech encoder pre-trained by BEST-RQ (module docstring).
+
+  `__call__` returns `(loss, accuracy, targets)`: the mean cross entropy of
+  the codes at the target frames (real encoder frames whose stacked input
+  frames hold a masked one), the share predicted right, and their number.
+  The masks and noise are drawn from the 'dropout' rng while training; an
+  evaluation (`enable_dropout=False`) masks with a fixed key, so that its
+  loss is comparable from one evaluation to the next.
+
+  Attributes: `config` (the encoder's `T5Config`, 'audio' input), `bestrq`
+  (`BestRqConfig`), `coda` (routed layers are possible, the paper
+  pre-trains dense), `stem_config`.
+  """
+  config: T5Config
+  bestrq: BestRqConfig = BestRqConfig()
+  coda: Optional[CodaConfig] = None
+  stem_config: StemConfig = StemConfig()
+  acm: Optional[AcmConfig] = None
+
+  @property
+  def routes_tokens(self) -> bool:
+    """Whether any encoder layer routes."""
+    return _routes(self.config, self.coda)
+
+  @nn.compact
+  def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array,
+               decoder_target_tokens: Array, *, enable_dropout: bool = True,
+               decode: bool = False) -> Tuple[Array, Array, Array]:
+    """Audio rows `[batch, frames, 1 + mels]` (the decoder's arrays unused)
+    -> (loss, accuracy, targets) scalars."""
+    del decoder_input_tokens, decoder_target_tokens, decode
+    _check_audio_model(self.config, 'BestRqPretraining')
+    inputs = network._encoder_inputs(self.config, encoder_input_tokens)  # pylint: disable=protected-access
+    frames = audio_input.input_frames(inputs)
+    mels = inputs[..., AUDIO_MASK_COLUMNS:]
+    quantizer = bestrq_lib.RandomProjectionQuantizer(self.bestrq, self.config.num_mels)
+    rng = self.make_rng('dropout') if enable_dropout else jax.random.PRNGKey(0)
+    batch = bestrq_lib.bestrq_batch(rng, mels, frames, quantizer)
+    masked = jnp.concatenate([inputs[..., :AUDIO_MASK_COLUMNS],
+                              batch.inputs.astype(inputs.dtype)], axis=-1)
+    real = network.encoder_real(self.config, masked)
+    encoded = network.Encoder(
+        config=self.config, shared_embedding=None, coda=self.coda, acm=self.acm,
+        stem_config=self.stem_config, name='encoder')(
+            masked, attention.make_attention_mask(real, real, dtype=self.config.dtype),
+            deterministic=not enable_dropout, mask_is_padding=True)
+    logits = bestrq_lib.BestRqHead(self.bestrq, name='bestrq_head')(encoded)
+    return bestrq_lib.bestrq_loss(logits, batch.labels, batch.targets & real)
 
 
 def transcribe(model: SpeechTransducer, params: Any, encoder_input_tokens: Array, *,

@@ -26,6 +26,7 @@ import importlib
 import io
 import logging
 import sys
+import threading
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -114,6 +115,9 @@ def prepare_task(name: str, vocabulary=None, register_tasks: bool = True,
 # 11 (10 retries, backoff doubling from 0.2 s) add up to 3.5 minutes where the
 # host cannot be reached; 3 give up within about a second.
 TFDS_DOWNLOAD_ATTEMPTS = 3
+# After one of a dataset's downloads failed, how long its others (each
+# `TFDS_DOWNLOAD_ATTEMPTS` attempts: seconds offline) are waited for.
+TFDS_FAILED_DOWNLOADS_WAIT_S = 30.0
 
 
 def tfds_datasets(task) -> List[Tuple[str, Optional[str]]]:
@@ -140,7 +144,10 @@ def _tfds_download_settings():
   """TFDS's download as this package runs it: `TFDS_DOWNLOAD_ATTEMPTS`
   attempts per URL, no retry warnings, TFDS's own messages dropped (they go
   to stdout, the commands' JSON; `ensure_tfds_prepared` says what happens),
-  its progress bars on stderr only on a terminal."""
+  its progress bars on stderr only on a terminal. A dataset of several files
+  (LibriSpeech: 7) downloads them in threads: when one fails, the others
+  are waited for here, under these settings, so that none retries (or
+  writes) after the one line that says so."""
   from tensorflow_datasets.core.download import downloader  # pylint: disable=g-import-not-at-top
   from tensorflow_datasets.core.utils import tqdm_utils  # pylint: disable=g-import-not-at-top
   retries, bars = downloader.MAX_RETRIES, tqdm_utils._active  # pylint: disable=protected-access
@@ -149,10 +156,34 @@ def _tfds_download_settings():
   downloader.MAX_RETRIES = TFDS_DOWNLOAD_ATTEMPTS - 1
   tqdm_utils.display_progress_bar(bars and sys.stderr.isatty())
   urllib3_log.setLevel(logging.ERROR)
+  cls = downloader._Downloader  # pylint: disable=protected-access
+  submit, run = cls.download, cls._sync_download  # pylint: disable=protected-access
+  counts, done = {'submitted': 0, 'ended': 0}, threading.Condition()
+
+  def download(self, *args, **kwargs):
+    result = submit(self, *args, **kwargs)
+    with done:
+      counts['submitted'] += 1
+    return result
+
+  def sync_download(self, *args, **kwargs):
+    try:
+      return run(self, *args, **kwargs)
+    finally:
+      with done:
+        counts['ended'] += 1
+        done.notify_all()
+  cls.download, cls._sync_download = download, sync_download  # pylint: disable=protected-access
   try:
     with contextlib.redirect_stdout(io.StringIO()):
       yield
+  except Exception:
+    with done:
+      done.wait_for(lambda: counts['ended'] >= counts['submitted'],
+                    timeout=TFDS_FAILED_DOWNLOADS_WAIT_S)
+    raise
   finally:
+    cls.download, cls._sync_download = submit, run  # pylint: disable=protected-access
     downloader.MAX_RETRIES = retries
     tqdm_utils.display_progress_bar(bars)
     urllib3_log.setLevel(level)
@@ -222,13 +253,18 @@ def output_vocabulary(task):
 
 
 def batch_spec(lengths: Mapping[str, int], batch_size: int, pack: bool = False,
-               patch_width: Optional[int] = None) -> Dict[str, Tuple[Tuple[int, ...], Any]]:
+               patch_width: Optional[int] = None, audio_width: Optional[int] = None
+               ) -> Dict[str, Tuple[Tuple[int, ...], Any]]:
   """{feature: (shape, dtype)} of the global batches `train_batches` yields:
   what seqio's `EncDecFeatureConverter` makes of `{'inputs': n, 'targets': m}`
   (with `pack`, the segment ids and positions too; with `patch_width`, an
   image task's `[batch, n, patch_width]` float32 patches as
-  ``encoder_input_tokens``). For lowering a train step ahead of time,
-  without reading data."""
+  ``encoder_input_tokens``; with `audio_width` (1 + num_mels), an audio
+  task's `[batch, n, audio_width]` float32 frames). For lowering a train
+  step ahead of time, without reading data."""
+  if patch_width is not None and audio_width is not None:
+    raise ValueError('batch_spec: give patch_width (image tasks) or audio_width (audio '
+                     'tasks), not both')
   n, m = int(lengths['inputs']), int(lengths['targets'])
   spec = {'encoder_input_tokens': n, 'decoder_target_tokens': m, 'decoder_input_tokens': m,
           'decoder_loss_weights': m}
@@ -236,27 +272,35 @@ def batch_spec(lengths: Mapping[str, int], batch_size: int, pack: bool = False,
     spec.update({'encoder_segment_ids': n, 'encoder_positions': n,
                  'decoder_segment_ids': m, 'decoder_positions': m})
   out = {name: ((int(batch_size), length), np.int32) for name, length in spec.items()}
-  if patch_width is not None:
-    out['encoder_input_tokens'] = ((int(batch_size), n, int(patch_width)), np.float32)
+  width = patch_width if audio_width is None else audio_width
+  if width is not None:
+    out['encoder_input_tokens'] = ((int(batch_size), n, int(width)), np.float32)
   return out
 
 
 def check_inputs(config, *tasks) -> None:
   """Raises `errors.ConfigError` when a task's inputs (a seqio task or a
-  registered name; None skipped) are not what the model reads: image patches
-  or tokens (`image_tasks.check_model`)."""
+  registered name; None skipped) are not what the model reads: audio frames
+  (`audio_tasks.check_model`, first), image patches or tokens
+  (`image_tasks.check_model`)."""
+  from coda_jax.data.audio import tasks as audio_tasks  # pylint: disable=g-import-not-at-top
   from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
   try:
+    audio_tasks.check_model(config, *tasks)
     image_tasks.check_model(config, *tasks)
   except ValueError as e:
     raise errors.ConfigError(str(e)) from e
 
 
 def feature_converter(task, pack: bool):
-  """seqio's encoder-decoder feature converter, or for an image task
-  (`image_tasks.has_patches`) its patch-input variant."""
+  """seqio's encoder-decoder feature converter, or for an audio task
+  (`audio_tasks.has_audio`) or an image task (`image_tasks.has_patches`) its
+  float-input variant."""
   import seqio  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.audio import tasks as audio_tasks  # pylint: disable=g-import-not-at-top
   from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
+  if audio_tasks.has_audio(task):
+    return audio_tasks.feature_converter_class()(pack=pack)
   if image_tasks.has_patches(task):
     return image_tasks.feature_converter_class()(pack=pack)
   return seqio.EncDecFeatureConverter(pack=pack)
@@ -362,14 +406,22 @@ def _has_patches(task) -> bool:
   return image_tasks.has_patches(task)
 
 
-def _describe(example: Mapping[str, Any]) -> str:
-  from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
-  return image_tasks.describe(example)
+def _has_audio(task) -> bool:
+  from coda_jax.data.audio import tasks as audio_tasks  # pylint: disable=g-import-not-at-top
+  return audio_tasks.has_audio(task)
 
 
-def _patch_inputs(examples: Sequence[Mapping[str, Any]], n: int) -> np.ndarray:
+def _describe(example: Mapping[str, Any], audio: bool = False) -> str:
+  from coda_jax.data.audio import tasks as audio_tasks  # pylint: disable=g-import-not-at-top
   from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
-  return image_tasks.example_inputs(examples, n)
+  return (audio_tasks if audio else image_tasks).describe(example)
+
+
+def _float_inputs(examples: Sequence[Mapping[str, Any]], n: int, audio: bool) -> np.ndarray:
+  """An image task's patches or an audio task's frames, `[len(examples), n, width]`."""
+  from coda_jax.data.audio import tasks as audio_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
+  return (audio_tasks if audio else image_tasks).example_inputs(examples, n)
 
 
 def _token_inputs(examples: Sequence[Mapping[str, Any]], n: int) -> np.ndarray:
@@ -412,6 +464,11 @@ class TaskEvaluator:
   tokens (with the EOS) than ``task_feature_lengths['targets']``: a decode of
   that length cannot produce them, and training trims them the same way; the
   evaluator logs a warning naming the count when there are any.
+
+  An audio task's examples keep their frames (read with ``inputs`` None: no
+  utterance dropped or cut); `long_inputs` counts, per task, those of more
+  than ``task_feature_lengths['inputs']`` frames (the model hears their first
+  n; training drops such utterances), with a warning.
   """
 
   def __init__(self, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
@@ -434,20 +491,32 @@ class TaskEvaluator:
     for task in tasks:
       if split not in task.splits or not task.predict_metric_fns:
         continue
-      ds = task.get_dataset(sequence_length=self.lengths, split=split, shuffle=False,
+      audio = _has_audio(task)
+      lengths = dict(self.lengths, inputs=None) if audio else self.lengths
+      ds = task.get_dataset(sequence_length=lengths, split=split, shuffle=False,
                             num_epochs=1, use_cached=False)
       if num_examples is not None:
         ds = ds.take(int(num_examples))
       if _has_patches(task):  # kept as their images; `decode` makes the patches
         ds = ds.map(lambda x: {k: v for k, v in x.items() if k != 'inputs'})
       examples = list(ds.as_numpy_iterator())
-      if _has_patches(task):
-        examples = [dict(ex, inputs_pretokenized=_describe(ex)) for ex in examples]
+      if _has_patches(task) or audio:
+        examples = [dict(ex, inputs_pretokenized=_describe(ex, audio)) for ex in examples]
       if examples:
         self.tasks.append((task, examples))
     self.prefix = len(self.tasks) > 1
     self.long_targets: Dict[str, int] = {}
+    self.long_inputs: Dict[str, int] = {}
     for task, examples in self.tasks:
+      if _has_audio(task):
+        n = self.lengths['inputs']
+        count = sum(int(ex['num_frames']) > n for ex in examples if 'num_frames' in ex)
+        if count:
+          self.long_inputs[task.name] = count
+          logging.warning(
+              "%s: %d of %d %s utterances have more than TASK_FEATURE_LENGTHS['inputs'] = "
+              '%d frames: the model hears only their first %d frames (training drops '
+              'such utterances)', task.name, count, len(examples), split, n, n)
       count = self._count_long_targets(task, examples)
       if count:
         self.long_targets[task.name] = count
@@ -484,7 +553,11 @@ class TaskEvaluator:
              on_batch: Optional[Callable[[int], None]] = None) -> List[Decoded]:
     """`predict([batch, n] tokens)` on every example, batch by batch (an image
     task: `[batch, n, 2 + 768]` patches, made a batch at a time from each
-    example's image, `image_tasks.example_inputs`).
+    example's image, `image_tasks.example_inputs`; an audio task: `[batch, n,
+    1 + num_mels]` frames, `audio_tasks.example_inputs`).
+
+    An audio task's labels have no EOS: a row's nonzero ids (before a 1, the
+    EOS, which an RNN-T does not emit) are its transcript's (`trim_at_eos`).
 
     `predict` returns `[batch, m]` tokens, or `(tokens, scores [batch])`.
     Batches are padded with all-padding rows to a multiple of `pad_batch_to`
@@ -494,12 +567,13 @@ class TaskEvaluator:
     n = self.lengths['inputs']
     for task, examples in self.tasks:
       vocab = output_vocabulary(task)
-      inputs = None if _has_patches(task) else _token_inputs(examples, n)
+      audio = _has_audio(task)
+      inputs = None if _has_patches(task) or audio else _token_inputs(examples, n)
       size = self.batch_size + (-self.batch_size) % pad_batch_to
       decoded, scores = [], []
       for start in range(0, len(examples), size):
         chunk = (inputs[start:start + size] if inputs is not None
-                 else _patch_inputs(examples[start:start + size], n))
+                 else _float_inputs(examples[start:start + size], n, audio))
         rows = chunk.shape[0]
         if rows < size:
           chunk = np.concatenate([chunk, np.zeros((size - rows,) + chunk.shape[1:],

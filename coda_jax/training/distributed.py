@@ -3,7 +3,9 @@
 `maybe_initialize_distributed` decides from the command line's flags and the
 environment whether this is a multi-process launch and, if so, initialises
 JAX's distributed runtime before any computation (the trainer's and the
-inference command's first step).
+inference command's first step). A run on several processes then checks
+that its MODEL_DIR is shared (`check_shared_model_dir`) and stops at a
+preemption notice at the step every process agrees on (`preemption_requested`).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import os
 from typing import Mapping, Optional, Tuple, Union
 
 import jax
+import numpy as np
 
 from coda_jax.training.errors import ConfigError
 
@@ -115,3 +118,40 @@ def maybe_initialize_distributed(mode: str = 'auto',
   logging.info('process %d of %d (coordinator %s)', jax.process_index(),
                jax.process_count(), coordinator or 'found by JAX')
   return True
+
+
+def check_shared_model_dir(model_dir: str) -> None:
+  """On several processes: that every process sees the files process 0 writes
+  in `model_dir` (orbax writes each checkpoint from all processes into one
+  directory, and a resumed run must find it)."""
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  token = int(multihost_utils.broadcast_one_to_all(
+      np.int32(int.from_bytes(os.urandom(4), 'little') & 0x7FFFFFFF)))
+  marker = os.path.join(model_dir, f'.written_by_process_0.{token}')
+  if jax.process_index() == 0:
+    os.makedirs(model_dir, exist_ok=True)
+    with open(marker, 'w'):
+      pass
+  multihost_utils.sync_global_devices('coda_jax: MODEL_DIR marker written')
+  seen = np.asarray(multihost_utils.process_allgather(np.int32(os.path.exists(marker))))
+  if jax.process_index() == 0:
+    os.remove(marker)
+  blind = [i for i, s in enumerate(seen.ravel()) if not s]
+  if blind:
+    raise ConfigError(f'MODEL_DIR {model_dir} is not shared: processes {blind} do not see '
+                      'the files process 0 writes there; use a directory every host mounts '
+                      'at the same path (NFS, Filestore, a bucket mounted with gcsfuse)')
+
+
+def preemption_requested(step: int) -> bool:
+  """Whether step `step` is where a multi-process job stops for a preemption
+  notice (JAX's preemption sync point: all processes agree on the step; a
+  SIGTERM reaches the service instead of killing the process). Call it at
+  every step. Always False in a single-process run."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  try:
+    return multihost_utils.reached_preemption_sync_point(step)
+  except RuntimeError:  # jax_enable_preemption_service is off
+    return False

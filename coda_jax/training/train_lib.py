@@ -46,6 +46,8 @@ from coda_jax import config as config_lib
 from coda_jax.model import network
 from coda_jax.model import partitioning
 from coda_jax.training import preflight
+from coda_jax.training.distributed import (  # noqa: F401  (named here for the tests)
+    check_shared_model_dir, preemption_requested)
 from coda_jax.training import data as data_lib
 # The errors `train` raises, named here for its callers (train.py, infer.py, tests).
 from coda_jax.training.errors import (  # pylint: disable=unused-import
@@ -260,31 +262,6 @@ def check_options(model_dir: Optional[str], k_anneal_max_rungs: int,
     raise ConfigError(f'acm_usage_batches must be >= 0, got {acm_usage_batches}')
 
 
-def check_shared_model_dir(model_dir: str) -> None:
-  """On several processes: that every process sees the files process 0 writes
-  in `model_dir` (orbax writes each checkpoint from all processes into one
-  directory, and a resumed run must find it)."""
-  if jax.process_count() == 1:
-    return
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  token = int(multihost_utils.broadcast_one_to_all(
-      np.int32(int.from_bytes(os.urandom(4), 'little') & 0x7FFFFFFF)))
-  marker = os.path.join(model_dir, f'.written_by_process_0.{token}')
-  if jax.process_index() == 0:
-    os.makedirs(model_dir, exist_ok=True)
-    with open(marker, 'w'):
-      pass
-  multihost_utils.sync_global_devices('coda_jax: MODEL_DIR marker written')
-  seen = np.asarray(multihost_utils.process_allgather(np.int32(os.path.exists(marker))))
-  if jax.process_index() == 0:
-    os.remove(marker)
-  blind = [i for i, s in enumerate(seen.ravel()) if not s]
-  if blind:
-    raise ConfigError(f'MODEL_DIR {model_dir} is not shared: processes {blind} do not see '
-                      'the files process 0 writes there; use a directory every host mounts '
-                      'at the same path (NFS, Filestore, a bucket mounted with gcsfuse)')
-
-
 def train_batches(run: RunSetup, start_example: int = 0):
   """This process's rows of the run's global training batches, from example
   `start_example` of the global stream on."""
@@ -323,7 +300,8 @@ def _initial_params(run: RunSetup, initial_checkpoint_path: Optional[str], rng):
   From a T5 v1.1 checkpoint: its leaves, CoDA's new ones initialised, an
   ACM's learners from the pretrained FFNs / projections (`acmize.acmize`). From a trained run
   (a MODEL_DIR of this trainer, e.g. the previous phase of an ACM
-  conversion): every leaf it has, only the missing new ones initialised.
+  conversion): every leaf it has, only the missing new ones initialised; a
+  speech transducer takes the `encoder/` of a (BEST-RQ) run, its transducer new.
   """
   trainer = run.trainer
   if initial_checkpoint_path is None:
@@ -332,7 +310,9 @@ def _initial_params(run: RunSetup, initial_checkpoint_path: Optional[str], rng):
     given = checkpoints.load_train_state(initial_checkpoint_path).params
   else:
     _, given = checkpoints.load_backbone(initial_checkpoint_path)   # T5 v1.1 or Pix2Struct
-  if getattr(run.model, 'acm', None) is not None:
+  if trainer_lib.is_transducer(run.model):  # from a speech backbone: its encoder
+    params = checkpoints.init_coda_from_t5({'encoder': given['encoder']}, run.model, rng)
+  elif getattr(run.model, 'acm', None) is not None:
     # The ACM leaves `given` lacks from the pretrained modules; those it has
     # (a previous phase's) as they are.
     params = acmize_lib.acmize(given, run.model, rng)
@@ -441,18 +421,6 @@ def save_adapter_file(run: RunSetup, ckpt, ckpt_dir: str, progress: Progress) ->
       progress.state['params'], run.model.coda, os.path.join(directory, str(progress.step)),
       run.trainer.replicated, backbone={'model_dir': model_dir, 'step': progress.step},
       t5_config=run.model.config, keep=[str(s) for s in ckpt.all_steps()])
-
-
-def preemption_requested(step: int) -> bool:
-  """Whether step `step` is where a multi-process job stops for a preemption
-  notice (JAX's preemption sync point: all processes agree on the step; a
-  SIGTERM reaches the service instead of killing the process). Call it at
-  every step. Always False in a single-process run."""
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  try:
-    return multihost_utils.reached_preemption_sync_point(step)
-  except RuntimeError:  # jax_enable_preemption_service is off
-    return False
 
 
 def evaluate(run: RunSetup, evaluator: data_lib.TaskEvaluator, params) -> Dict[str, Any]:

@@ -73,6 +73,13 @@ def is_transducer(model) -> bool:
   return isinstance(model, speech_network.SpeechTransducer)
 
 
+def is_bestrq(model) -> bool:
+  """Whether `model` is a speech encoder's BEST-RQ pre-training
+  (`speech_network.BestRqPretraining`: trained on its masked-prediction
+  loss; nothing to decode)."""
+  return isinstance(model, speech_network.BestRqPretraining)
+
+
 def vocabulary_misfit(model, vocab_size: int) -> Optional[str]:
   """Why a task vocabulary of `vocab_size` ids does not fit `model` (its
   embeddings, or a transducer's outputs), or None when it fits."""
@@ -256,6 +263,10 @@ class Trainer:
     targets = batch['decoder_target_tokens']
     if is_transducer(model):
       objective, metrics = transducer_loss(outputs, targets)
+    elif is_bestrq(model):
+      objective, accuracy, count = outputs
+      metrics = {'loss': objective, 'accuracy': accuracy,
+                 'num_tokens': count.astype(jnp.float32)}
     else:
       objective, metrics = self._cross_entropy(outputs, targets,
                                                batch.get('decoder_loss_weights'))

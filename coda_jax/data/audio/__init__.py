@@ -1,4 +1,4 @@
-"""Speech input (NumPy; imports only the config):
+"""Speech input (io, features and dtmf NumPy over the config; tasks seqio):
 
   io        `read_audio`: WAV / FLAC files to float32 mono waveforms in
             [-1, 1] at the asked sample rate (`resample_waveform`: a
@@ -6,6 +6,12 @@
   features  the log-mel front end (`AudioConfig`): frames, Hann window,
             power spectrum, mel filterbank (librosa's), log with a floor;
             `batch_log_mel`: a padded batch and its mask `[batch, frames]`
+  dtmf      generated speech for a quickstart: DTMF key tones among silence,
+            their frame labels (`tone_frames`) and word vocabulary
+  tasks     the speech seqio tasks (a directory of WAV / FLAC + JSONL,
+            TFDS LibriSpeech, generated DTMF): `[frames, 1 + num_mels]`
+            inputs, labels without EOS, WER; `check_model`, the feature
+            converter, `example_inputs`
 
 Import the modules themselves (`from coda_jax.data.audio import features`).
 """

@@ -412,10 +412,13 @@ def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
 
 
 def has_patches(task) -> bool:
-  """Whether a seqio task's (or mixture's first task's) inputs are patches."""
+  """Whether a seqio task's (or mixture's first task's) inputs are patches
+  (rows of floats that are not marked as another kind: audio frames carry
+  ``input_kind`` 'audio')."""
   tasks = getattr(task, 'tasks', None) or [task]
   feature = tasks[0].output_features.get('inputs')
-  return feature is not None and getattr(feature, 'rank', 1) == 2
+  return (feature is not None and getattr(feature, 'rank', 1) == 2
+          and getattr(feature, 'input_kind', PATCHES) == PATCHES)
 
 
 def check_model(config, *tasks) -> None:

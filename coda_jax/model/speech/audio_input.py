@@ -3,6 +3,8 @@
     inputs [B, T, 1 + M]: per 10 ms frame its realness (column 0: 1.0 at a
       real frame, 0.0 at padding, `config.AUDIO_MASK_COLUMNS`) and its M
       log-mels (`data.audio.features.log_mel`)
+    -> per utterance and mel bin: mean 0, variance 1 over the real frames
+       (`StemConfig.normalize`)
     -> SpecAugment (training only: frequency and time masks on the log-mels)
     -> the 4x convolutional stem (`stem.ConvSubsampling`)
     -> x [B, ceil(T / 4), emb], real [B, ceil(T / 4)]: the encoder's tokens
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 
 from coda_jax.config import (AUDIO, AUDIO_MASK_COLUMNS, SpecAugmentConfig, StemConfig,
                              T5Config)
+from coda_jax.model.speech import bestrq
 from coda_jax.model.speech import specaugment
 from coda_jax.model.speech import stem
 
@@ -66,7 +69,8 @@ def encoder_length(config: T5Config, length: int) -> int:
 
 class AudioEmbed(nn.Module):
   """Audio rows `[batch, frames, 1 + mels]` -> `(x [batch, ceil(frames / 4),
-  emb]`, real bool `[batch, ceil(frames / 4)])`: SpecAugment while training
+  emb]`, real bool `[batch, ceil(frames / 4)])`: the log-mels normalised
+  (`stem_config.normalize`), SpecAugment while training
   (`spec_augment_config`, None: never), then the stem (`stem_config`: its
   channels and activation). Parameters: the stem's, under `stem/`."""
   config: T5Config
@@ -78,6 +82,8 @@ class AudioEmbed(nn.Module):
     check_audio(self.config, inputs)
     mask = input_frames(inputs)
     mels = inputs[..., AUDIO_MASK_COLUMNS:]
+    if self.stem_config.normalize:
+      mels = bestrq.normalize_features(mels, mask, self.stem_config.norm_epsilon)
     if self.spec_augment_config is not None:
       mels = specaugment.SpecAugment(self.spec_augment_config, name='spec_augment')(
           mels, mask, deterministic)
