@@ -4,6 +4,12 @@
   model itself (`coda_jax.model.params.param_shapes` of `network.Transformer`).
 * `infer_config(shapes)`: the `T5Config` a checkpoint's shapes describe.
 * `check_shapes(shapes, config)`: `CheckpointError` unless they agree.
+
+A speech model's checkpoint (`T5Config.encoder_input` 'audio': a
+`SpeechTransducer` or its BEST-RQ pre-training) is held to its encoder's
+Transformer layers, relative position bias and final norm: its stem (whose
+channels `StemConfig` sets, not the T5 config) and its head (the
+transducer, or BEST-RQ's softmax) are the model's to check.
 """
 from __future__ import annotations
 
@@ -13,9 +19,21 @@ from typing import Dict, Iterable, Mapping, Tuple
 from coda_jax.model import network
 from coda_jax.model import params as params_lib
 from coda_jax.checkpoints.base import CheckpointError
-from coda_jax.config import T5Config
+from coda_jax.config import AUDIO, T5Config
 
 _STACKS = ('token_embedder', 'encoder', 'decoder')
+# A speech encoder's input stem (`model.speech.audio_input.AudioEmbed`).
+AUDIO_EMBED = 'encoder/audio_embed/'
+
+
+def _checked_leaves(shapes: Mapping[str, Tuple[int, ...]], config: T5Config
+                    ) -> Dict[str, Tuple[int, ...]]:
+  """The leaves of `shapes` that `config` alone determines: all of a text or
+  image model's; a speech model's encoder but its stem."""
+  if config.encoder_input != AUDIO:
+    return dict(shapes)
+  return {n: s for n, s in shapes.items()
+          if n.startswith('encoder/') and not n.startswith(AUDIO_EMBED)}
 
 
 def _reading_order(path: str):
@@ -117,7 +135,8 @@ def check_shapes(shapes: Mapping[str, Tuple[int, ...]], config: T5Config,
   The message names the first missing leaf, the first unexpected one, or the
   path whose shape differs with both shapes.
   """
-  expected = param_shapes(config)
+  expected = _checked_leaves(param_shapes(config), config)
+  shapes = _checked_leaves(shapes, config)
   for name, shape in expected.items():
     if name not in shapes:
       raise CheckpointError(f'{what} is missing {name} (shape {shape})')

@@ -387,7 +387,8 @@ def read_step_metrics(run: RunSetup, ckpt_dir: str, progress: Progress, step: in
     raise NonFiniteLossError(
         f'loss is {values["loss"]} at step {step}; last good '
         f'checkpoint: {_last_good_checkpoint(ckpt_dir, progress)}')
-  values['accuracy'] *= 100.0  # % of target tokens, the unit of every accuracy
+  if 'accuracy' in values:  # none for a transducer
+    values['accuracy'] *= 100.0  # % of target tokens, the unit of every accuracy
   k = run.trainer.k(step - 1)
   if k is not None:
     values['k'] = k
