@@ -38,8 +38,9 @@ def test_each_finetune_recipe_starts_its_routers_from_zero(recipe, tmp_path):
   import gin  # pylint: disable=g-import-not-at-top
   from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
   try:
+    speech = ([('SENTENCEPIECE_MODEL', "'unused.model'")] if 'librispeech' in recipe else [])
     gin_utils.parse_gin([recipe], [('MODEL_DIR', repr(str(tmp_path))),
-                                   ('INITIAL_CHECKPOINT_PATH', 'None')], TINY_MODEL)
+                                   ('INITIAL_CHECKPOINT_PATH', 'None'), *speech], TINY_MODEL)
     model = gin.query_parameter('%MODEL').scoped_configurable_fn()
   finally:
     gin.clear_config()

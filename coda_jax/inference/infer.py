@@ -18,7 +18,9 @@ task, its lengths and vocabulary and the mesh; ``runs/infer.gin`` or
   INPUT_FILE        None: the task's split (INFER_SPLIT / EVAL_SPLIT); else a text
                     file (one model input a line) or JSONL ({"inputs": .., "targets": ..});
                     for an image task (`coda_jax.data.images.tasks`) JSONL of {"image": path
-                    relative to the file, "question": optional, "answer": text or list}
+                    relative to the file, "question": optional, "answer": text or list};
+                    for a speech task (`coda_jax.data.audio.tasks`) JSONL of {"audio": WAV
+                    or FLAC path relative to the file, "text": the transcript (eval)}
   DECODING          'greedy' or 'beam' (NUM_BEAMS, BEAM_ALPHA: t5x's length penalty)
   ACM_INFERENCE     a trained ACM's learners: None (as its run recorded: 'masked'),
                     'masked' or 'gather' (learner n only on the tokens that chose
@@ -55,11 +57,13 @@ import optax
 
 from coda_jax import checkpoints
 from coda_jax import config as config_lib
+from coda_jax.data.audio import tasks as audio_tasks
 from coda_jax.data.images import tasks as image_tasks
 from coda_jax.model import decoding as decoding_lib
 from coda_jax.model import network
 from coda_jax.model import params as params_lib
 from coda_jax.model import partitioning
+from coda_jax.model import speech_network
 from coda_jax import plan as plan_lib
 from coda_jax import quiet
 from coda_jax.training import preflight
@@ -138,7 +142,13 @@ def _trained_model(path: str, step: Optional[int],
     raise checkpoints.CheckpointError(
         f'{run.path} holds CoDA parameters but no {checkpoints.trained.RUN_CONFIG} '
         'says its CodaConfig; give the base checkpoint and an adapter file instead')
-  model = network.Transformer(run.config, coda=run.coda, acm=acm)
+  if run.config.encoder_input == config_lib.AUDIO:
+    try:
+      model = speech_network.from_run_config(run_config, run.config, coda=run.coda, acm=acm)
+    except ValueError as e:
+      raise checkpoints.CheckpointError(f'{run.path}: {e}') from e
+  else:
+    model = network.Transformer(run.config, coda=run.coda, acm=acm)
   source = {'checkpoint': run.path}
   if acm is not None:
     source['acm'] = {'inference': acm.inference, 'capacity_factor': acm.capacity_factor,
@@ -251,6 +261,12 @@ class Predictor:
 
   def _predict_fn(self, params, tokens):
     with partitioning.axis_rules(self.trainer.rules):
+      if trainer_lib.is_transducer(self.model):
+        decoded = speech_network.transcribe(self.model, params, tokens, method=self.method,
+                                            beam_size=self.num_beams)
+        if self.method == 'beam':  # the best hypothesis
+          return decoded.tokens[:, 0], decoded.scores[:, 0]
+        return decoded.tokens, decoded.scores
       seqs, scores = decoding_lib.predict_batch(
           self.model, params, tokens, max_decode_length=self.max_decode_length,
           method=self.method, num_beams=self.num_beams, alpha=self.alpha)
@@ -425,7 +441,7 @@ def infer_calls() -> int:
 def _checked_model(model, lengths: Mapping[str, int], selftest: str, beams: int):
   """`model` after `preflight.check_run` at the run's shapes (each kernel that
   is off switched to XLA)."""
-  n = lengths['inputs']
+  n = network.encoder_length(model.config, lengths['inputs'])
   return preflight.check_run(
       model, n, [model.coda.num_selected(n)] if model.routes_tokens else [n],
       dtype=jnp.dtype(model.config.dtype).name, mode=selftest,
@@ -532,7 +548,13 @@ def _evaluator(mode: str, dataset_cfg: data_lib.DatasetConfig, task, lengths,
   """What is decoded: the task's split, or the examples of `input_file`
   (with targets for 'eval'); at most `num_examples`."""
   examples = None
-  if input_file is not None and image_tasks.has_patches(task):
+  if input_file is not None and audio_tasks.has_audio(task):
+    try:
+      examples = audio_tasks.evaluation_examples(
+          audio_tasks.read_jsonl(input_file, text=mode == 'eval'))
+    except (OSError, ValueError) as e:
+      raise train_lib.ConfigError(f'INPUT_FILE: {e}') from e
+  elif input_file is not None and image_tasks.has_patches(task):
     try:
       examples = image_tasks.evaluation_examples(
           image_tasks.read_jsonl(input_file, answers=mode == 'eval'))

@@ -27,6 +27,7 @@ id 0, seqio's padding, is the blank).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Tuple
 
 import flax.linen as nn
@@ -168,6 +169,36 @@ class BestRqPretraining(nn.Module):
             deterministic=not enable_dropout, mask_is_padding=True)
     logits = bestrq_lib.BestRqHead(self.bestrq, name='bestrq_head')(encoded)
     return bestrq_lib.bestrq_loss(logits, batch.labels, batch.targets & real)
+
+
+# `MODEL_DIR/run_config.json`'s entry of a speech run: what `T5Config`
+# and `CodaConfig` do not say (the transducer, the stem), so that `coda-jax
+# infer` / `eval` rebuild the model.
+RUN_CONFIG_KEY = 'speech'
+
+
+def run_config(model) -> dict:
+  """`{RUN_CONFIG_KEY: {...}}` for a speech model's run_config.json (its
+  kind, stem and transducer), `{}` for any other model."""
+  if isinstance(model, SpeechTransducer):
+    return {RUN_CONFIG_KEY: {'model': 'transducer', 'stem': dataclasses.asdict(model.stem_config),
+                             'transducer': dataclasses.asdict(model.transducer)}}
+  if isinstance(model, BestRqPretraining):
+    return {RUN_CONFIG_KEY: {'model': 'bestrq', 'stem': dataclasses.asdict(model.stem_config),
+                             'bestrq': dataclasses.asdict(model.bestrq)}}
+  return {}
+
+
+def from_run_config(recorded: dict, config: T5Config, coda: Optional[CodaConfig] = None,
+                    acm: Optional[AcmConfig] = None) -> SpeechTransducer:
+  """The `SpeechTransducer` a run's `run_config.json` entry (`run_config`)
+  describes, for decoding (no SpecAugment)."""
+  entry = recorded.get(RUN_CONFIG_KEY)
+  if not entry or entry.get('model') != 'transducer':
+    raise ValueError('this run is not a speech transducer (its run_config.json has no '
+                     f'"{RUN_CONFIG_KEY}" entry of a transducer): nothing to transcribe with')
+  return SpeechTransducer(config, TransducerConfig(**entry['transducer']), coda=coda, acm=acm,
+                          stem_config=StemConfig(**entry['stem']), spec_augment_config=None)
 
 
 def transcribe(model: SpeechTransducer, params: Any, encoder_input_tokens: Array, *,

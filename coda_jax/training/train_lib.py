@@ -45,6 +45,7 @@ from coda_jax.checkpoints import coda as coda_checkpoints
 from coda_jax import config as config_lib
 from coda_jax.model import network
 from coda_jax.model import partitioning
+from coda_jax.model import speech_network
 from coda_jax.training import preflight
 from coda_jax.training.distributed import (  # noqa: F401  (named here for the tests)
     check_shared_model_dir, preemption_requested)
@@ -350,8 +351,9 @@ def restore_or_initialize(run: RunSetup, ckpt, ckpt_dir: str,
 def make_evaluator(run: RunSetup, eval_period: Optional[int],
                    eval_num_examples: Optional[int],
                    eval_batch_size: int) -> Optional[data_lib.TaskEvaluator]:
-  """The evaluator of the eval dataset (None: no evaluation configured)."""
-  if run.eval_cfg is None or not eval_period:
+  """The evaluator of the eval dataset (None: no evaluation configured, or a
+  BEST-RQ pre-training, which decodes nothing: its training loss is the measure)."""
+  if run.eval_cfg is None or not eval_period or trainer_lib.is_bestrq(run.model):
     return None
   return data_lib.TaskEvaluator(
       run.eval_cfg.mixture_or_task_name, run.eval_cfg.task_feature_lengths,
@@ -478,11 +480,13 @@ def train_loop(run: RunSetup, progress: Progress, batches, *, ckpt, ckpt_dir: st
 
 
 def save_run_config(model_dir: str, model, trainable_params: str, **extra: Any) -> str:
-  """``MODEL_DIR/run_config.json`` of `model` (its T5, CoDA and ACM configs)."""
+  """``MODEL_DIR/run_config.json`` of `model` (its T5, CoDA and ACM configs; a
+  speech model's stem and transducer)."""
   acm = getattr(model, 'acm', None)
   return checkpoints.save_run_config(
       model_dir, model.config, model.coda, trainable_params,
-      acm_config=None if acm is None else config_lib.to_dict(acm), **extra)
+      acm_config=None if acm is None else config_lib.to_dict(acm),
+      **speech_network.run_config(model), **extra)
 
 
 def record_learner_usage(run: RunSetup, progress: Progress, batches, model_dir: str,
