@@ -48,12 +48,15 @@ from coda_jax import validation
 from coda_jax.measure.compile import analysis
 from coda_jax.plan import chips as chips_lib
 from coda_jax.plan.chips import Pod
-from coda_jax.config import DEFAULT_ADAPTER_DIM, PARALLEL, PATCHES
+from coda_jax.config import (AUDIO, AUDIO_MASK_COLUMNS, DEFAULT_ADAPTER_DIM, PARALLEL,
+                             PATCHES)
 from coda_jax.data.images.patches import ID_COLUMNS
+from coda_jax.model import network
 from coda_jax.kernels import tpu_blocks
 from coda_jax.training import data as data_lib
 from coda_jax.training import gin_utils
 from coda_jax.training import train_lib
+from coda_jax.training import trainer as trainer_lib
 from coda_jax.training.errors import ConfigError
 
 TRAIN, INFER, ENCODE, DECODE_STEP = 'train', 'infer', 'encode', 'decode_step'
@@ -132,9 +135,16 @@ def _variant(model) -> str:
   return flops_lib.DENSE if model.coda is None else flops_lib.PARALLEL_ADAPTER
 
 
+def _speech(model) -> bool:
+  """A speech model (`speech_network`): its programs have no analytic
+  FLOP count here (the stem and the transducer are not in `plan.flops`)."""
+  return model.config.encoder_input == AUDIO
+
+
 def train_flops(model, lengths, batch: int, k: int, trains_backbone: bool) -> Optional[float]:
-  """Analytic FLOPs of one train step on the global batch (None for an ACM)."""
-  if getattr(model, 'acm', None) is not None:
+  """Analytic FLOPs of one train step on the global batch (None for an ACM
+  or a speech model)."""
+  if getattr(model, 'acm', None) is not None or _speech(model):
     return None
   n, m = lengths['inputs'], lengths['targets']
   adapter = model.coda.adapter_dim if model.coda is not None else DEFAULT_ADAPTER_DIM
@@ -149,8 +159,9 @@ def decode_flops(model, n: int, steps: int, batch: int, beams: int = 1
   """Analytic FLOPs of decoding `batch` examples (None for an ACM): the
   encoder of one example ('encoder'), the cross-attention keys/values of all
   ('prefill', once per example: beams share them) and one of `steps`
-  decoding steps over batch x `beams` decoder rows ('step', their average)."""
-  if getattr(model, 'acm', None) is not None:
+  decoding steps over batch x `beams` decoder rows ('step', their average);
+  None for an ACM or a speech model."""
+  if getattr(model, 'acm', None) is not None or _speech(model):
     return None
   adapter = model.coda.adapter_dim if model.coda is not None else DEFAULT_ADAPTER_DIM
   macs = flops_lib.end_to_end_macs(model.config, n, steps, variant=_variant(model),
@@ -361,15 +372,17 @@ def _train_programs(model, args: Dict[str, Any], train_cfg, lengths, devices,
   cfg = model.config
   batch = data_lib.batch_spec(lengths, train_cfg.batch_size, train_cfg.pack,
                               patch_width=(ID_COLUMNS + cfg.patch_dim
-                                           if cfg.encoder_input == PATCHES else None))
+                                           if cfg.encoder_input == PATCHES else None),
+                              audio_width=(AUDIO_MASK_COLUMNS + cfg.num_mels
+                                           if cfg.encoder_input == AUDIO else None))
+  n = network.encoder_length(cfg, lengths['inputs'])     # the encoder's tokens
   out = []
   rungs = len(trainer.models)
   for rung, rung_model in enumerate(trainer.models):
     if not _picked(rung, rungs, picked):
       continue
     k = (schedule.ks[rung] if schedule is not None
-         else (model.coda.num_selected(lengths['inputs']) if model.routes_tokens
-               else lengths['inputs']))
+         else (model.coda.num_selected(n) if model.routes_tokens else n))
     name = f'train k={k}' if model.routes_tokens else 'train'
     total = train_flops(rung_model, lengths, train_cfg.batch_size, k,
                         args['trainable_params'] == 'all')
@@ -379,8 +392,7 @@ def _train_programs(model, args: Dict[str, Any], train_cfg, lengths, devices,
         {'batch_size': train_cfg.batch_size, 'lengths': dict(lengths), 'k': k,
          'rung': rung, 'rungs': rungs},
         lambda: (trainer.abstract_state(), trainer.abstract_batch(batch)),
-        lambda m=rung_model: [resolved_plan(m, mesh, trainer.rules, lengths['inputs'],
-                                            training=True,
+        lambda m=rung_model: [resolved_plan(m, mesh, trainer.rules, n, training=True,
                                             packed='encoder_segment_ids' in batch)]))
   return out
 
@@ -406,11 +418,12 @@ def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Prog
   inputs = params_lib.encoder_input_spec(model.config, batch, n)
   tokens = lambda: (predictor.abstract_params(),
                     predictor._rows(inputs.shape, inputs.dtype))  # pylint: disable=protected-access
-  encoder = lambda: resolved_plan(predictor.model, mesh, predictor.trainer.rules, n,
+  encoded = network.encoder_length(model.config, n)
+  encoder = lambda: resolved_plan(predictor.model, mesh, predictor.trainer.rules, encoded,
                                   training=False, packed=False)
   decoder = lambda: resolved_decoder_plan(predictor.model, mesh, predictor.trainer.rules, n,
                                           batch, beams, predictor.max_decode_length)
-  return [
+  programs = [
       Program('infer', INFER, lambda: predictor.lower(batch, n), mesh,
               None if costs is None else (per_chip('encoder') + per_chip('prefill')
                                           + steps * per_chip('step')),
@@ -421,3 +434,9 @@ def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Prog
               mesh, per_chip('step'), {**details, 'rows': rows},
               lambda: predictor.decode_step_arguments(batch, n), lambda: [decoder()]),
   ]
+  if trainer_lib.is_transducer(model):
+    # The transducer's decoding has no T5 decoder step (and no decoder plan):
+    # its whole loop is the infer program.
+    programs = [dataclasses.replace(p, plans=lambda: [encoder()]) if p.kind == INFER else p
+                for p in programs if p.kind != DECODE_STEP]
+  return programs
