@@ -66,6 +66,9 @@ NOT_RESULTS = {
         'counts their parameters',
     ('docs/fine_tuning.md', '| key | unit |'): "the metrics' units",
     ('docs/images.md', '| preset | encoder / decoder layers |'): "the presets' shapes",
+    ('docs/speech.md', '| preset | encoder layers |'):
+        "the presets' shapes (`config.preset`); tests/test_speech_model.py holds them to "
+        "Table 7's sizes",
     ('docs/inference.md', '| command | writes |'): "the commands' outputs",
     ('docs/kernels.md', '| choice | formulations |'): 'the choices and their settings',
     ('docs/kernels.md', '| chip | choice | formulation |'):
