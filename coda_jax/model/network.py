@@ -115,7 +115,7 @@ def _beams(decoder_rows: int, encoder_rows: int, decode: bool) -> int:
   return decoder_rows // encoder_rows
 
 
-def _encoder_inputs(config: T5Config, inputs: Array) -> Array:
+def encoder_inputs(config: T5Config, inputs: Array) -> Array:
   """Token ids as int32; Pix2Struct's patches and audio rows as they are,
   checked."""
   if config.encoder_input == PATCHES:
@@ -569,7 +569,7 @@ class Transformer(nn.Module):
              enable_dropout: bool = True) -> Array:
     """`[batch, length]` tokens (0 = padding) -> `[batch, length, emb]`."""
     cfg = self.config
-    tokens = _encoder_inputs(cfg, encoder_input_tokens)
+    tokens = encoder_inputs(cfg, encoder_input_tokens)
     real = encoder_real(cfg, tokens)
     encoder_mask = attention.make_attention_mask(real, real, dtype=cfg.dtype)
     if encoder_segment_ids is not None:
@@ -601,7 +601,7 @@ class Transformer(nn.Module):
     """
     del decoder_positions
     cfg = self.config
-    encoder_input_tokens = _encoder_inputs(cfg, encoder_input_tokens)
+    encoder_input_tokens = encoder_inputs(cfg, encoder_input_tokens)
     decoder_input_tokens = decoder_input_tokens.astype(jnp.int32)
     decoder_target_tokens = decoder_target_tokens.astype(jnp.int32)
     real = encoder_real(cfg, encoder_input_tokens)

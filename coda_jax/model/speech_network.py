@@ -44,6 +44,9 @@ from coda_jax.model.speech import transducer as transducer_lib
 from coda_jax.model.speech import transducer_decoding
 
 Array = jax.Array
+# The key of BEST-RQ's masks and noise in an evaluation (`enable_dropout`
+# False): the same masks every time.
+EVALUATION_MASK_SEED = 0
 
 
 def _routes(config: T5Config, coda: Optional[CodaConfig]) -> bool:
@@ -93,7 +96,7 @@ class SpeechTransducer(nn.Module):
              ) -> Tuple[Array, Array]:
     """Audio rows `[batch, frames, 1 + mels]` -> (`[batch, ceil(frames / 4),
     emb]`, int32 `[batch]` real encoder frames)."""
-    inputs = network._encoder_inputs(self.config, encoder_input_tokens)  # pylint: disable=protected-access
+    inputs = network.encoder_inputs(self.config, encoder_input_tokens)
     real = network.encoder_real(self.config, inputs)
     mask = attention.make_attention_mask(real, real, dtype=self.config.dtype)
     encoded = self.encoder(inputs, mask, deterministic=not enable_dropout,
@@ -153,11 +156,12 @@ class BestRqPretraining(nn.Module):
     -> (loss, accuracy, targets) scalars."""
     del decoder_input_tokens, decoder_target_tokens, decode
     _check_audio_model(self.config, 'BestRqPretraining')
-    inputs = network._encoder_inputs(self.config, encoder_input_tokens)  # pylint: disable=protected-access
+    inputs = network.encoder_inputs(self.config, encoder_input_tokens)
     frames = audio_input.input_frames(inputs)
     mels = inputs[..., AUDIO_MASK_COLUMNS:]
     quantizer = bestrq_lib.RandomProjectionQuantizer(self.bestrq, self.config.num_mels)
-    rng = self.make_rng('dropout') if enable_dropout else jax.random.PRNGKey(0)
+    rng = (self.make_rng('dropout') if enable_dropout
+           else jax.random.PRNGKey(EVALUATION_MASK_SEED))
     batch = bestrq_lib.bestrq_batch(rng, mels, frames, quantizer)
     masked = jnp.concatenate([inputs[..., :AUDIO_MASK_COLUMNS],
                               batch.inputs.astype(inputs.dtype)], axis=-1)
