@@ -14,6 +14,8 @@
              `StemConfig` (speech's subsampling stem), `BestRqConfig`
              (BEST-RQ pre-training)
   speech     `TransducerConfig` (the RNN-T's prediction and joint networks)
+  whisper    `WhisperFeaturesConfig` (Whisper's log-mel features) and the
+             constants of Whisper's log-mel normalisation
   serialize  `to_dict` / `from_dict`: configs as JSON
 
 Every name is importable from `coda_jax.config`, and every config's gin name
@@ -28,3 +30,4 @@ from coda_jax.config.acm import *  # noqa: F401,F403
 from coda_jax.config.serialize import *  # noqa: F401,F403
 from coda_jax.config.audio import *  # noqa: F401,F403
 from coda_jax.config.speech import *  # noqa: F401,F403
+from coda_jax.config.whisper import *  # noqa: F401,F403
