@@ -115,12 +115,13 @@ def rung_models(model, schedule: Optional[k_annealing.KSchedule]):
 
 
 class Trainer:
-  """Sharded state and jitted train / predict steps for a `Transformer` or a
-  `SpeechTransducer`.
+  """Sharded state and jitted train / predict steps for a `Transformer`, a
+  `SpeechTransducer` or its BEST-RQ pre-training.
 
   Args:
-    model: the `network.Transformer` (dense T5 or CoDA) or the
-      `speech_network.SpeechTransducer`, at its target k.
+    model: the `network.Transformer` (dense T5 or CoDA), the
+      `speech_network.SpeechTransducer` or `speech_network.BestRqPretraining`,
+      at its target k.
     optimizer: the optax transformation (usually `optimizer.create_optimizer`).
     mesh: the `(data, model)` mesh.
     k_schedule: the k ladder (None or a one-rung schedule: no annealing).
