@@ -30,12 +30,20 @@ and the k kept patches outlined. The summary adds, per layer, how often the
 kept patches hold ink against the ink's share of the image
 (`coda_jax.data.images.routing_maps.ink_report`: the routers avoid whitespace when
 ``ink_ratio`` > 1).
+
+A speech model (log-mels, `coda_jax.model.speech_network`; --inputs_file then
+a JSONL of {"audio": ..}) is drawn per utterance as its log-mel spectrogram,
+a strip of its tone frames (a generated DTMF utterance) and a strip per routed
+layer marking its k kept encoder frames (4 input frames each); the titles and
+the summary give each layer's ``tone_ratio`` (tools/speech_quickstart.py
+measures and draws it, `tone_report`: the routers skip silence when it is > 1).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import html
+import importlib.util
 import json
 import os
 import re
@@ -572,6 +580,53 @@ def run_images(loaded, task, args, input_length: int) -> Dict[str, Any]:
           'out_dir': out_dir, 'images': images, 'numbers': numbers}
 
 
+# ----------------------------------------------------------------------------
+# Audio: kept encoder frames under the spectrogram (tools/speech_quickstart.py).
+# ----------------------------------------------------------------------------
+
+
+def _speech_quickstart():
+  """tools/speech_quickstart.py: its routing and tone measurement."""
+  spec = importlib.util.spec_from_file_location(
+      'speech_quickstart', os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                        'speech_quickstart.py'))
+  if spec.name not in sys.modules:
+    sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[spec.name])
+  return sys.modules[spec.name]
+
+
+def run_audio(loaded, task, args, input_length: int) -> Dict[str, Any]:
+  """Figure 6 on speech: one PNG per utterance, ``routing.json`` and the
+  tone report per layer (generated DTMF utterances only)."""
+  from coda_jax.data.audio import tasks as audio_tasks  # pylint: disable=g-import-not-at-top
+  speech = _speech_quickstart()
+  if args.inputs_file is not None:
+    examples = audio_tasks.evaluation_examples(audio_tasks.read_jsonl(
+        args.inputs_file, text=False))[:args.num_examples]
+  elif task.name in audio_tasks.GENERATED:  # their descriptions: the tone frames
+    examples = speech.task_examples(task.name, args.split, args.num_examples)
+  else:
+    examples = task_examples(task, args.split, input_length, args.num_examples)
+  found = speech.utterance_routing(loaded.model, loaded.params, examples, input_length)
+  out_dir = args.out_dir or os.path.join(loaded.model_dir or '.', f'routing-{loaded.step}')
+  os.makedirs(out_dir, exist_ok=True)
+  images = [speech.draw_utterance_routing(found, b, os.path.join(out_dir, f'example_{b}.png'),
+                                          f'example {b}: {found["captions"][b]}')
+            for b in range(len(examples))]
+  numbers = os.path.join(out_dir, 'routing.json')
+  with open(numbers, 'w') as f:
+    json.dump({'tone': found['reports'], 'examples': [
+        {'input': found['captions'][b], 'layers': {name: {
+            'kept': np.flatnonzero(layer['kept'][b]).tolist(),
+            'weights': [round(float(v), 4) for v in layer['weights'][b]]}
+                                                  for name, layer in found['layers'].items()}}
+        for b in range(len(examples))]}, f, indent=1)
+  return {'model_dir': loaded.model_dir, 'step': loaded.step, 'input_length': input_length,
+          'num_examples': len(examples), 'rows': list(found['layers']),
+          'tone': found['reports'], 'out_dir': out_dir, 'images': images, 'numbers': numbers}
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
   """Loads the model and the inputs, draws them; returns the JSON summary."""
   from coda_jax.inference import infer  # pylint: disable=g-import-not-at-top
@@ -592,6 +647,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                  modules=[settings.get('module')])
   if loaded.model.config.encoder_input == 'patches':
     return run_images(loaded, task, args, int(input_length))
+  if loaded.model.config.encoder_input == 'audio':
+    return run_audio(loaded, task, args, int(input_length))
   vocabulary = (data_lib.output_vocabulary(task) if task is not None
                 else _vocabulary(args.vocabulary, settings.get('vocabulary')))
   if args.inputs_file is not None:

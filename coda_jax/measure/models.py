@@ -1,11 +1,13 @@
 """The models a benchmark compares and their parameters.
 
-* presets: 'tiny' (tests, `TINY`), a T5 v1.1 size, a §6 text model or an
-  image model (`make_config`), and their encoder's inputs (`random_inputs`:
-  tokens, or an image's patches);
+* presets: 'tiny' (tests, `TINY`), a T5 v1.1 size, a §6 text model, an
+  image model or a speech encoder (`make_config`; a speech model's stem and
+  transducer: `speech_parts`), and their encoder's inputs (`random_inputs`:
+  tokens, an image's patches, or audio rows);
 * `Variant`s: the Parallel Adapter baseline (`config.parallel_adapter_baseline`:
   the same adapters, no routing) and CoDA for every reduction factor r and
-  attention variant (`make_variants`);
+  attention variant (`make_variants`): `network.Transformer`s, or for an
+  audio config `speech_network.SpeechTransducer`s (no SpecAugment);
 * parameters every variant shares (`coda_params`): random, created by one
   jitted init directly in the activation dtype on the device, or a T5
   checkpoint's leaves with fresh routers and adapters; the baseline uses the
@@ -30,28 +32,60 @@ import numpy as np
 from coda_jax import checkpoints
 from coda_jax.model import network
 from coda_jax.model import params as params_lib
+from coda_jax.model import speech_network
+from coda_jax.model.speech import audio_input
 from coda_jax import plan as plan_lib
 from coda_jax.measure import timing
-from coda_jax.config import (PATCHES, PIX2STRUCT_SIZES, PRESETS, AcmConfig, CodaConfig,
-                             T5Config, parallel_adapter_baseline, preset)
+from coda_jax.config import (AUDIO, AUDIO_MASK_COLUMNS, PATCHES, PIX2STRUCT_SIZES, PRESETS,
+                             SPEECH_SIZES, AcmConfig, CodaConfig, StemConfig, T5Config,
+                             TransducerConfig, parallel_adapter_baseline, preset)
 from coda_jax.data.images.patches import ID_COLUMNS
 
 # A backbone small enough for tests (seconds on a CPU).
 TINY = dict(vocab_size=256, emb_dim=32, num_heads=2, num_encoder_layers=2,
             num_decoder_layers=2, head_dim=16, mlp_dim=64)
-# 'tiny', the T5 v1.1 sizes, the paper's §6 text models, the image models
-# (`config.preset`).
+# 'tiny' as a speech encoder: its layers, 80 log-mels, a Swish FFN, no decoder
+# (`config.presets.SPEECH_INPUT`'s), a stem of 4 channels and a small
+# 2-layer transducer (`speech_parts`).
+TINY_SPEECH = dict(TINY, num_decoder_layers=0, encoder_input=AUDIO, num_mels=80,
+                   mlp_activations=('swish',))
+TINY_TRANSDUCER = TransducerConfig(vocab_size=31, embedding_dim=8, lstm_dim=16, joint_dim=16)
+TINY_STEM = StemConfig(channels=4)
+# 'tiny', the T5 v1.1 sizes, the paper's §6 text models, the image models,
+# the speech encoders (`config.preset`).
 MODEL_PRESETS = ('tiny',) + PRESETS
 # The presets whose encoder reads image patches ('tiny' does where asked).
 IMAGE_PRESETS = tuple(PIX2STRUCT_SIZES)
+# The presets whose encoder reads audio ('tiny' does where asked): a
+# `SpeechTransducer` each.
+SPEECH_PRESETS = tuple(SPEECH_SIZES)
 BASELINE = 'parallel_adapter'
 
 
-def make_config(model: str, dtype: Any, image: bool = False) -> T5Config:
+@dataclasses.dataclass(frozen=True)
+class SpeechParts:
+  """What a speech model has besides its `T5Config`: the RNN-T's
+  prediction and joint networks and the stem."""
+  transducer: TransducerConfig = TransducerConfig()
+  stem: StemConfig = StemConfig()
+
+
+def speech_parts(model: str) -> SpeechParts:
+  """The transducer and stem of a speech model: 'tiny's small ones, else
+  the defaults (`TransducerConfig`: a 2-layer LSTM of 640, a joint of 640,
+  1024 labels; `StemConfig`: 128 channels)."""
+  return SpeechParts(TINY_TRANSDUCER, TINY_STEM) if model == 'tiny' else SpeechParts()
+
+
+def make_config(model: str, dtype: Any, image: bool = False, speech: bool = False
+                ) -> T5Config:
   """A `T5Config` for a preset: 'tiny' (tests; with `image`, reading
-  Pix2Struct's patches), a T5 v1.1 size, one of the paper's §6 text models
-  ('text_base', ...) or an image model ('pix2struct_base', 'vision', ...)."""
+  Pix2Struct's patches, with `speech` audio: `TINY_SPEECH`), a T5 v1.1
+  size, one of the paper's §6 text models ('text_base', ...), an image model
+  ('pix2struct_base', 'vision', ...) or a speech encoder ('speech_base', ...)."""
   if model == 'tiny':
+    if speech:
+      return T5Config(dtype=dtype, **TINY_SPEECH)
     return T5Config(dtype=dtype, **TINY, **(dict(encoder_input=PATCHES) if image else {}))
   return preset(model, dtype=dtype)
 
@@ -67,7 +101,7 @@ def variant_name(reduction_factor: Optional[float], attention: Optional[str]) ->
 @dataclasses.dataclass(frozen=True)
 class Variant:
   name: str
-  model: network.Transformer
+  model: Any  # network.Transformer, or a speech_network.SpeechTransducer
   coda: CodaConfig
   reduction_factor: float
   attention: Optional[str]  # None: the baseline
@@ -80,20 +114,36 @@ class Variant:
     return sum(self.coda.is_routed(i, n) for i in range(n))
 
   def k(self, input_length: int) -> int:
-    """Tokens a routed layer selects (all of them for the baseline)."""
-    return self.coda.num_selected(input_length) if self.attention else input_length
+    """Tokens a routed layer selects of the encoder's tokens for
+    `input_length` inputs (all of them for the baseline): a speech encoder's
+    tokens are its stem's ceil(frames / 4) frames (`audio_input.encoder_length`)."""
+    n = audio_input.encoder_length(self.model.config, input_length)
+    return self.coda.num_selected(n) if self.attention else n
+
+
+def make_model(config: T5Config, coda: Optional[CodaConfig],
+               speech: Optional[SpeechParts] = None):
+  """`network.Transformer(config, coda)`, or for an audio config a
+  `SpeechTransducer` with `speech`'s transducer and stem (default
+  `SpeechParts()`), no SpecAugment (inference)."""
+  if config.encoder_input != AUDIO:
+    return network.Transformer(config, coda=coda)
+  speech = speech or SpeechParts()
+  return speech_network.SpeechTransducer(config, speech.transducer, coda=coda,
+                                         stem_config=speech.stem, spec_augment_config=None)
 
 
 def make_variants(config: T5Config, template: CodaConfig,
-                  reduction_factors: Sequence[float], attentions: Sequence[str]
-                  ) -> List[Variant]:
-  """The baseline (first), then CoDA for every r and attention variant."""
+                  reduction_factors: Sequence[float], attentions: Sequence[str],
+                  speech: Optional[SpeechParts] = None) -> List[Variant]:
+  """The baseline (first), then CoDA for every r and attention variant
+  (`make_model`: a speech model's with `speech`'s transducer and stem)."""
   base = parallel_adapter_baseline(template)
-  out = [Variant(BASELINE, network.Transformer(config, coda=base), base, 1.0, None)]
+  out = [Variant(BASELINE, make_model(config, base, speech), base, 1.0, None)]
   for r in reduction_factors:
     for att in attentions:
       coda = dataclasses.replace(template, reduction_factor=float(r), attention=att)
-      out.append(Variant(variant_name(r, att), network.Transformer(config, coda=coda),
+      out.append(Variant(variant_name(r, att), make_model(config, coda, speech),
                          coda, float(r), att))
   return out
 
@@ -168,16 +218,18 @@ def _params_on_device(model: network.Transformer, seed: int,
 
 
 def coda_params(config: T5Config, coda: CodaConfig,
-                pretrained: Optional[Mapping[str, Any]] = None, seed: int = 0
+                pretrained: Optional[Mapping[str, Any]] = None, seed: int = 0,
+                speech: Optional[SpeechParts] = None
                 ) -> Tuple[Dict[str, Any], Dict[str, Any]]:
   """Parameters of a CoDA model (every variant shares them) and a summary.
 
-  In `config.dtype`, on the device. Random (`random_params`); with
+  In `config.dtype`, on the device. Random (`random_params`; a speech
+  model's with `speech`'s transducer and stem, `make_model`); with
   `pretrained` (a T5 'params' tree, e.g. from `checkpoints.load_t5_v1_1`),
   `checkpoints.init_coda_from_t5`: every pretrained leaf taken from it,
   routers and adapters fresh.
   """
-  model = network.Transformer(config, coda=coda)
+  model = make_model(config, coda, speech)
 
   def from_pretrained(rng):
     params = checkpoints.init_coda_from_t5(pretrained, model, rng)
@@ -236,16 +288,29 @@ def random_patches(batch: int, length: int, patch_dim: int, seed: int = 0) -> ja
   return jax.device_put(rows)
 
 
+def random_audio(batch: int, frames: int, mels: int, seed: int = 0) -> jax.Array:
+  """`[batch, frames, 1 + mels]` float32 audio rows, every frame real
+  (column 0 = 1.0), standard normal log-mels (as normalised)."""
+  rows = np.empty((batch, frames, AUDIO_MASK_COLUMNS + mels), np.float32)
+  rows[..., :AUDIO_MASK_COLUMNS] = 1.0
+  rows[..., AUDIO_MASK_COLUMNS:] = np.random.default_rng(seed).standard_normal(
+      (batch, frames, mels), dtype=np.float32)
+  return jax.device_put(rows)
+
+
 def random_inputs(config: T5Config, batch: int, length: int, seed: int = 0) -> jax.Array:
-  """The encoder's input: real tokens (`random_tokens`), or for an image
+  """The encoder's input: real tokens (`random_tokens`), for an image
   encoder (`T5Config.encoder_input` 'patches') a whole image's patches
-  (`random_patches`)."""
+  (`random_patches`), for a speech encoder ('audio') `length` real frames
+  (`random_audio`)."""
   if config.encoder_input == PATCHES:
     return random_patches(batch, length, config.patch_dim, seed)
+  if config.encoder_input == AUDIO:
+    return random_audio(batch, length, config.num_mels, seed)
   return random_tokens(batch, length, config.vocab_size, seed)
 
 
-def make_encode_fn(model: network.Transformer):
+def make_encode_fn(model):
   return jax.jit(lambda params, tokens: model.apply(
       {'params': params}, tokens, enable_dropout=False, method=model.encode))
 

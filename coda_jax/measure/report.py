@@ -58,19 +58,41 @@ def plan_lines(rows: Sequence[Mapping[str, Any]],
 PAPER_HEAD = '  paper x'
 
 
+def _by_r(task: Mapping[str, Any]) -> bool:
+  """Whether the paper gives `task` a speed-up per r (a column), not one
+  speed-up (a speech task's Table 1: a line under the table)."""
+  return bool(task.get('paper')) and 'speedup_by_r' in task['paper']
+
+
+def paper_head(task: Mapping[str, Any]) -> str:
+  """The paper column's header ('' for a task without one)."""
+  return PAPER_HEAD if _by_r(task) else ''
+
+
 def paper_cell(task: Mapping[str, Any], row: Mapping[str, Any]) -> str:
   """The paper's measured end-to-end speed-up beside a row ('' for a task
-  without any, '-' for a row the paper has none for)."""
-  if not task.get('paper'):
+  without a column, '-' for a row the paper has none for)."""
+  if not _by_r(task):
     return ''
   x = row.get('paper_speedup')
   return f'{x:9.1f}' if x is not None else f'{"-":>9}'
 
 
 def paper_note(task: Mapping[str, Any]) -> List[str]:
-  """The line saying where the paper column comes from (none without one)."""
+  """The line saying where the paper column comes from, or quoting the
+  paper's one speed-up for the task (none without one)."""
   paper = task.get('paper')
-  return [f'paper x: {paper["source"]} (end to end, k-to-all)'] if paper else []
+  if not paper:
+    return []
+  if not _by_r(task):
+    return [f'paper: CoDA {paper["speedup"]}x end to end: {paper["source"]}']
+  return [f'paper x: {paper["source"]} (end to end, k-to-all)']
+
+
+def shape_notes(task: Mapping[str, Any]) -> List[str]:
+  """The lines a task keeps under 'notes' (a speech task's decoding, a
+  shape chosen for a CPU)."""
+  return list(task.get('notes') or [])
 
 
 def ffn_cell(acm: Optional[Mapping[str, Any]]) -> str:
@@ -118,12 +140,16 @@ def format_table(result: Mapping[str, Any]) -> str:
           f'{"enc x (bound)":>15s} {"e2e x (bound)":>15s} {"enc/bnd":>7s} '
           f'{"topk %":>6s} {"e2e x min":>9s} {"enc comp s":>10s}')
   for task in result['tasks']:
+    speech = task.get('speech')
+    shape = (f'input {speech["input_frames"]} frames ({speech["encoder_frames"]} encoder '
+             f'frames), {speech["symbols_per_frame"]} label steps a frame' if speech else
+             f'input {task["input_length"]}, output {task["output_length"]}')
     lines += table_lines(
-        f'{task["task"]}: input {task["input_length"]}, output {task["output_length"]}, '
+        f'{task["task"]}: {shape}, '
         f'batch {task["batch_size"]} (speed-ups over {task["baseline"]}; one decoder for '
         f'all, compiled in {task["decoder"]["compile_s"]:.1f} s; '
         f'{task["xla_compilations"]["compile"]} XLA compilations)',
-        head + (PAPER_HEAD if task.get('paper') else ''))
+        head + paper_head(task))
     for row in task['variants']:
       med, sp, bd = row['median_ms'], row['speedup'], row['flop_bound']
       topk = row['soft_topk']
@@ -135,7 +161,7 @@ def format_table(result: Mapping[str, Any]) -> str:
           f'{row["fraction_of_bound"]["encoder"]:7.2f} {topk_text} '
           f'{row["speedup_of_min"]["end_to_end"]:9.2f} '
           f'{row["compile_s"]["encoder"]:10.1f}' + paper_cell(task, row))
-    lines += paper_note(task) + plan_lines(task['variants'])
+    lines += paper_note(task) + shape_notes(task) + plan_lines(task['variants'])
     if task.get('acm'):
       lines += _acm_lines(task)
   cross = result.get('cross_kv')

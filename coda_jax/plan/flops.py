@@ -23,13 +23,20 @@ One encoder layer, with q = tokens that query and s = tokens that are keys/value
   coda_k_to_all:    q = k, s = n, adapter, router
   coda_k_to_k:      q = s = k, adapter, router
 With r = 1 (k = n) both CoDA variants cost the parallel adapter plus the router.
+
+The speech transducer (`speech_encoder_macs`, `transducer_greedy_macs`): the
+4x stem's convolutions and projection (`stem_macs`), the layers above on its
+ceil(frames / 4) frames (w = 1: Swish, not gated), no decoder; greedy RNN-T
+decoding's matmuls (the encoder projection, then per label step the joint's
+output layer, the LSTM and the prediction projection), the same for every
+variant.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence
 
-from coda_jax.config import (ATTENTION_VARIANTS, DEFAULT_ADAPTER_DIM, AcmConfig, T5Config,
-                             coda_k)
+from coda_jax.config import (ATTENTION_VARIANTS, DEFAULT_ADAPTER_DIM, AcmConfig, StemConfig,
+                             T5Config, TransducerConfig, coda_k)
 from coda_jax.validation import positive_int
 
 DENSE = 'dense'
@@ -395,3 +402,105 @@ def acm_decoding_speedup_bounds(config: T5Config, acm: AcmConfig, n_in: int, n_o
   return {'encoder': dense_enc / acm_enc, 'decoder': dense_dec / acm_dec,
           'end_to_end': dense_e2e / acm_e2e, 'encoder_ffn_fraction': enc_frac,
           'decoder_ffn_fraction': dec_frac}
+
+
+# ----------------------------------------------------------------------------
+# The speech transducer (`model.speech_network.SpeechTransducer`): the 4x
+# stem, T5 encoder layers with a non-gated Swish FFN (w = 1, above), no
+# decoder, greedy RNN-T decoding.
+# ----------------------------------------------------------------------------
+
+
+def _half(size: int) -> int:
+  """A stride-2 convolution's output size with one zero of padding each
+  side (`model.speech.stem`): ceil(size / 2)."""
+  return -(-size // 2)
+
+
+def stem_macs(frames: int, mels: int, stem: StemConfig, emb_dim: int) -> Dict[str, int]:
+  """MACs of the 4x stem (`model.speech.stem.ConvSubsampling`) on one
+  utterance of `frames` frames of `mels` log-mels, with C = `stem.channels`:
+  conv_0 (3x3, 1 -> C) at every output of its ceil(frames / 2) x
+  ceil(mels / 2) grid, conv_1 (3x3, C -> C) at every output of the grid
+  halved again (T'' x M''), the projection T'' x (M'' C) x d; padding frames
+  included (the compiled convolutions run over the whole array)."""
+  frames, mels = positive_int(frames, 'frames'), positive_int(mels, 'mels')
+  c = stem.channels
+  t1, m1 = _half(frames), _half(mels)
+  t2, m2 = _half(t1), _half(m1)
+  return _with_total({'conv_0': t1 * m1 * 9 * c, 'conv_1': t2 * m2 * 9 * c * c,
+                      'projection': t2 * m2 * c * emb_dim})
+
+
+def speech_encoder_macs(config: T5Config, frames: int, stem: StemConfig, *,
+                        variant: str = DENSE, reduction_factor: float = 1.0,
+                        adapter_dim: int = DEFAULT_ADAPTER_DIM) -> Dict[str, int]:
+  """MACs of a speech encoder on one utterance of `frames` input frames:
+  the stem (`stem_macs`) and `config.num_encoder_layers` layers of `variant`
+  on its n = ceil(frames / 4) frames (`encoder_layer_macs`, k = ceil(n / r);
+  its FFN as `config.mlp_activations` says: one input projection for the
+  paper's Swish). Returns {'stem', 'layers', 'total'}."""
+  stem_total = stem_macs(frames, config.num_mels, stem, config.emb_dim)['total']
+  n = _half(_half(positive_int(frames, 'frames')))
+  layers = encoder_macs(config, n, variant=variant, reduction_factor=reduction_factor,
+                        adapter_dim=adapter_dim)
+  return _with_total({'stem': stem_total, 'layers': layers})
+
+
+def speech_encoder_speedup_bound(config: T5Config, frames: int, stem: StemConfig,
+                                 reduction_factor: float, attention: str = 'k_to_all',
+                                 adapter_dim: int = DEFAULT_ADAPTER_DIM) -> float:
+  """MACs(Parallel Adapter speech encoder) / MACs(CoDA's, every layer
+  routed), the stem in both."""
+  coda = speech_encoder_macs(config, frames, stem, variant=_coda_variant(attention),
+                             reduction_factor=reduction_factor, adapter_dim=adapter_dim)
+  dense = speech_encoder_macs(config, frames, stem, variant=PARALLEL_ADAPTER,
+                              adapter_dim=adapter_dim)
+  return dense['total'] / coda['total']
+
+
+def transducer_step_macs(transducer: TransducerConfig) -> Dict[str, int]:
+  """MACs of one label step of greedy transducer decoding for one row
+  (`model.speech.transducer_decoding`): the joint's output layer on the
+  projected encoder frame and prediction (J x (V + 1)), then the prediction
+  network's step on the label taken (its LSTM layers: E x 4H + H x 4H for the
+  first, 2 x H x 4H for each other, and its projection H x J; the embedding
+  is a lookup)."""
+  e, h, j = transducer.embedding_dim, transducer.lstm_dim, transducer.joint_dim
+  lstm = e * 4 * h + h * 4 * h + (transducer.lstm_layers - 1) * 2 * h * 4 * h
+  return _with_total({'joint_output': j * transducer.num_outputs, 'lstm': lstm,
+                      'prediction_projection': h * j})
+
+
+def transducer_greedy_macs(config: T5Config, transducer: TransducerConfig, frames: int,
+                           symbols_per_frame: int) -> Dict[str, int]:
+  """MACs of greedy transducer decoding of one utterance whose encoder output
+  has `frames` frames, each running `symbols_per_frame` label steps (the
+  decoding loop's count when the blank is never taken: the cap): the
+  encoder projection W_h h once per frame ('encoder_projection', d x J),
+  the prediction network's step on the start symbol ('start') and the label
+  steps ('steps', `transducer_step_macs`)."""
+  frames = positive_int(frames, 'frames')
+  steps = frames * positive_int(symbols_per_frame, 'symbols_per_frame')
+  step = transducer_step_macs(transducer)
+  return _with_total({
+      'encoder_projection': frames * config.emb_dim * transducer.joint_dim,
+      'start': step['lstm'] + step['prediction_projection'],
+      'steps': steps * step['total']})
+
+
+def speech_end_to_end_speedup_bound(config: T5Config, frames: int, stem: StemConfig,
+                                    transducer: TransducerConfig, symbols_per_frame: int,
+                                    reduction_factor: float, attention: str = 'k_to_all',
+                                    adapter_dim: int = DEFAULT_ADAPTER_DIM) -> float:
+  """MACs(Parallel Adapter) / MACs(CoDA) of transcribing `frames` input
+  frames: the encoder (`speech_encoder_macs`), then greedy decoding
+  (`transducer_greedy_macs`, the same for both: CoDA's encoder output keeps
+  every frame)."""
+  decoding = transducer_greedy_macs(config, transducer, _half(_half(frames)),
+                                    symbols_per_frame)['total']
+  coda = speech_encoder_macs(config, frames, stem, variant=_coda_variant(attention),
+                             reduction_factor=reduction_factor, adapter_dim=adapter_dim)
+  dense = speech_encoder_macs(config, frames, stem, variant=PARALLEL_ADAPTER,
+                              adapter_dim=adapter_dim)
+  return (dense['total'] + decoding) / (coda['total'] + decoding)

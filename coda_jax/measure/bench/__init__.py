@@ -11,6 +11,9 @@
   decoding_latency  CoDA vs Parallel Adapter decoding latency (paper Fig. 7a,
                     Table 12): ``coda-jax benchmark``, its flags and run
   decoding_programs its task shapes, decoder and soft top-k
+  speech_programs   its speech task (librispeech): the transducer that never
+                    takes the blank, greedy decoding and its loop's pieces
+  speech_chip       the speech task on a TPU chip's model (``--chip``)
   latency_task      one task shape compiled, timed, a row per variant
   acm_block         its ACM rows (the dense T5, an ACM model per budget)
   cross_kv          its cross-attention K/V row (``--cross_kv``)

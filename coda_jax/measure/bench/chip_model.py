@@ -28,7 +28,10 @@ as `tools/routed_cost.py` reports it), the soft top-k's share of the
 end-to-end roofline (its bytes at the chip's bandwidth; the paper's Table 12
 measured under 2%) and, for an image task, the paper's Table 6 speed-up. An
 image model's encoder reads `[batch, n, 2 + 768]` patch rows; its prefill
-and step read their row ids `[batch, n]`, all a decoder needs of them. With
+and step read their row ids `[batch, n]`, all a decoder needs of them. A
+speech task's programs are its encoder on audio rows, the transducer's start
+and one label step (`speech_chip`), with the paper's Table 1 quoted and the
+encoder's target line. With
 --acm_budgets, the ACM block (the dense T5 and an ACM model per budget, each
 with its own three programs) is priced the same way (`chip_acm`).
 
@@ -48,13 +51,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import jax.numpy as jnp
 
 from coda_jax.plan import flops as flops_lib
 from coda_jax.measure.bench import acm_block
 from coda_jax.measure.bench import chip_acm
+from coda_jax.measure.bench import speech_chip
+from coda_jax.measure.bench import speech_programs
 from coda_jax.measure import models
 from coda_jax.measure import report
 from coda_jax.measure.bench.decoding_programs import paper_record, paper_speedup
@@ -74,13 +79,22 @@ def _ms(seconds: float) -> float:
 
 def variant_rows(encoders: Sequence[variant_costs.Row], prefill: variant_costs.Row,
                  step: variant_costs.Row, config: T5Config, decode_steps: int,
-                 adapter_dim: int, bandwidth: float, num_beams: int = 1
+                 adapter_dim: int, bandwidth: float, num_beams: int = 1,
+                 flop_bounds: Optional[Callable[[variant_costs.Row], Dict[str, float]]] = None
                  ) -> List[Dict[str, Any]]:
   """Per variant: the stages' roofline milliseconds and gigabytes, end to end,
-  speed-ups over the first (the baseline) next to their FLOP bounds, the soft
+  speed-ups over the first (the baseline) next to their FLOP bounds (a routed
+  row's `flop_bounds(row)`, by default a text or image model's), the soft
   top-k's share of the end-to-end roofline."""
   out = []
   seconds = lambda row: row.traffic_roofline_seconds
+  if flop_bounds is None:
+    flop_bounds = lambda enc: {
+        'encoder': flops_lib.encoder_speedup_bound(
+            config, enc.length, enc.reduction_factor, enc.attention, adapter_dim),
+        'end_to_end': flops_lib.end_to_end_speedup_bound(
+            config, enc.length, decode_steps, enc.reduction_factor, enc.attention,
+            adapter_dim, num_beams=num_beams)}
   for enc in encoders:
     e2e = seconds(enc) + seconds(prefill) + decode_steps * seconds(step)
     # Its HBM traffic, the one byte count of the chip model (runs written
@@ -103,13 +117,8 @@ def variant_rows(encoders: Sequence[variant_costs.Row], prefill: variant_costs.R
                                'prefill': prefill.bytes_accessed / 1e9,
                                'step': step.bytes_accessed / 1e9},
         'bound': {'encoder': enc.bound, 'prefill': prefill.bound, 'step': step.bound},
-        'flop_bound': {
-            'encoder': flops_lib.encoder_speedup_bound(
-                config, enc.length, enc.reduction_factor, enc.attention,
-                adapter_dim) if routed else 1.0,
-            'end_to_end': flops_lib.end_to_end_speedup_bound(
-                config, enc.length, decode_steps, enc.reduction_factor, enc.attention,
-                adapter_dim, num_beams=num_beams) if routed else 1.0},
+        'flop_bound': (flop_bounds(enc) if routed
+                       else {'encoder': 1.0, 'end_to_end': 1.0}),
         'soft_topk_share': soft_topk / e2e,
         'plan': enc.plan})
   base = out[0]['roofline_ms']
@@ -121,6 +130,34 @@ def variant_rows(encoders: Sequence[variant_costs.Row], prefill: variant_costs.R
     row['encoder_flops_speedup'] = encoders[0].flops / enc.flops
     row['encoder_efficiency'] = row['speedup']['encoder'] / row['encoder_flops_speedup']
   return out
+
+
+def measure_speech_task(config: T5Config, coda_template: CodaConfig,
+                        speech: models.SpeechParts, chip: str, batch_size: int, frames: int,
+                        symbols_per_frame: int, reduction_factors: Sequence[float],
+                        attentions: Sequence[str], dtype: Any, log) -> Dict[str, Any]:
+  """A speech task on one chip (`speech_chip`): every variant's encoder on
+  `frames` audio frames, the shared transducer start and label step; end to
+  end the encoder, the start and `symbols_per_frame` label steps in each
+  encoder frame."""
+  encoders, prefill, step = speech_chip.measure_programs(
+      config, coda_template, speech, chip, batch_size, frames, symbols_per_frame,
+      reduction_factors, attentions, dtype, log)
+  record = speech_programs.task_record(config, frames, symbols_per_frame)
+  steps = record['label_steps']
+  bounds = speech_chip.flop_bounds(speech, config, frames, symbols_per_frame,
+                                   coda_template.adapter_dim)
+  return {'input_length': frames, 'decode_steps': steps, 'batch_size': batch_size,
+          'num_beams': 1, 'speech': record, 'notes': [record['decoding']],
+          'variants': variant_rows(encoders, prefill, step, config, steps,
+                                   coda_template.adapter_dim,
+                                   chips.CHIPS[chip].hbm_bandwidth, flop_bounds=bounds),
+          'step_floor': step.floor_bytes,
+          'step_over_floor': step.hbm_traffic / step.floor_bytes['total'],
+          'step_compiler_bytes_over_floor': step.bytes_accessed / step.floor_bytes['total'],
+          'step_flops_over_analytic': step.flops / step.model_flops,
+          'step_plan': None,
+          'programs': [p.as_dict() for p in (*encoders, prefill, step)]}
 
 
 def measure_task(config: T5Config, coda_template: CodaConfig, chip: str, batch_size: int,
@@ -161,6 +198,8 @@ def checks(result: Dict[str, Any]) -> List[Dict[str, Any]]:
   end-to-end roofline."""
   out = []
   for task in result['tasks']:
+    if task.get('speech'):
+      out += speech_chip.checks(task)
     for row in task['variants']:
       if row['attention'] is not None:
         out.append({'check': f'{task["task"]} {row["name"]}: soft top-k share <= '
@@ -188,10 +227,11 @@ def format_table(result: Dict[str, Any]) -> str:
           f'{"topk %":>6} {"enc GB":>7} {"pre GB":>6} {"step GB":>7}')
   for task in result['tasks']:
     lines += report.table_lines(
+        speech_chip.title(task) if task.get('speech') else
         f'{task["task"]}: input {task["input_length"]}, {task["decode_steps"]} decoding '
         f'steps, batch {task["batch_size"]} (speed-ups over {models.BASELINE}; roofline ms; '
         'GB: HBM traffic; enc eff: encoder speed-up / its compiled-flops speed-up)',
-        head + (report.PAPER_HEAD if task.get('paper') else ''))
+        head + report.paper_head(task))
     for row in task['variants']:
       ms, gb = row['roofline_ms'], row['gigabytes']
       lines.append(
@@ -203,7 +243,10 @@ def format_table(result: Dict[str, Any]) -> str:
           + (f'{100 * row["soft_topk_share"]:6.2f}' if row['attention'] else f'{"-":>6}')
           + f' {gb["encoder"]:7.2f} {gb["prefill"]:6.2f} {gb["step"]:7.3f}'
           + report.paper_cell(task, row))
-    lines += report.paper_note(task)
+    lines += report.paper_note(task) + report.shape_notes(task)
+    if task.get('speech'):
+      lines.append(speech_chip.step_line(task))
+      continue
     floor = task['step_floor']
     plan = task.get('step_plan') or {}
     cross = (f' (cross-attention {plan["cross_attention"]}' + (
@@ -248,8 +291,13 @@ def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaCo
                              'capacity_factor': template.capacity_factor}
   for name, n, decoded in tasks:
     steps = args.decode_steps or decoded
-    task = measure_task(config, coda_template, args.chip, batch, n, steps,
-                        args.reduction_factors, args.attention, dtype, log, beams)
+    if speech_programs.is_speech(config):
+      task = measure_speech_task(config, coda_template, models.speech_parts(args.model),
+                                 args.chip, batch, n, steps, args.reduction_factors,
+                                 args.attention, dtype, log)
+    else:
+      task = measure_task(config, coda_template, args.chip, batch, n, steps,
+                          args.reduction_factors, args.attention, dtype, log, beams)
     for row in task['variants']:
       row['paper_speedup'] = paper_speedup(name, row['reduction_factor'], row['attention'])
     if profile is not None:

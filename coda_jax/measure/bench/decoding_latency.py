@@ -74,6 +74,19 @@ Decoding runs a FIXED number of steps (`output_length`): EOS is set to -1,
 which greedy argmax and beam search can never emit, so random weights cannot
 stop a batch early and every variant decodes the same number of tokens.
 
+A speech task (``--tasks librispeech``: Table 8's 3200 input frames, 800
+encoder frames) runs a speech model (``--model speech_base``,
+``speech_large``, ``speech_xl``: `speech_network.SpeechTransducer`, 'tiny'
+becomes one), the Parallel Adapter and CoDA k-to-all at r = 2 and 4 by
+default (the paper's, Table 5; ``--reduction_factors`` and ``--attention``
+override them), its encoder on audio rows, its shared decoder greedy
+transducer decoding with the blank never taken, so that every encoder frame
+runs exactly `output_length` label steps (4, the model's cap) whatever the
+weights (`speech_programs`). On a CPU, without --input_length or
+--batch_size, it runs `speech_programs.CPU_FRAMES` frames of one utterance
+(the table and the JSON's task ``notes`` say so). No ACM rows, no
+cross-attention K/V row, no beam search for it.
+
 With ``--cross_kv``, one more measured row compares computing the
 cross-attention keys/values once per sequence (``Transformer(cache_cross_kv=
 True)``, our default) with recomputing them at every step
@@ -133,17 +146,20 @@ from coda_jax.measure.bench.acm_block import DENSE, AcmBlock, acm_profile, acm_r
 from coda_jax.measure.bench.acm_block import from_args as acm_block_from_args
 from coda_jax.measure.bench.cross_kv import benchmark_cross_kv
 from coda_jax.measure.bench.decoding_programs import (DECODER, IMAGE_TASKS, NEVER_EOS,
-    TASK_SHAPES, TIMED, make_decode_fn, make_soft_topk_fn)
+    SPEECH_TASKS, TASK_SHAPES, TIMED, make_decode_fn, make_soft_topk_fn)
+from coda_jax.measure.bench import speech_programs
 from coda_jax.measure.bench.latency_task import (benchmark_task, coda_row)  # pylint: disable=unused-import
 from coda_jax.measure.bench.targets import (BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP,
     ENCODER_FRACTION_OF_BOUND, R1_MIN_SPEEDUP, SOFT_TOPK_MAX_SHARE, checks)
 from coda_jax.config import (ATTENTION_VARIANTS, DISPATCHES, PRESETS, AcmConfig, CodaConfig,
                              SoftTopKConfig, T5Config, coda_k, paper_coda)
+from coda_jax.model.speech import audio_input
 
 # The paper's batch: 128 sequences per TPUv4 chip (Table 12). On a CPU the
 # default is small enough that the default run takes a few minutes.
 ACCELERATOR_BATCH = 128
 CPU_BATCH = 4
+DEFAULT_REDUCTION_FACTORS = (1.0, 3.0, 5.0)
 CROSS_KV_TASK = 'xsum'
 CPU_CROSS_KV_BATCH = 1
 
@@ -185,6 +201,7 @@ def check_args(args: argparse.Namespace) -> None:
   if (args.input_length is None) != (args.output_length is None):
     raise ValueError('--input_length and --output_length go together')
   _check_model_and_tasks(args)
+  _variant_defaults(args)
   if args.chip:
     _check_chip_args(args)
   elif args.decode_steps is not None:
@@ -210,6 +227,18 @@ def _check_chip_args(args: argparse.Namespace) -> None:
                      f'{", ".join(refused)}')
 
 
+def _variant_defaults(args: argparse.Namespace) -> None:
+  """--reduction_factors and --attention where not given: a speech model's
+  the paper's (r = 2 and 4, k-to-all: `speech_programs`), else r = 1, 3, 5
+  and both attention variants."""
+  speech = speech_programs.speech_model(args)
+  if args.reduction_factors is None:
+    args.reduction_factors = list(speech_programs.REDUCTION_FACTORS if speech
+                                  else DEFAULT_REDUCTION_FACTORS)
+  if args.attention is None:
+    args.attention = list(speech_programs.ATTENTION if speech else ATTENTION_VARIANTS)
+
+
 def image_model(args: argparse.Namespace) -> bool:
   """Whether the run's model reads image patches: an image preset, or 'tiny'
   for image tasks (never a --checkpoint: a T5 v1.1 text model)."""
@@ -227,6 +256,8 @@ def _check_model_and_tasks(args: argparse.Namespace) -> None:
   text shape). Sets the ACM rows off by default for an image model."""
   model = f'--checkpoint {args.checkpoint}' if args.checkpoint else f'--model {args.model}'
   tasks = [] if args.input_length is not None else list(args.tasks)
+  if speech_programs.check_args(args, model, tasks):
+    return
   image, text = ([t for t in tasks if t in IMAGE_TASKS],
                  [t for t in tasks if t not in IMAGE_TASKS])
   if image and text:
@@ -255,22 +286,30 @@ def make_coda_template(args: argparse.Namespace) -> CodaConfig:
   else 64; 'tiny' CodaConfig's 64)."""
   paper = paper_coda(args.model) if args.model in PRESETS else CodaConfig()
   adapter_dim = args.adapter_dim or paper.adapter_dim
-  return CodaConfig(soft_topk=SoftTopKConfig(method=args.soft_topk_method),
-                    adapter_dim=adapter_dim, dispatch=args.dispatch)
+  # The paper's ε and β for its speech models (App. C), the method the flag's.
+  soft_topk = dataclasses.replace(paper.soft_topk, method=args.soft_topk_method)
+  return CodaConfig(soft_topk=soft_topk, adapter_dim=adapter_dim, dispatch=args.dispatch)
 
 
-def _resolve_tasks(args) -> List[Tuple[str, int, int]]:
+def _resolve_tasks(args, on_cpu: bool = False) -> List[Tuple[str, int, int]]:
+  """(name, input length, output length) of each task; a speech task on a
+  CPU without --batch_size has `speech_programs.CPU_FRAMES` frames."""
   if args.input_length is not None:
     return [('custom', args.input_length, args.output_length)]
-  return [(name,) + TASK_SHAPES[name] for name in args.tasks]
+  out = [(name,) + TASK_SHAPES[name] for name in args.tasks]
+  if on_cpu and speech_programs.speech_model(args) and args.batch_size is None:
+    out = [(name, speech_programs.CPU_FRAMES, n_out) for name, _, n_out in out]
+  return out
 
 
-def _progress_total(tasks, rs, attentions, args, acm_budgets: Sequence[float]) -> int:
+def _progress_total(tasks, rs, attentions, args, acm_budgets: Sequence[float],
+                    config: T5Config) -> int:
   """Compilations and timed calls the progress bar counts."""
   n_var = 1 + len(rs) * len(attentions)
   n_acm = (1 + len(acm_budgets)) if acm_budgets else 0
   total = 0
   for _, n_in, _ in tasks:
+    n_in = audio_input.encoder_length(config, n_in)
     n_ks = len({coda_k(n_in, r) for r in rs}) if attentions else 0
     total += (n_var + 1 + n_ks + 2 * n_acm) + args.repeats * (
         2 * n_var + 1 + n_ks + 3 * n_acm)
@@ -286,7 +325,8 @@ def _backbone(args: argparse.Namespace, dtype: str
     config, pretrained = checkpoints.load_t5_v1_1(args.checkpoint)
     return (dataclasses.replace(config, dtype=jnp.dtype(dtype)), pretrained,
             f'checkpoint:{args.checkpoint}')
-  return models.make_config(args.model, jnp.dtype(dtype), image_model(args)), None, args.model
+  return (models.make_config(args.model, jnp.dtype(dtype), image_model(args),
+                             speech_programs.speech_model(args)), None, args.model)
 
 
 def _meta(args: argparse.Namespace, *, dtype: str, model_name: str, config: T5Config,
@@ -323,6 +363,7 @@ def _self_tested(config: T5Config, coda: CodaConfig, tasks, reduction_factors,
   tasks' shapes switched to XLA."""
   model = network.Transformer(config, coda=coda)
   for _, n, _ in tasks:
+    n = audio_input.encoder_length(config, n)   # a speech encoder's frames
     for attention in attentions:
       ks = [dataclasses.replace(coda, reduction_factor=r).num_selected(n)
             for r in reduction_factors]
@@ -339,34 +380,49 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
     timing.enable_compilation_cache(args.compilation_cache_dir)
   on_cpu = jax.default_backend() == 'cpu'
   dtype = args.dtype or timing.default_dtype()
-  batch = args.batch_size or (CPU_BATCH if on_cpu else ACCELERATOR_BATCH)
+  speech = models.speech_parts(args.model) if speech_programs.speech_model(args) else None
+  cpu_batch = speech_programs.CPU_BATCH if speech else CPU_BATCH
+  batch = args.batch_size or (cpu_batch if on_cpu else ACCELERATOR_BATCH)
   cross_batch = args.cross_kv_batch_size or (CPU_CROSS_KV_BATCH if on_cpu else batch)
+  _variant_defaults(args)
   rs, attentions = args.reduction_factors, args.attention
-  tasks = _resolve_tasks(args)
+  tasks = _resolve_tasks(args, on_cpu)
+  note = speech_programs.cpu_note(args, on_cpu)
+  if note:
+    print(f'benchmark: {note}', file=sys.stderr, flush=True)
   with timing.CompileCounter() as compiles:
     config, pretrained, model_name = _backbone(args, dtype)
     config, coda_template = _self_tested(config, make_coda_template(args), tasks, rs,
                                          attentions, dtype, args.selftest)
     acm, acm_meta = acm_block_from_args(args, config, pretrained)
-    params, params_info = models.coda_params(config, coda_template, pretrained, args.seed)
+    params, params_info = models.coda_params(config, coda_template, pretrained, args.seed,
+                                             speech=speech)
     del pretrained
+    if speech:  # the same transducer for every variant, never taking the blank
+      params = speech_programs.never_blank(params, speech.transducer.blank_id)
     if args.checkpoint:
       params_info['checkpoint'] = args.checkpoint
     progress = timing.progress_bar(
-        _progress_total(tasks, rs, attentions, args, acm.budgets if acm else []),
+        _progress_total(tasks, rs, attentions, args, acm.budgets if acm else [], config),
         enabled=False if args.no_progress else None)
     result: Dict[str, Any] = {
         'meta': _meta(args, dtype=dtype, model_name=model_name, config=config,
                       coda_template=coda_template, params_info=params_info, batch=batch,
                       acm_meta=acm_meta),
         'tasks': []}
+    if speech:
+      result['meta']['speech'] = {'transducer': config_lib.to_dict(speech.transducer),
+                                  'stem': config_lib.to_dict(speech.stem),
+                                  'cpu_default_shape': note}
     for name, n_in, n_out in tasks:
       result['tasks'].append(benchmark_task(
           config, params, task=name, input_length=n_in, output_length=n_out,
           batch_size=batch, reduction_factors=rs, attentions=attentions,
           coda_template=coda_template, method=args.decoding, num_beams=args.num_beams,
           alpha=args.alpha, repeats=args.repeats, seed=args.seed, progress=progress,
-          acm=acm))
+          acm=acm, speech=speech))
+      if note:
+        result['tasks'][-1]['notes'].insert(0, note)
     if args.cross_kv:
       n_in, n_out = TASK_SHAPES[args.cross_kv_task]
       result['cross_kv'] = benchmark_cross_kv(
@@ -412,12 +468,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  '(one-hot matmuls)')
   _add_shape_arguments(parser)
   g = parser.add_argument_group('variants')
-  g.add_argument('--reduction_factors', default='1,3,5', type=flags.reduction_factors,
-                 help='comma-separated CoDA reduction factors r >= 1 (empty: none)')
-  g.add_argument('--attention', default='k_to_all,k_to_k',
+  g.add_argument('--reduction_factors', default=None, type=flags.reduction_factors,
+                 help='comma-separated CoDA reduction factors r >= 1 (empty: none; '
+                 'default 1,3,5, for a speech model 2,4, the paper\'s)')
+  g.add_argument('--attention', default=None,
                  type=flags.one_of_each(ATTENTION_VARIANTS, True),
                  help=f'comma-separated CoDA attention variants from {ATTENTION_VARIANTS} '
-                 '(empty: the baseline alone)')
+                 '(empty: the baseline alone; default both, for a speech model k_to_all)')
   g.add_argument('--acm_budgets', default=None, type=flags.budgets,
                  help='comma-separated ACM budgets β in (0, 1]: the dense T5 and an ACM '
                  'model at each β, timed against it (default: every budget --acm_usage '
@@ -468,16 +525,18 @@ def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
                  'patches in, for an image --model)')
   g.add_argument('--input_length', type=flags.at_least_one, default=None,
                  help='custom input length (with --output_length; replaces --tasks): tokens, '
-                 'or the patches of an image --model')
+                 'the patches of an image --model or the frames of a speech --model')
   g.add_argument('--output_length', type=flags.at_least_one, default=None,
-                 help='custom number of decoded tokens')
+                 help='custom number of decoded tokens (a speech --model: label steps '
+                 'per encoder frame)')
   g.add_argument('--batch_size', type=flags.at_least_one, default=None,
-                 help=f'sequences per batch (default: {CPU_BATCH} on CPU, '
+                 help=f'sequences per batch (default: {CPU_BATCH} on CPU, a speech task '
+                 f'{speech_programs.CPU_BATCH} of {speech_programs.CPU_FRAMES} frames; '
                  f'{ACCELERATOR_BATCH} on an accelerator and with --chip, the paper\'s '
                  'per-chip batch)')
   g.add_argument('--decode_steps', type=flags.at_least_one, default=None,
                  help='with --chip: decoding steps per task (default: the task\'s '
-                 'output tokens)')
+                 'output tokens; a speech task: label steps per encoder frame)')
   g = parser.add_argument_group('on a TPU chip\'s model instead of this machine\'s clock')
   g.add_argument('--chip', default=None, choices=sorted(chips_lib.CHIPS),
                  help='compile every program for one chip of this TPU generation with '
@@ -496,7 +555,7 @@ def _add_cross_kv_arguments(parser: argparse.ArgumentParser) -> None:
   g.add_argument('--no_cross_kv', dest='cross_kv', action='store_false',
                  help='(the default) no cross-attention K/V row')
   g.add_argument('--cross_kv_task', default=CROSS_KV_TASK,
-                 choices=sorted(set(TASK_SHAPES) - set(IMAGE_TASKS)))
+                 choices=sorted(set(TASK_SHAPES) - set(IMAGE_TASKS) - set(SPEECH_TASKS)))
   g.add_argument('--cross_kv_batch_size', type=flags.at_least_one, default=None,
                  help=f'(default: {CPU_CROSS_KV_BATCH} on CPU, --batch_size otherwise)')
   g.add_argument('--cross_kv_repeats', type=flags.at_least_one, default=2)
@@ -545,7 +604,8 @@ def _run_chip_model(args: argparse.Namespace) -> int:
   from coda_jax.measure.bench import chip_model  # pylint: disable=g-import-not-at-top
   log = lambda line: print(line, file=sys.stderr, flush=True)
   dtype = args.dtype or 'bfloat16'
-  config = models.make_config(args.model, jnp.dtype(dtype), image_model(args))
+  config = models.make_config(args.model, jnp.dtype(dtype), image_model(args),
+                              speech_programs.speech_model(args))
   coda_template = make_coda_template(args)
   from coda_jax.measure.compile import analysis  # pylint: disable=g-import-not-at-top
   batch = args.batch_size or ACCELERATOR_BATCH

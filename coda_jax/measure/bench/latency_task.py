@@ -8,7 +8,11 @@ block model's own encoder and decoder), times them all in one round robin
 calls), and gives a row per variant (`coda_row`: times, speed-ups over the
 baseline, FLOP bounds, the soft top-k's share, the encoder's plan) and per
 ACM block model (`acm_block.acm_row`). `decoding_latency` says what each
-number measures.
+number measures. A speech model's task (`speech`: its transducer and stem)
+has the same rows: its encoder on audio frames, its shared decoder greedy
+transducer decoding (`speech_programs`), its FLOP bounds the speech
+encoder's and transducer's (`flops.speech_encoder_speedup_bound`,
+`flops.speech_end_to_end_speedup_bound`).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from coda_jax.measure import timing
 from coda_jax.measure.bench.acm_block import DENSE, AcmBlock, acm_row
 from coda_jax.measure.bench.decoding_programs import (DECODER, TIMED, make_decode_fn,
     make_soft_topk_fn, normal, paper_record, paper_speedup)
+from coda_jax.measure.bench import speech_programs
 from coda_jax.config import CodaConfig, T5Config
 
 
@@ -50,13 +55,15 @@ def compile_task(config: T5Config, params: Mapping[str, Any], *, input_length: i
                  output_length: int, batch_size: int, reduction_factors: Sequence[float],
                  attentions: Sequence[str], coda_template: CodaConfig, method: str,
                  num_beams: int, alpha: float, seed: int, progress,
-                 acm: Optional[AcmBlock]) -> Compiled:
+                 acm: Optional[AcmBlock], speech: Optional[models.SpeechParts] = None
+                 ) -> Compiled:
   """Compiles every program of one task shape (`benchmark_task`), ahead of time."""
-  variants = models.make_variants(config, coda_template, reduction_factors, attentions)
+  variants = models.make_variants(config, coda_template, reduction_factors, attentions,
+                                  speech)
   base = variants[0]
   var_params = models.variant_params(variants, params)
-  tokens = models.random_inputs(config, batch_size, input_length, seed)  # or patches
-  scores = normal((batch_size, input_length), jnp.float32, seed)
+  tokens = models.random_inputs(config, batch_size, input_length, seed)  # or patches, audio
+  scores = normal((batch_size, base.k(input_length)), jnp.float32, seed)
 
   def step(label):
     if progress is not None:
@@ -64,9 +71,10 @@ def compile_task(config: T5Config, params: Mapping[str, Any], *, input_length: i
 
   encoders = models.compile_encoders(variants, var_params, tokens, progress)
   encoded = jax.block_until_ready(encoders[base.name].call())
-  decoder = timing.compile_call(
-      make_decode_fn(base.model, output_length, method, num_beams, alpha),
-      var_params[base.name], tokens, encoded)
+  decode_fn = (speech_programs.make_transcribe_fn(base.model, output_length)
+               if speech_programs.is_speech(config)
+               else make_decode_fn(base.model, output_length, method, num_beams, alpha))
+  decoder = timing.compile_call(decode_fn, var_params[base.name], tokens, encoded)
   step('decoder (shared)')
   soft_topk = {}
   for k in sorted({v.k(input_length) for v in variants if v.attention}):
@@ -107,6 +115,26 @@ def timed_functions(c: Compiled) -> Dict[str, Callable[[], Any]]:
   return fns
 
 
+def flop_bounds(v: models.Variant, input_length: int, output_length: int, beams: int = 1
+                ) -> Dict[str, float]:
+  """A routed variant's FLOP bounds over the Parallel Adapter (`flops.py`),
+  encoder and end to end: a text or image model's decoding `output_length`
+  tokens, a speech model's (`v.model` a SpeechTransducer: its stem in the
+  encoder) transcribing with `output_length` label steps an encoder frame."""
+  config, r, attention, adapter = (v.model.config, v.reduction_factor, v.attention,
+                                   v.coda.adapter_dim)
+  if speech_programs.is_speech(config):
+    stem = v.model.stem_config
+    return {'encoder': flops.speech_encoder_speedup_bound(config, input_length, stem, r,
+                                                          attention, adapter),
+            'end_to_end': flops.speech_end_to_end_speedup_bound(
+                config, input_length, stem, v.model.transducer, output_length, r, attention,
+                adapter)}
+  return {'encoder': flops.encoder_speedup_bound(config, input_length, r, attention, adapter),
+          'end_to_end': flops.end_to_end_speedup_bound(
+              config, input_length, output_length, r, attention, adapter, num_beams=beams)}
+
+
 def coda_row(config: T5Config, c: Compiled, v: models.Variant, times, *, input_length: int,
              output_length: int, beams: int) -> Dict[str, Any]:
   """One CoDA variant's (or the baseline's) row: times, speed-ups, FLOP bounds,
@@ -128,13 +156,7 @@ def coda_row(config: T5Config, c: Compiled, v: models.Variant, times, *, input_l
     row['flop_bound'] = {'encoder': 1.0, 'end_to_end': 1.0}
     row['soft_topk'] = None
   else:
-    row['flop_bound'] = {
-        'encoder': flops.encoder_speedup_bound(config, input_length, v.reduction_factor,
-                                               v.attention, v.coda.adapter_dim),
-        'end_to_end': flops.end_to_end_speedup_bound(
-            config, input_length, output_length, v.reduction_factor, v.attention,
-            v.coda.adapter_dim, num_beams=beams),
-    }
+    row['flop_bound'] = flop_bounds(v, input_length, output_length, beams)
     name = f'soft_topk/k{row["k"]}'
     one = timing.median_ms(times[name])
     row['soft_topk'] = {
@@ -155,16 +177,19 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
                    reduction_factors: Sequence[float], attentions: Sequence[str],
                    coda_template: CodaConfig, method: str, num_beams: int, alpha: float,
                    repeats: int, seed: int = 0, progress=None,
-                   acm: Optional[AcmBlock] = None) -> Dict[str, Any]:
+                   acm: Optional[AcmBlock] = None,
+                   speech: Optional[models.SpeechParts] = None) -> Dict[str, Any]:
   """Times the baseline and every CoDA variant on one task shape (interleaved);
   with `acm`, the dense model and the ACM model at each of its budgets too, in
-  the same round robin."""
+  the same round robin. A speech model's (`speech`: its transducer and stem)
+  `params` should never take the blank (`speech_programs.never_blank`)."""
   beams = num_beams if method == 'beam' else 1
   with timing.CompileCounter() as compiling:
     c = compile_task(config, params, input_length=input_length, output_length=output_length,
                      batch_size=batch_size, reduction_factors=reduction_factors,
                      attentions=attentions, coda_template=coda_template, method=method,
-                     num_beams=num_beams, alpha=alpha, seed=seed, progress=progress, acm=acm)
+                     num_beams=num_beams, alpha=alpha, seed=seed, progress=progress, acm=acm,
+                     speech=speech)
   with timing.CompileCounter() as timed_loop:
     # A soft top-k call is sub-millisecond: timed as back-to-back calls
     # (`timing.time_round_robin`'s calls), not alone between two encoders.
@@ -177,7 +202,7 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
     row['paper_speedup'] = paper_speedup(task, row['reduction_factor'], row['attention'])
   acm_rows = [acm_row(config, c.acm, entry, times, acm, batch_size=batch_size, **shape)
               for entry in c.acm_entries]
-  return {
+  out = {
       'task': task, 'input_length': input_length, 'output_length': output_length,
       'batch_size': batch_size, 'baseline': c.base.name, 'variants': rows,
       'paper': paper_record(task),
@@ -193,3 +218,8 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
       'xla_compilations': {'compile': compiling.compilations,
                            'timed_loop': timed_loop.compilations},
   }
+  if speech_programs.is_speech(config):
+    out['speech'] = speech_programs.task_record(config, input_length, output_length)
+    out['notes'] = [out['speech']['decoding']]
+  return out
+

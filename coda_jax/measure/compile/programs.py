@@ -52,6 +52,7 @@ from coda_jax.config import (AUDIO, AUDIO_MASK_COLUMNS, DEFAULT_ADAPTER_DIM, PAR
                              PATCHES)
 from coda_jax.data.images.patches import ID_COLUMNS
 from coda_jax.model import network
+from coda_jax.model.speech import audio_input
 from coda_jax.kernels import tpu_blocks
 from coda_jax.training import data as data_lib
 from coda_jax.training import gin_utils
@@ -114,12 +115,17 @@ class RunPrograms:
 
 
 def encoder_macs(model, n: int, k: int) -> int:
-  """Analytic MACs of the model's encoder on n tokens, routed layers at k."""
+  """Analytic MACs of the model's encoder on n tokens, routed layers at k; a
+  speech model's on n audio frames: its stem's (`flops.stem_macs`) and its
+  layers' on the stem's ceil(n / 4) frames."""
   cfg, coda = model.config, model.coda
-  if coda is None:
-    return flops_lib.encoder_macs(cfg, n, variant=flops_lib.DENSE)
-  adapter = coda.adapter_dim if coda.adapter == PARALLEL else DEFAULT_ADAPTER_DIM
   total = 0
+  if _speech(model):
+    total = flops_lib.stem_macs(n, cfg.num_mels, model.stem_config, cfg.emb_dim)['total']
+    n = audio_input.encoder_length(cfg, n)
+  if coda is None:
+    return total + flops_lib.encoder_macs(cfg, n, variant=flops_lib.DENSE)
+  adapter = coda.adapter_dim if coda.adapter == PARALLEL else DEFAULT_ADAPTER_DIM
   for layer in range(cfg.num_encoder_layers):
     if coda.is_routed(layer, cfg.num_encoder_layers) and k < n:
       variant = flops_lib.VARIANT_OF_ATTENTION[coda.attention]
@@ -136,8 +142,8 @@ def _variant(model) -> str:
 
 
 def _speech(model) -> bool:
-  """A speech model (`speech_network`): its programs have no analytic
-  FLOP count here (the stem and the transducer are not in `plan.flops`)."""
+  """A speech model (`speech_network`): its train step and decoding program
+  have no analytic FLOP count here (its encoder has: `encoder_macs`)."""
   return model.config.encoder_input == AUDIO
 
 

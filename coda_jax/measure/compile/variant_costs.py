@@ -138,9 +138,12 @@ def predictor(variant: models.Variant, pod: chips.Pod, decode_steps: int,
                              int(num_beams))
 
 
-def _compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Variant,
-                  length: int, model_flops: float, plan: Optional[plan_lib.Plan] = None
-                  ) -> Row:
+def compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Variant,
+                 length: int, model_flops: float, plan: Optional[plan_lib.Plan] = None
+                 ) -> Row:
+  """`lowered` (program `name` of `variant` on `length` inputs) compiled for
+  `pod`'s chip and read back (module docstring), `model_flops` its analytic
+  FLOPs."""
   compiled, seconds = analysis.compile_program(name, lowered, pod.chip)
   report = analysis.analyze(name, compiled, seconds, pod.chip, mesh)
   text = compiled.as_text()
@@ -160,14 +163,15 @@ def _compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Vari
 
 def encoder_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length: int,
                 dtype: Any) -> Row:
-  """The encoder of `coda-jax infer` on `[batch_size, length]` tokens."""
+  """The encoder of `coda-jax infer` on `[batch_size, length]` tokens (or
+  patches, or a speech model's audio frames)."""
   p = predictor(variant, pod, 1)
   with plan_lib.recording() as plans:
     lowered = p.lower_encode(batch_size, length, param_dtype=dtype)
   model_flops = 2.0 * batch_size * programs.encoder_macs(variant.model, length,
                                                          variant.k(length))
   [plan] = [q for q in plans if q.target.platform == 'tpu']     # the encoder's, on the chip
-  return _compiled_row(ENCODER, lowered, p.mesh, pod, variant, length, model_flops,
+  return compiled_row(ENCODER, lowered, p.mesh, pod, variant, length, model_flops,
                        plan=plan)
 
 
@@ -179,7 +183,7 @@ def prefill_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length
   p = predictor(variant, pod, decode_steps, num_beams)
   lowered = p.lower_prefill(batch_size, length, param_dtype=dtype)
   macs = flops_lib.cross_kv_macs(variant.model.config, length)
-  return _compiled_row(PREFILL, lowered, p.mesh, pod, variant, length,
+  return compiled_row(PREFILL, lowered, p.mesh, pod, variant, length,
                        2.0 * batch_size * macs)
 
 
@@ -197,7 +201,7 @@ def decode_step_row(variant: models.Variant, pod: chips.Pod, batch_size: int, le
   # the cache's shapes, plans one row per example).
   [plan] = {q for q in plans if isinstance(q, plan_lib.DecoderPlan)
             and q.target.platform == 'tpu' and q.batch == rows}
-  row = _compiled_row(DECODE_STEP, lowered, p.mesh, pod, variant, length, step, plan=plan)
+  row = compiled_row(DECODE_STEP, lowered, p.mesh, pod, variant, length, step, plan=plan)
   row.floor_bytes = programs.decode_step_floor(variant.model, rows, length, decode_steps,
                                                param_dtype=dtype,
                                                num_beams=num_beams)
