@@ -49,7 +49,9 @@ def pytest_unconfigure(config):
 # order: starting the long files first leaves short ones to fill the end,
 # instead of one worker running a long file while the other has finished.
 LONGEST_FIRST = (
-    'test_multiprocess.py', 'test_coda.py', 'test_acm.py', 'test_compile.py',
+    'test_multiprocess.py', 'test_speech_run.py', 'test_coda.py', 'test_acm.py',
+    'test_compile.py', 'test_speech_quickstart.py', 'test_acm_authors.py',
+    'test_bench_speech.py', 'test_speech_compile.py', 'test_speech_model.py',
     'test_selftest.py', 'test_network.py', 'test_routed_cost.py', 'test_train_run.py',
     'test_soft_topk.py', 'test_infer.py', 'test_routing_hlo.py', 'test_bench_decoding.py',
     'test_acm_conversion.py', 'test_acm_infer.py', 'test_router_ablation.py',
