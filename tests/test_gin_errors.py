@@ -125,6 +125,9 @@ def test_every_run_file_sets_only_macros_it_reads():
             ('TASK_FEATURE_LENGTHS', "{'inputs': 8, 'targets': 8}")]
     if name == 'acm_quickstart.gin':  # its phase is a required flag
       task += [('ACM_PHASE', "'distill'"), ('TRAINABLE', "'acm_distill'")]
+    if name in ('finetune_librispeech.gin', 'finetune_librispeech_parallel_adapter.gin',
+                'pretrain_bestrq.gin'):  # LibriSpeech's word pieces are a required flag
+      task += [('SENTENCEPIECE_MODEL', "'x.model'")]
     gin_utils.parse_gin([os.path.join(runs, name)],
                         [('MODEL_DIR', "'x'"), ('INITIAL_CHECKPOINT_PATH', 'None'), *task])
     for extra in ('infer.gin', 'eval.gin'):

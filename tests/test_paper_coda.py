@@ -9,19 +9,22 @@ import pytest
 
 from coda_jax import config
 from coda_jax.config import (CODA_TEXT_SIZES, PAPER_ADAPTER_DIMS, PIX2STRUCT_SIZES, PRESETS,
-                             T5_1_1_SIZES, CodaConfig, paper_coda)
+                             SPEECH_SIZES, T5_1_1_SIZES, CodaConfig, paper_coda)
 
 
 def test_table_7_adapter_widths_by_model():
-  # Table 7, d_adpt: Text Base / Large / XL 64, Vision 256.
+  # Table 7, d_adpt: Text Base / Large / XL 64, Vision 256, Speech 256.
   assert {m: paper_coda(m).adapter_dim for m in ('text_base', 'text_large', 'text_xl',
-                                                 'vision')} == {
-      'text_base': 64, 'text_large': 64, 'text_xl': 64, 'vision': 256}
-  assert set(PAPER_ADAPTER_DIMS) == set(CODA_TEXT_SIZES) | {'vision'}
+                                                 'vision', 'speech_base', 'speech_large',
+                                                 'speech_xl')} == {
+      'text_base': 64, 'text_large': 64, 'text_xl': 64, 'vision': 256, 'speech_base': 256,
+      'speech_large': 256, 'speech_xl': 256}
+  assert set(PAPER_ADAPTER_DIMS) == set(CODA_TEXT_SIZES) | {'vision'} | set(SPEECH_SIZES)
   # Models Table 7 does not list: CodaConfig's default.
   for m in tuple(T5_1_1_SIZES) + ('pix2struct_base', 'pix2struct_large'):
     assert paper_coda(m).adapter_dim == CodaConfig().adapter_dim == 64
-  assert set(PRESETS) == set(T5_1_1_SIZES) | set(CODA_TEXT_SIZES) | set(PIX2STRUCT_SIZES)
+  assert set(PRESETS) == (set(T5_1_1_SIZES) | set(CODA_TEXT_SIZES) | set(PIX2STRUCT_SIZES)
+                          | set(SPEECH_SIZES))
 
 
 def test_the_rest_is_the_papers_for_text_and_vision():

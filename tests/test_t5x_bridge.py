@@ -144,14 +144,27 @@ def test_rule_lists_cover_every_parameter_axis():
       params_lib.abstract_variables(image_model)['params_axes'],
       is_leaf=lambda x: isinstance(x, flax.linen.partitioning.AxisMetadata)):
     axes.update(leaf.names)
+  # A speech transducer: the audio stem's convolutions and the RNN-T joint.
+  from coda_jax.model import speech_network  # pylint: disable=g-import-not-at-top
+  speech_model = speech_network.SpeechTransducer(
+      config_lib.T5Config(**{**TINY, 'num_decoder_layers': 0}, encoder_input='audio',
+                          num_mels=8),
+      config_lib.TransducerConfig(vocab_size=5, embedding_dim=4, lstm_dim=4, joint_dim=4),
+      stem_config=config_lib.StemConfig(channels=2))
+  for leaf in jax.tree.leaves(
+      params_lib.abstract_variables(speech_model)['params_axes'],
+      is_leaf=lambda x: isinstance(x, flax.linen.partitioning.AxisMetadata)):
+    axes.update(leaf.names)
+  speech_axes = {'stem_kernel_time', 'stem_kernel_freq', 'stem_in_channels', 'stem_channels',
+                 'stem_features', 'joint'}
   assert {'adapter', 'lora', 'acm_gate', 'acm_gate_in', 'acm_choices', 'acm_rank', 'patch',
-          'patch_positions'} <= axes
+          'patch_positions'} | speech_axes <= axes
   new_axes = axes - T5X_AXES
   assert new_axes == set(t5x_bridge.CODA_AXES)
   rules = dict(t5x_bridge.coda_logical_axis_rules())
   assert rules == {'adapter': None, 'lora': None, 'acm_gate': None, 'acm_gate_in': None,
                    'acm_choices': None, 'acm_rank': None, 'patch': None,
-                   'patch_positions': None}
+                   'patch_positions': None, **dict.fromkeys(speech_axes)}
   # The same as coda_jax's own partitioner rules for those axes.
   ours = dict(partitioning.standard_logical_axis_rules())
   assert {a: ours[a] for a in new_axes} == rules
@@ -161,7 +174,10 @@ def test_rule_lists_cover_every_parameter_axis():
   assert dict(factor) == {**base, 'adapter': 'column', 'lora': 'column', 'acm_gate': 'column',
                           'acm_gate_in': 'column', 'acm_choices': 'column',
                           'acm_rank': 'column', 'patch': 'column',
-                          'patch_positions': 'column'}
+                          'patch_positions': 'column', 'stem_kernel_time': 'none',
+                          'stem_kernel_freq': 'none', 'stem_in_channels': 'row',
+                          'stem_channels': 'column', 'stem_features': 'column',
+                          'joint': 'column'}
   assert t5x_bridge.coda_logical_factor_rules({**base, 'adapter': 'none'})['adapter'] == 'none'
 
 

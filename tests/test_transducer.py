@@ -177,7 +177,13 @@ def test_parameters_have_shapes_and_logical_axes():
           for path, v in jax.tree_util.tree_leaves_with_path(
               variables['params_axes'], is_leaf=lambda x: hasattr(x, 'names'))}
   assert set(axes) == set(shapes)
-  assert axes['joint/output/kernel'] == ('mlp', 'vocab')
+  # The joint's width has its own (replicated) axis: 'mlp' would split the
+  # [batch, frames, labels, joint] activations over the model axis.
+  assert {k: v for k, v in axes.items() if k.startswith('joint/')} == {
+      'joint/encoder_projection/kernel': ('embed', 'joint'),
+      'joint/prediction_projection/kernel': ('embed', 'joint'),
+      'joint/output/kernel': ('joint', 'vocab'), 'joint/bias': ('joint',),
+      'joint/output_bias': ('vocab',)}
   assert all(len(axes[k]) == len(shapes[k]) for k in shapes)
 
 

@@ -36,7 +36,10 @@ import gin
 
 from coda_jax.model import params as params_lib
 from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_RANK_AXIS,
-                             ADAPTER_AXIS, LORA_AXIS, PATCH_AXIS, PATCH_POSITION_AXIS)
+                             ADAPTER_AXIS, JOINT_AXIS, LORA_AXIS, PATCH_AXIS,
+                             PATCH_POSITION_AXIS, STEM_CHANNELS_AXIS, STEM_FEATURES_AXIS,
+                             STEM_IN_CHANNELS_AXIS, STEM_KERNEL_FREQ_AXIS,
+                             STEM_KERNEL_TIME_AXIS)
 from coda_jax.model.partitioning import CODA_LOGICAL_AXIS_RULES
 
 T5X_INSTALL_HINT = (
@@ -49,7 +52,9 @@ T5X_INSTALL_HINT = (
 
 # Logical axes coda_jax adds to t5x's parameter axes.
 CODA_AXES = (ADAPTER_AXIS, LORA_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_CHOICES_AXIS,
-             ACM_RANK_AXIS, PATCH_AXIS, PATCH_POSITION_AXIS)
+             ACM_RANK_AXIS, PATCH_AXIS, PATCH_POSITION_AXIS, STEM_KERNEL_TIME_AXIS,
+             STEM_KERNEL_FREQ_AXIS, STEM_IN_CHANNELS_AXIS, STEM_CHANNELS_AXIS,
+             STEM_FEATURES_AXIS, JOINT_AXIS)
 
 # Adafactor factorisation of the new axes: the small bottleneck side of a
 # (embed, adapter) kernel is a column, as `mlp` is in t5x's rules. (Rank-2
@@ -66,6 +71,17 @@ CODA_LOGICAL_FACTOR_RULES = {
     # column, as `vocab` and `mlp` are.
     PATCH_AXIS: 'column',
     PATCH_POSITION_AXIS: 'column',
+    # The speech stem's convolution kernels, [time, freq, in channels,
+    # channels], are rank 4, so t5x needs an explicit rule: factored over
+    # (in channels, channels), the small window dimensions kept in both
+    # factors. Its projection [stem_features, embed] and the RNN-T joint's
+    # [embed, joint] and [joint, vocab] are rank 2 (t5x's heuristic).
+    STEM_KERNEL_TIME_AXIS: 'none',
+    STEM_KERNEL_FREQ_AXIS: 'none',
+    STEM_IN_CHANNELS_AXIS: 'row',
+    STEM_CHANNELS_AXIS: 'column',
+    STEM_FEATURES_AXIS: 'column',
+    JOINT_AXIS: 'column',
 }
 
 # A path component that names a leaf a T5 checkpoint does not have: a router,
