@@ -49,16 +49,17 @@ def pytest_unconfigure(config):
 # order: starting the long files first leaves short ones to fill the end,
 # instead of one worker running a long file while the other has finished.
 LONGEST_FIRST = (
-    'test_multiprocess.py', 'test_speech_run.py', 'test_coda.py', 'test_acm.py',
-    'test_compile.py', 'test_speech_quickstart.py', 'test_acm_authors.py',
-    'test_bench_speech.py', 'test_speech_compile.py', 'test_speech_model.py',
-    'test_selftest.py', 'test_network.py', 'test_routed_cost.py', 'test_train_run.py',
-    'test_soft_topk.py', 'test_infer.py', 'test_routing_hlo.py', 'test_bench_decoding.py',
-    'test_acm_conversion.py', 'test_acm_infer.py', 'test_router_ablation.py',
-    'test_decode_attention.py', 'test_relpos_attention.py', 'test_mlp_kernel.py',
-    'test_sharding.py', 'test_benchmark.py', 'test_pretrain.py', 'test_route_adapter.py',
-    'test_readme.py', 'test_t5x_bridge.py', 'test_kernels_soft_topk.py', 'test_chip_model.py',
-    'test_kernel_estimates.py')
+    'test_multiprocess.py', 'test_selftest.py', 'test_acm.py', 'test_compile.py',
+    'test_speech_run.py', 'test_speech_quickstart.py', 'test_network.py', 'test_soft_topk.py',
+    'test_routed_cost.py', 'test_speech_model.py', 'test_chip_model.py', 'test_coda.py',
+    'test_relpos_attention.py', 'test_mlp_kernel.py', 'test_acm_authors.py',
+    'test_bench_decoding.py', 'test_train_run.py', 'test_routing_hlo.py', 'test_benchmark.py',
+    'test_slot_attention.py', 'test_router_ablation.py', 'test_route_adapter.py',
+    'test_infer.py', 'test_decode_attention.py', 'test_image_run.py', 'test_acm_conversion.py',
+    'test_sharding.py', 'test_pix2struct.py', 'test_top_logits.py', 'test_acm_infer.py',
+    'test_kernel_estimates.py', 'test_checkpoints.py', 'test_readme.py',
+    'test_unroute_combine.py', 'test_bench_speech.py', 'test_speech_compile.py',
+    'test_pretrain.py', 'test_pretrain_vision.py', 'test_bestrq.py', 'test_t5x_bridge.py')
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,6 @@
 """Adaptive Computation Modules: learners, gate, losses, acmize, inference that skips work."""
 import dataclasses
+import functools
 
 import flax
 import jax
@@ -33,17 +34,44 @@ def _tokens():
   return jnp.asarray(enc), jnp.asarray(dec)
 
 
+# The helpers below run a model as one jitted program: op by op, a tiny
+# model's forward and backward compile hundreds of small programs. A fresh
+# `jax.jit` each call: what the model traces to depends on more than its
+# arguments (the plan's target, the plans recorded), so no trace is reused.
+def _jitted(fn, *args, **kwargs):
+  return jax.jit(fn)(*args, **kwargs)
+
+
+def _apply(module, params, *args, **kwargs):
+  """`module.apply({'params': params}, *args, **kwargs)`, jitted: the arrays
+  (`args`, `rngs`, `learners`) traced, the rest (flags, `mutable`, `method`)
+  closed over."""
+  is_arrays = lambda v: bool(jax.tree.leaves(v)) and all(
+      isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(v))
+  traced = {k: v for k, v in kwargs.items() if is_arrays(v)}
+  static = {k: v for k, v in kwargs.items() if k not in traced}
+  return _jitted(lambda p, a, t: module.apply({'params': p}, *a, **t, **static),
+                 params, args, traced)
+
+
+@functools.lru_cache(maxsize=None)
+def _acmized_params(modules):  # AcmConfig's other fields change no leaf: one init per tree
+  t5 = params_lib.init_params(Transformer(tiny_config()), jax.random.PRNGKey(0))
+  model = Transformer(tiny_config(), acm=AcmConfig(num_learners=N, modules=modules))
+  return t5, acmize.acmize(t5, model, jax.random.PRNGKey(1))
+
+
 def _acmized(**acm_fields):
-  cfg = tiny_config()
-  t5 = params_lib.init_params(Transformer(cfg), jax.random.PRNGKey(0))
-  model = Transformer(cfg, acm=AcmConfig(num_learners=N, **acm_fields))
-  return cfg, t5, model, acmize.acmize(t5, model, jax.random.PRNGKey(1))
+  model = Transformer(tiny_config(), acm=AcmConfig(num_learners=N, **acm_fields))
+  # Fresh buffers for each test (a trainer step donates its state).
+  t5, params = jax.tree.map(lambda x: x.copy(), _acmized_params(model.acm.modules))
+  return model.config, t5, model, params
 
 
 def _logits(model, params, enable_dropout=False, rng=None):
   enc, dec = _tokens()
-  return model.apply({'params': params}, enc, dec, dec, enable_dropout=enable_dropout,
-                     rngs=None if rng is None else {'dropout': rng})
+  return _apply(model, params, enc, dec, dec, enable_dropout=enable_dropout,
+                rngs=None if rng is None else {'dropout': rng})
 
 
 def _check_all_learners_are_dense_and_fewer_are_not(cfg, t5, model, params):
@@ -95,7 +123,7 @@ def _task_loss_grads(model, params):
                          rngs={'dropout': jax.random.PRNGKey(3)})
     return jnp.mean(jax.nn.log_softmax(logits)[..., 5])
 
-  return params_lib.flatten(jax.grad(task_loss)(params))
+  return params_lib.flatten(_jitted(jax.grad(task_loss), params))
 
 
 def test_gate_gets_gradient_from_the_task_loss_alone():
@@ -113,7 +141,7 @@ def _one_mlp(k_per_token, inference='masked', capacity_factor=1.0, usage=None):
                   learner_usage=usage)
   mlp = acm.AcmMlp(cfg, intermediate_dim=16)
   z = jax.random.normal(jax.random.PRNGKey(0), (1, k_per_token.shape[1], 8))
-  params = mlp.init(jax.random.PRNGKey(1), z)['params']
+  params = _jitted(lambda r, x: mlp.init(r, x)['params'], jax.random.PRNGKey(1), z)
   return mlp, params, z, cfg
 
 
@@ -129,8 +157,8 @@ def test_each_token_runs_exactly_its_k_learners(inference):
   """Including the token at the batch's largest k (the official code's off-by-one)."""
   ks = np.array([[4, 0, 2, 1, 3, 4, 2, 0]])
   mlp, params, z, _ = _one_mlp(ks, inference, capacity_factor=2.0, usage=(0.5,) * N)
-  out, state = mlp.apply({'params': params}, z, deterministic=True, learners=jnp.asarray(ks),
-                         mutable=['intermediates'])
+  out, state = _apply(mlp, params, z, deterministic=True, learners=jnp.asarray(ks),
+                      mutable=['intermediates'])
   for t, k in enumerate(ks[0]):
     np.testing.assert_allclose(np.asarray(out[0, t]),
                                np.asarray(_dense_partial(params, z[0, t], k)),
@@ -144,8 +172,8 @@ def test_gather_capacity_keeps_the_tokens_with_the_most_learners():
   # with the largest k (ties by position) among those with k >= n.
   mlp, params, z, cfg = _one_mlp(ks, 'gather', capacity_factor=1.0, usage=(0.25,) * N)
   assert cfg.capacities(8) == (2, 2, 2, 2)
-  out, _ = mlp.apply({'params': params}, z, deterministic=True, learners=jnp.asarray(ks),
-                     mutable=['intermediates'])
+  out, _ = _apply(mlp, params, z, deterministic=True, learners=jnp.asarray(ks),
+                  mutable=['intermediates'])
   kept = np.array([4, 0, 0, 0, 3, 0, 0, 0])  # tokens 0 and 4 have the largest k
   for t in range(8):
     np.testing.assert_allclose(np.asarray(out[0, t]),
@@ -161,8 +189,8 @@ def test_gather_with_capacities_that_do_not_fall_with_n():
                                  usage=(0.5, 0.75, 0.25, 0.5))
   capacities = cfg.capacities(8)
   assert capacities == (4, 6, 2, 4)
-  out, _ = mlp.apply({'params': params}, z, deterministic=True, learners=jnp.asarray(ks),
-                     mutable=['intermediates'])
+  out, _ = _apply(mlp, params, z, deterministic=True, learners=jnp.asarray(ks),
+                  mutable=['intermediates'])
   order = sorted(range(8), key=lambda t: (-ks[0, t], t))
   for t in range(8):
     place = order.index(t)
@@ -180,15 +208,15 @@ def test_auto_inference_runs_what_the_plan_says():
   usage = (1.0, 0.4, 0.2, 0.1)
   auto = model.clone(acm=dataclasses.replace(model.acm, inference='auto', learner_usage=usage))
   enc = jax.random.randint(jax.random.PRNGKey(5), (2, 48), 2, tiny_config().vocab_size)
-  encode = lambda m: m.apply({'params': params}, enc, enable_dropout=False, method=m.encode)
+  encode = lambda m: _apply(m, params, enc, enable_dropout=False, method=m.encode)
   with plan_lib.recording() as plans:
     out = encode(auto)
   (plan,) = plans
   assert plan.acm == 'gather' and 'no rule for cpu at 96 tokens' in dict(plan.reasons)['acm']
   np.testing.assert_array_equal(np.asarray(out), np.asarray(encode(auto.clone(
       acm=dataclasses.replace(auto.acm, inference='gather')))))
-  decode = lambda m: decoding.predict_batch(m, params, enc, max_decode_length=3, eos_id=-1,
-                                            encoded=out)
+  decode = lambda m: _jitted(lambda p, x, e: decoding.predict_batch(
+      m, p, x, max_decode_length=3, eos_id=-1, encoded=e), params, enc, out)
   with plan_lib.recording() as plans:
     decoded = decode(auto)
   (step,) = [p for p in plans if isinstance(p, plan_lib.DecoderPlan)]
@@ -229,9 +257,9 @@ def test_learner_usage_counts_real_tokens_by_hand():
   real = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool)   # the k=1 token is padding
   mlp = acm.AcmMlp(AcmConfig(num_learners=N), intermediate_dim=16)
   z = jax.random.normal(jax.random.PRNGKey(0), (2, 4, 8))
-  params = mlp.init(jax.random.PRNGKey(1), z)['params']
-  _, state = mlp.apply({'params': params}, z, jnp.asarray(real), deterministic=True,
-                       learners=jnp.asarray(ks), mutable=['intermediates'])
+  params = _jitted(lambda r, x: mlp.init(r, x)['params'], jax.random.PRNGKey(1), z)
+  _, state = _apply(mlp, params, z, jnp.asarray(real), deterministic=True,
+                    learners=jnp.asarray(ks), mutable=['intermediates'])
   counts = np.asarray(acm.learner_usage_counts(state['intermediates'], N))
   # 7 real tokens; k >= 1: 2, 4, 3, 3, 4; k >= 3: 4, 3, 3, 4; k >= 4: 4, 4.
   np.testing.assert_array_equal(counts, [[7, 5, 5, 4, 2]])
@@ -252,8 +280,8 @@ def test_trainer_measures_the_learner_usage_in_evaluation_mode():
   batch = trainer.shard_batch({'encoder_input_tokens': enc, 'decoder_input_tokens': dec,
                                'decoder_target_tokens': dec}, enc.shape[0])
   counts = np.asarray(trainer.learner_usage_fn()(trainer.place_params(params), batch))
-  _, state = model.apply({'params': params}, enc, dec, dec, enable_dropout=False,
-                         mutable=['intermediates'])
+  _, state = _apply(model, params, enc, dec, dec, enable_dropout=False,
+                    mutable=['intermediates'])
   expected = []
   for stats in acm.collect_stats(state['intermediates']):
     k = np.asarray(stats.learners)
@@ -340,8 +368,8 @@ def test_auxiliary_losses_by_hand():
 def test_distill_phase_runs_the_teacher_and_sows_the_reconstruction_loss():
   cfg, t5, model, params = _acmized(phase='distill')
   enc, dec = _tokens()
-  logits, state = model.apply({'params': params}, enc, dec, dec, enable_dropout=False,
-                              mutable=['intermediates'])
+  logits, state = _apply(model, params, enc, dec, dec, enable_dropout=False,
+                         mutable=['intermediates'])
   dense = _logits(Transformer(cfg), t5)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(dense), atol=1e-5, rtol=0)
   losses = acm.aux_losses(state['intermediates'], model.acm)
@@ -353,7 +381,7 @@ def test_distill_phase_runs_the_teacher_and_sows_the_reconstruction_loss():
     _, st = model.apply({'params': p}, enc, dec, dec, enable_dropout=False,
                         mutable=['intermediates'])
     return acm.aux_losses(st['intermediates'], model.acm)['loss']
-  grads = params_lib.flatten(jax.grad(loss)(params))
+  grads = params_lib.flatten(_jitted(jax.grad(loss), params))
   moving = {n for n, g in grads.items() if np.abs(np.asarray(g)).max() > 0}
   assert moving and all('acm_mlp/w' in n for n in moving)
 
@@ -363,8 +391,9 @@ def test_distill_loss_by_hand():
   z = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 8))
   teacher = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 8))
   mask = jnp.asarray([[True] * 5, [True, True, False, False, False]])
-  params = mlp.init(jax.random.PRNGKey(2), z, mask, teacher)['params']
-  out, state = mlp.apply({'params': params}, z, mask, teacher, mutable=['intermediates'])
+  params = _jitted(lambda r, *x: mlp.init(r, *x)['params'], jax.random.PRNGKey(2), z, mask,
+                   teacher)
+  out, state = _apply(mlp, params, z, mask, teacher, mutable=['intermediates'])
   np.testing.assert_array_equal(np.asarray(out), np.asarray(teacher))
   errors = [np.mean((np.asarray(_dense_partial(params, z, k)) - np.asarray(teacher)) ** 2, -1)
             for k in range(1, N + 1)]
@@ -384,12 +413,13 @@ def test_gate_phase_trains_the_gate_toward_the_labels():
                         mutable=['intermediates'])
     return acm.aux_losses(st['intermediates'], model.acm)['loss']
 
-  grads = params_lib.flatten(jax.grad(loss)(params))
+  grad = _jitted(jax.grad(loss), params)
+  grads = params_lib.flatten(grad)
   moving = {n for n, g in grads.items() if np.abs(np.asarray(g)).max() > 0}
   assert moving and all('/gate/' in n for n in moving)
-  before = float(loss(params))
-  step = jax.tree.map(lambda p, g: p - 0.5 * g, params, jax.grad(loss)(params))
-  assert float(loss(step)) < before
+  before = float(_jitted(loss, params))
+  step = jax.tree.map(lambda p, g: p - 0.5 * g, params, grad)
+  assert float(_jitted(loss, step)) < before
 
 
 # ----------------------------------------------------------------------------
@@ -537,24 +567,24 @@ def test_cached_decoding_with_attention_learners_equals_teacher_forcing(inferenc
                                                                          cache_cross_kv):
   """Each token's k/v projection depends on that token only, so the cache holds
   the keys/values the full forward computes (gates fresh: k varies per token)."""
-  cfg, t5, _, _ = _acmized()
-  model = Transformer(cfg, cache_cross_kv=cache_cross_kv, acm=AcmConfig(
-      num_learners=N, modules=BOTH, inference=inference, capacity_factor=1.0,
-      learner_usage=(1.0,) * N))
-  params = acmize.acmize(t5, model, jax.random.PRNGKey(1))
+  cfg, _, model, params = _acmized(modules=BOTH, inference=inference, capacity_factor=1.0,
+                                   learner_usage=(1.0,) * N)
+  model = Transformer(cfg, cache_cross_kv=cache_cross_kv, acm=model.acm)
   enc, dec = _tokens()
-  full, state = model.apply({'params': params}, enc, dec, dec, enable_dropout=False,
-                            mutable=['intermediates'])
+  full, state = _apply(model, params, enc, dec, dec, enable_dropout=False,
+                       mutable=['intermediates'])
   ks = [np.asarray(s.learners) for p, s in acm.collect_named_stats(state['intermediates'])
         if p.startswith('decoder/layers_0/self_attention/acm_key')]
   assert len(ks) == 1 and len(np.unique(ks[0][np.asarray(dec > 0)])) > 1
-  encoded = model.apply({'params': params}, enc, enable_dropout=False, method=model.encode)
+  encoded = _apply(model, params, enc, enable_dropout=False, method=model.encode)
   length = dec.shape[1]
   step = jax.jit(decoding.make_tokens_to_logits(model, params, encoded, enc, length))
-  caches = [decoding.init_decode_cache(model, params, encoded, enc, length)]
+  caches = [_jitted(lambda p, e, x: decoding.init_decode_cache(model, p, e, x, length),
+                    params, encoded, enc)]
   if cache_cross_kv:   # t5x's cache: the first step computes the cross K/V (nn.cond)
-    caches.append(model.init(jax.random.PRNGKey(0), enc, dec, dec, enable_dropout=False,
-                             decode=True)['cache'])
+    caches.append(_jitted(lambda r, *x: model.init(r, *x, enable_dropout=False,
+                                                   decode=True)['cache'],
+                          jax.random.PRNGKey(0), enc, dec, dec))
   real = np.asarray(dec > 0)
   for cache in caches:
     logits, _ = decode_step_by_step(step, dec, cache)
@@ -580,8 +610,8 @@ def _phase_loss(model, enc, dec):
 def test_attention_distill_and_gate_phases():
   cfg, t5, model, params = _acmized(modules=BOTH, phase='distill')
   enc, dec = _tokens()
-  logits, state = model.apply({'params': params}, enc, dec, dec, enable_dropout=False,
-                              mutable=['intermediates'])
+  logits, state = _apply(model, params, enc, dec, dec, enable_dropout=False,
+                         mutable=['intermediates'])
   # The forward pass is the frozen teacher.
   np.testing.assert_allclose(np.asarray(logits), np.asarray(_logits(Transformer(cfg), t5)),
                              atol=1e-5, rtol=0)
@@ -595,14 +625,14 @@ def test_attention_distill_and_gate_phases():
       assert err[-1] < 1e-9 and np.all(np.diff(err) < 0), (path, err)
   losses = acm.aux_losses(state['intermediates'], model.acm)
   assert {'learners_used_mlp', 'learners_used_attention'} <= set(losses)
-  grads = params_lib.flatten(jax.grad(_phase_loss(model, enc, dec))(params))
+  grads = params_lib.flatten(_jitted(jax.grad(_phase_loss(model, enc, dec)), params))
   moving = {n for n, g in grads.items() if np.abs(np.asarray(g)).max() > 0}
   assert any(n.endswith('acm_query/a') for n in moving)
   assert all(n.split('/')[-1] in ('a', 'b', 'wi_0', 'wi_1', 'wo') and '/gate/' not in n
              for n in moving)
   # Phase 'gate': only the gates move (every attention gate among them).
   gate_model = model.clone(acm=dataclasses.replace(model.acm, phase='gate'))
-  grads = params_lib.flatten(jax.grad(_phase_loss(gate_model, enc, dec))(params))
+  grads = params_lib.flatten(_jitted(jax.grad(_phase_loss(gate_model, enc, dec)), params))
   moving = {n for n, g in grads.items() if np.abs(np.asarray(g)).max() > 0}
   assert moving and all('/gate/' in n for n in moving)
   assert {p for p in PROJECTIONS if any(f'/{p}/gate/' in n for n in moving)} == set(PROJECTIONS)

@@ -135,6 +135,25 @@ def _batch(batch=8, enc_len=12, dec_len=5, seed=0):
   return enc, dec_in, dec
 
 
+# The helpers below run a model as one jitted program: op by op, a tiny
+# model's forward and backward compile hundreds of small programs. A fresh
+# `jax.jit` each call: what the model traces to depends on more than its
+# arguments (the plan's target, patched kernels), so no trace is reused.
+def _jitted(fn, *args, **kwargs):
+  return jax.jit(fn)(*args, **kwargs)
+
+
+def _apply(module, params, *args, **kwargs):
+  """`module.apply({'params': params}, *args, **kwargs)`, jitted: the arrays
+  (`args`, `rngs`) traced, the rest (flags, `mutable`) closed over."""
+  is_arrays = lambda v: bool(jax.tree.leaves(v)) and all(
+      isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(v))
+  traced = {k: v for k, v in kwargs.items() if is_arrays(v)}
+  static = {k: v for k, v in kwargs.items() if k not in traced}
+  return _jitted(lambda p, a, t: module.apply({'params': p}, *a, **t, **static),
+                 params, args, traced)
+
+
 def _acm_model(modules=BOTH, **fields):
   cfg = tiny_config(num_kv_heads=2)        # d = 32; q / o rank 32, k / v rank 16
   t5 = params_lib.init_params(Transformer(cfg), jax.random.PRNGKey(0))
@@ -169,9 +188,8 @@ def _gate_outputs(seed=3, **fields):
   authors' code sees them, beside the model's own losses."""
   cfg, _, model, params = _acm_model(**fields)
   enc, dec_in, dec = _batch()
-  _, state = model.apply({'params': params}, enc, dec_in, dec, enable_dropout=True,
-                         rngs={'dropout': jax.random.PRNGKey(seed)},
-                         mutable=['intermediates'])
+  _, state = _apply(model, params, enc, dec_in, dec, enable_dropout=True,
+                    rngs={'dropout': jax.random.PRNGKey(seed)}, mutable=['intermediates'])
   gating, costs = {}, {}
   for path, stats in acm.collect_named_stats(state['intermediates']):
     real = _real(path, enc, dec)
@@ -303,8 +321,8 @@ def test_earlier_forms_stay_by_name(gate_outputs):
   old = model.clone(acm=dataclasses.replace(model.acm, budget_loss_form='pooled',
                                             entropy_loss_form='pooled',
                                             diversity_loss_form='std'))
-  _, state = old.apply({'params': params}, enc, dec_in, dec, enable_dropout=True,
-                       rngs={'dropout': jax.random.PRNGKey(3)}, mutable=['intermediates'])
+  _, state = _apply(old, params, enc, dec_in, dec, enable_dropout=True,
+                    rngs={'dropout': jax.random.PRNGKey(3)}, mutable=['intermediates'])
   got = {k: float(v) for k, v in acm.aux_losses(state['intermediates'], old.acm).items()}
   every = np.concatenate([np.concatenate(v).argmax(-1) for v in gating.values()])
   assert got['budget_loss'] == pytest.approx(abs(every.mean() / N - BETA), rel=1e-5)
@@ -327,10 +345,12 @@ def test_the_losses_reach_the_gates():
 
   # One forward pass, then each loss's gradient alone (a one-hot cotangent):
   # jax.grad of each loss, without running the model three times.
-  values, pullback = jax.vjp(losses, params)
-  for name in names:
-    [grad] = pullback({n: jnp.ones_like(v) if n == name else jnp.zeros_like(v)
-                       for n, v in values.items()})
+  def each_grad(p):
+    values, pullback = jax.vjp(losses, p)
+    return {name: pullback({n: jnp.ones_like(v) if n == name else jnp.zeros_like(v)
+                            for n, v in values.items()})[0] for name in names}
+
+  for name, grad in _jitted(each_grad, params).items():
     grads = params_lib.flatten(grad)
     gates = [np.abs(np.asarray(g)).max() for n, g in grads.items() if '/gate/' in n]
     assert len(gates) == 6 * 28 and min(gates) > 0 and np.all(np.isfinite(gates)), name
@@ -341,8 +361,8 @@ def test_learner_macs_are_the_flop_counts():
   model's dense FFN / a projection's rank-R learners (`plan.flops`)."""
   cfg, _, model, params = _acm_model()
   enc, dec_in, dec = _batch()
-  _, state = model.apply({'params': params}, enc, dec_in, dec, enable_dropout=False,
-                         mutable=['intermediates'])
+  _, state = _apply(model, params, enc, dec_in, dec, enable_dropout=False,
+                    mutable=['intermediates'])
   layer = flops.acm_encoder_layer_macs(cfg, 10, 1.0, N, modules=BOTH)
   names = {'acm_mlp': 'mlp', 'acm_query': 'q_proj', 'acm_key': 'k_proj',
            'acm_value': 'v_proj', 'acm_out': 'out_proj'}
@@ -388,7 +408,7 @@ def test_the_gate_phase_trains_on_the_authors_labels():
   mlp = acm.AcmMlp(AcmConfig(num_learners=N, phase='gate'), intermediate_dim=16)
   z = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 8))
   mask = jnp.asarray([[True] * 6, [True] * 3 + [False] * 3])
-  params = mlp.init(jax.random.PRNGKey(2), z, mask, z)['params']
+  params = _jitted(lambda r, *x: mlp.init(r, *x)['params'], jax.random.PRNGKey(2), z, mask, z)
   # A teacher the learners reproduce in part: its own N learners, scaled.
   p = {k: np.asarray(v) for k, v in params.items() if k != 'gate'}
   h = 16 // N
@@ -396,12 +416,11 @@ def test_the_gate_phase_trains_on_the_authors_labels():
       (jax.nn.gelu(z @ p['wi_0'][:, :k * h]) * (z @ p['wi_1'][:, :k * h])) @ p['wo'][:k * h]
       for k in range(1, N + 1)]
   teacher = 1.1 * np.asarray(partial[-1])
-  _, state = mlp.apply({'params': params}, z, mask, jnp.asarray(teacher),
-                       mutable=['intermediates'])
+  _, state = _apply(mlp, params, z, mask, jnp.asarray(teacher), mutable=['intermediates'])
   errors = np.linalg.norm(np.stack([np.asarray(x) for x in partial], 2) - teacher[:, :, None],
                           axis=-1)
   labels = authors_labels(errors, 1.2)
-  logits = acm.Gate(N + 1).apply({'params': params['gate']}, z)
+  logits = _apply(acm.Gate(N + 1), params['gate'], z)
   ce = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), labels[..., None], -1)[..., 0]
   want = ce[np.asarray(mask)].mean()
   assert float(state['intermediates']['acm'][0].gate_loss) == pytest.approx(want, rel=1e-5)
@@ -430,8 +449,8 @@ def test_a_gate_that_would_choose_0_runs_1_learner_in_attention(train):
   _, _, model, params = _acm_model()
   params = _zero_gates(params)
   enc, dec_in, dec = _batch()
-  _, state = model.apply({'params': params}, enc, dec_in, dec, enable_dropout=train,
-                         rngs={'dropout': jax.random.PRNGKey(5)}, mutable=['intermediates'])
+  _, state = _apply(model, params, enc, dec_in, dec, enable_dropout=train,
+                    rngs={'dropout': jax.random.PRNGKey(5)}, mutable=['intermediates'])
   for path, stats in acm.collect_named_stats(state['intermediates']):
     real = _real(path, enc, dec)
     k = np.asarray(stats.learners)[real]
@@ -441,8 +460,8 @@ def test_a_gate_that_would_choose_0_runs_1_learner_in_attention(train):
       assert np.all(k == 0), path
   # With no minimum (coda_jax's earlier gates) the projections run none.
   free = model.clone(acm=dataclasses.replace(model.acm, attention_min_learners=0))
-  _, state = free.apply({'params': params}, enc, dec_in, dec, enable_dropout=train,
-                        rngs={'dropout': jax.random.PRNGKey(5)}, mutable=['intermediates'])
+  _, state = _apply(free, params, enc, dec_in, dec, enable_dropout=train,
+                    rngs={'dropout': jax.random.PRNGKey(5)}, mutable=['intermediates'])
   assert all(np.all(np.asarray(s.learners) == 0)
              for s in acm.collect_stats(state['intermediates']))
 
@@ -453,8 +472,8 @@ def test_the_minimum_learner_is_learner_1_of_the_projection():
   cfg = AcmConfig(num_learners=N)
   lin = acm.AcmLinear(cfg, features=12, rank=8)
   z = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 6))
-  params = _zero_gates(lin.init(jax.random.PRNGKey(1), z)['params'])
-  out, state = lin.apply({'params': params}, z, mutable=['intermediates'])
+  params = _zero_gates(_jitted(lambda r, x: lin.init(r, x)['params'], jax.random.PRNGKey(1), z))
+  out, state = _apply(lin, params, z, mutable=['intermediates'])
   want = z @ params['a'][:, :2] @ params['b'][:2]
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
   stats = state['intermediates']['acm'][0]
@@ -462,7 +481,7 @@ def test_the_minimum_learner_is_learner_1_of_the_projection():
   assert np.all(np.asarray(stats.choice_counts)[:, 0] == 0)
   # A gate preferring k = 2 is left alone.
   two = _zero_gates(params, prefer=2)
-  _, state = lin.apply({'params': two}, z, mutable=['intermediates'])
+  _, state = _apply(lin, two, z, mutable=['intermediates'])
   assert np.all(np.asarray(state['intermediates']['acm'][0].learners) == 2)
 
 

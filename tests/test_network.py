@@ -35,6 +35,22 @@ def init(model, enc, dec_in, tgt, seed=0):
   return model.init(jax.random.PRNGKey(seed), enc, dec_in, tgt, enable_dropout=False)
 
 
+def _jitted(fn, *args):
+  """`fn(*args)` as one jitted program, fresh each call (what a model traces
+  to depends on context jit's cache key leaves out: the plan's target chip,
+  patched kernels). For a pass no other test runs: eagerly it compiles each
+  op on its own, where the tiny model's other passes (and its `init`, whose
+  random initialisers take seconds to compile as one program) reuse the ops
+  earlier tests compiled."""
+  return jax.jit(fn)(*args)
+
+
+def apply(model, variables, *inputs, **flags):
+  """`model.apply(variables, *inputs, **flags)` by `_jitted`; `flags`
+  (enable_dropout, method, ...) are static."""
+  return _jitted(lambda v, *x: model.apply(v, *x, **flags), variables, *inputs)
+
+
 def expected_t5x_paths(cfg: T5Config):
   paths = {('token_embedder', 'embedding'): (cfg.vocab_size, cfg.emb_dim),
            ('encoder', 'relpos_bias', 'rel_embedding'): (cfg.num_heads, 32),
@@ -326,9 +342,9 @@ def test_packed_encoder_equals_separate_examples():
   a = jnp.array([[5, 6, 7, 8]]); b = jnp.array([[9, 10, 11]])
   packed = jnp.concatenate([a, b], 1)
   segments = jnp.array([[1, 1, 1, 1, 2, 2, 2]])
-  out = model.apply(variables, packed, segments, enable_dropout=False, method=model.encode)
-  out_a = model.apply(variables, a, enable_dropout=False, method=model.encode)
-  out_b = model.apply(variables, b, enable_dropout=False, method=model.encode)
+  out = apply(model, variables, packed, segments, enable_dropout=False, method=model.encode)
+  out_a = apply(model, variables, a, enable_dropout=False, method=model.encode)
+  out_b = apply(model, variables, b, enable_dropout=False, method=model.encode)
   np.testing.assert_allclose(out[:, :4], out_a, atol=1e-5)
   np.testing.assert_allclose(out[:, 4:], out_b, atol=1e-5)
 
@@ -374,8 +390,8 @@ def test_bfloat16_activations_track_float32():
   f32 = Transformer(tiny_config())
   variables = init(f32, enc, dec_in, tgt)
   bf16 = Transformer(tiny_config(dtype=jnp.bfloat16))
-  a = f32.apply(variables, enc, dec_in, tgt, enable_dropout=False)
-  b = bf16.apply(variables, enc, dec_in, tgt, enable_dropout=False)
+  a = apply(f32, variables, enc, dec_in, tgt, enable_dropout=False)
+  b = apply(bf16, variables, enc, dec_in, tgt, enable_dropout=False)
   assert b.dtype == jnp.float32  # logits stay float32
   assert float(jnp.max(jnp.abs(a - b))) < 0.1 * float(jnp.max(jnp.abs(a)))
 
@@ -431,9 +447,9 @@ def test_relative_position_bias_per_row_equals_the_shared_one():
   the batch (dense layers) give the same bias."""
   rel = attention.RelativePositionBiases(32, 128, num_heads=3)
   q, kv = jnp.arange(40), jnp.arange(300)
-  variables = rel.init(jax.random.PRNGKey(0), q, kv)
-  shared = rel.apply(variables, q, kv)
-  per_row = rel.apply(variables, jnp.stack([q, q]), kv)
+  variables = _jitted(rel.init, jax.random.PRNGKey(0), q, kv)
+  shared = _jitted(rel.apply, variables, q, kv)
+  per_row = _jitted(rel.apply, variables, jnp.stack([q, q]), kv)
   assert shared.shape == (1, 3, 40, 300) and per_row.shape == (2, 3, 40, 300)
   np.testing.assert_array_equal(np.asarray(per_row), np.broadcast_to(shared, per_row.shape))
 

@@ -1,6 +1,7 @@
 """The speech model: audio rows through the stem and the (routed) Transformer
 encoder into the RNN-T (`model.speech_network`), and its training step."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,35 +46,54 @@ def _rows(lengths, frames, seed=0):
 LABELS = np.array([[3, 4, 5, 0], [6, 2, 0, 0], [1, 0, 0, 0]], np.int32)
 
 
+def _jitted(fn, *args):
+  """`fn(*args)` as one jitted program: run eagerly, a model compiles each of
+  its ops on its own (hundreds of small programs). A fresh jit per call, not
+  one cached: what a model traces to depends on context jit's cache key
+  leaves out (the plan's target chip, patched kernels)."""
+  return jax.jit(fn)(*args)
+
+
+def _init(model, seed):
+  return _jitted(params_lib.init_fn(model), jax.random.PRNGKey(seed))
+
+
+def _losses(model, params, x, **flags):
+  """`model`'s outputs for audio rows `x` and LABELS (its per-utterance
+  losses; with `flags` such as `mutable`, (outputs, state)), jitted; `flags`
+  are static."""
+  return _jitted(lambda p, *a: model.apply({'params': p}, *a, enable_dropout=False, **flags),
+                 params, x, LABELS, LABELS)
+
+
 @pytest.fixture(scope='module', params=['dense', 'coda_r2'])
 def model_and_params(request):
   coda = None if request.param == 'dense' else C.paper_coda(
       'speech_base', reduction_factor=2, adapter_dim=8)
   model = _model(coda)
-  return model, params_lib.init_fn(model)(jax.random.PRNGKey(0))
+  return model, _init(model, 0)
 
 
 def test_utterances_do_not_depend_on_padding_or_neighbours(model_and_params):
   model, params = model_and_params
   x = _rows([40, 29, 17], 40)
-  nll = model.apply({'params': params}, x, LABELS, LABELS, enable_dropout=False)
+  # One program per input shape: the batch, the longer padding, an utterance alone.
+  losses = functools.partial(
+      jax.jit(lambda p, *a: model.apply({'params': p}, *a, enable_dropout=False)), params)
+  nll = losses(x, LABELS, LABELS)
   # Garbage in the padding frames' log-mels: the same losses.
   y = x.copy()
   y[1, 29:, 1:] = 7.0
   y[2, 17:, 1:] = -3.0
-  np.testing.assert_allclose(
-      model.apply({'params': params}, y, LABELS, LABELS, enable_dropout=False), nll, rtol=2e-5)
+  np.testing.assert_allclose(losses(y, LABELS, LABELS), nll, rtol=2e-5)
   if model.coda is None:
     # Longer padding: the same losses (a routed encoder's k = n / r follows
     # the padded length n, as for text).
     y = np.concatenate([y, np.zeros((3, 24, 1 + MELS), np.float32)], axis=1)
-    np.testing.assert_allclose(
-        model.apply({'params': params}, y, LABELS, LABELS, enable_dropout=False), nll,
-        rtol=2e-5)
+    np.testing.assert_allclose(losses(y, LABELS, LABELS), nll, rtol=2e-5)
   # Each utterance alone: the same loss as in the batch.
   for i in range(3):
-    alone = model.apply({'params': params}, x[i:i + 1], LABELS[i:i + 1], LABELS[i:i + 1],
-                        enable_dropout=False)
+    alone = losses(x[i:i + 1], LABELS[i:i + 1], LABELS[i:i + 1])
     np.testing.assert_allclose(alone[0], nll[i], rtol=2e-5)
   assert np.all(np.isfinite(nll)) and np.all(nll > 0)
 
@@ -81,24 +101,24 @@ def test_utterances_do_not_depend_on_padding_or_neighbours(model_and_params):
 def test_loss_is_the_rnnt_loss_of_the_encoder_output(model_and_params):
   model, params = model_and_params
   x = _rows([40, 29, 17], 40, seed=1)
-  encoded, lengths = model.apply({'params': params}, x, enable_dropout=False,
-                                 method=speech_network.SpeechTransducer.encode)
+  encode = lambda p, x: model.apply({'params': p}, x, enable_dropout=False,
+                                    method=speech_network.SpeechTransducer.encode)
+  encoded, lengths = _jitted(encode, params, x)
   np.testing.assert_array_equal(lengths, [10, 7, 4])        # floor(n / 4)
   assert encoded.shape == (3, 10, CFG.emb_dim)
   head = transducer_lib.Transducer(TRANSDUCER)
-  logits = head.apply({'params': params['transducer']}, encoded, LABELS)
-  expected = rnnt.rnnt_loss(logits, lengths, LABELS, np.array([3, 2, 1]))
-  got = model.apply({'params': params}, x, LABELS, LABELS, enable_dropout=False)
+  logits = _jitted(head.apply, {'params': params['transducer']}, encoded, LABELS)
+  expected = _jitted(rnnt.rnnt_loss, logits, lengths, LABELS, np.array([3, 2, 1]))
+  got = _losses(model, params, x)
   np.testing.assert_allclose(got, expected, rtol=1e-6)
 
 
 def test_routed_layers_never_select_padding_frames():
   coda = C.paper_coda('speech_base', reduction_factor=2, adapter_dim=8)
   model = _model(coda)
-  params = params_lib.init_fn(model)(jax.random.PRNGKey(3))
+  params = _init(model, 3)
   x = _rows([64, 40, 20], 64, seed=2)
-  _, aux = model.apply({'params': params}, x, LABELS, LABELS, enable_dropout=False,
-                       mutable=['intermediates'])
+  _, aux = _losses(model, params, x, mutable=['intermediates'])
   real = np.asarray(audio_input.real_frames(jnp.asarray(x)))
   k = coda.num_selected(stem.output_frames(64))
   decisions = jax.tree.leaves(aux['intermediates'],
@@ -117,10 +137,15 @@ def test_routed_layers_never_select_padding_frames():
 def test_spec_augment_only_while_training():
   model = _model(spec_augment=C.SpecAugmentConfig(time_mask_count=2, time_mask_max_width=6,
                                                   time_mask_max_ratio=None))
-  params = params_lib.init_fn(model)(jax.random.PRNGKey(0))
+  params = _init(model, 0)
   x = _rows([40, 40, 40], 40)
-  apply = lambda dropout, rng: model.apply({'params': params}, x, LABELS, LABELS,
-                                           enable_dropout=dropout, rngs={'dropout': rng})
+
+  def program(dropout):
+    return jax.jit(lambda p, rng: model.apply({'params': p}, x, LABELS, LABELS,
+                                              enable_dropout=dropout, rngs={'dropout': rng}))
+  # One program each for evaluation and training, each run with two streams.
+  programs = {dropout: program(dropout) for dropout in (False, True)}
+  apply = lambda dropout, rng: programs[dropout](params, rng)
   np.testing.assert_array_equal(apply(False, jax.random.PRNGKey(1)),
                                 apply(False, jax.random.PRNGKey(2)))
   assert not np.allclose(apply(True, jax.random.PRNGKey(1)), apply(True, jax.random.PRNGKey(2)))
@@ -128,7 +153,7 @@ def test_spec_augment_only_while_training():
 
 def test_bad_inputs_are_named():
   model = _model()
-  params = params_lib.init_fn(model)(jax.random.PRNGKey(0))
+  params = _init(model, 0)
   with pytest.raises(ValueError, match=r'audio rows \[batch, frames, 1 \+ num_mels\]'):
     model.apply({'params': params}, np.ones((2, 40), np.int32), LABELS[:2], LABELS[:2])
   with pytest.raises(ValueError, match='num_mels = 12'):
@@ -218,8 +243,7 @@ def test_bestrq_pretraining_learns_the_codes_and_hands_its_encoder_on():
   # No targets, no loss: mask probability 0.
   quiet = speech_network.BestRqPretraining(
       cfg, C.BestRqConfig(codebook_size=16, codebook_dim=8, mask_prob=0.0), stem_config=STEM)
-  loss, accuracy, count = quiet.apply({'params': state['params']}, x, LABELS, LABELS,
-                                      enable_dropout=False)
+  loss, accuracy, count = _losses(quiet, state['params'], x)
   assert (float(loss), float(accuracy), int(count)) == (0.0, 0.0, 0)
   transducer_params = params_lib.flatten(params_lib.abstract_params(_model()))
   pretrained = params_lib.flatten(jax.tree.map(np.asarray, state['params']))
