@@ -155,8 +155,17 @@ def test_rule_lists_cover_every_parameter_axis():
       params_lib.abstract_variables(speech_model)['params_axes'],
       is_leaf=lambda x: isinstance(x, flax.linen.partitioning.AxisMetadata)):
     axes.update(leaf.names)
+  # Whisper: its convolutions and its position tables.
+  whisper_model = network.Transformer(config_lib.preset(
+      'whisper_tiny', **TINY, num_mels=8, max_encoder_positions=8,
+      max_decoder_positions=8))
+  for leaf in jax.tree.leaves(
+      params_lib.abstract_variables(whisper_model)['params_axes'],
+      is_leaf=lambda x: isinstance(x, flax.linen.partitioning.AxisMetadata)):
+    axes.update(leaf.names)
   speech_axes = {'stem_kernel_time', 'stem_kernel_freq', 'stem_in_channels', 'stem_channels',
-                 'stem_features', 'joint'}
+                 'stem_features', 'joint', 'whisper_conv_width', 'whisper_conv_in',
+                 'absolute_positions'}
   assert {'adapter', 'lora', 'acm_gate', 'acm_gate_in', 'acm_choices', 'acm_rank', 'patch',
           'patch_positions'} | speech_axes <= axes
   new_axes = axes - T5X_AXES
@@ -177,7 +186,8 @@ def test_rule_lists_cover_every_parameter_axis():
                           'patch_positions': 'column', 'stem_kernel_time': 'none',
                           'stem_kernel_freq': 'none', 'stem_in_channels': 'row',
                           'stem_channels': 'column', 'stem_features': 'column',
-                          'joint': 'column'}
+                          'joint': 'column', 'whisper_conv_width': 'none',
+                          'whisper_conv_in': 'column', 'absolute_positions': 'column'}
   assert t5x_bridge.coda_logical_factor_rules({**base, 'adapter': 'none'})['adapter'] == 'none'
 
 

@@ -101,3 +101,50 @@ def kernel_under_batch_mesh(module: str, function: str, test_module: str,
   traced call has a `shard_map` and the largest difference of any output."""
   return run_on_cpu_devices(_BATCH_MESH_SCRIPT.format(
       module=module, function=function, test_module=test_module, operands=operands))
+
+
+# A tiny Whisper's sizes (transformers' WhisperConfig names).
+WHISPER_TINY = dict(vocab_size=100, num_mel_bins=8, d_model=16, encoder_layers=2,
+                    decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+                    encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=16,
+                    max_target_positions=16)
+
+
+def tiny_whisper(directory, pytorch_bin: bool = False):
+  """A tiny random `transformers.WhisperForConditionalGeneration`
+  (`WHISPER_TINY`, every parameter but the encoder's sinusoids moved off its
+  init so that biases and norms matter) written to `directory` as
+  `save_pretrained` writes it (`model.safetensors`); with `pytorch_bin`
+  also a copy as `pytorch_model.bin` in `directory`/bin. Returns the model
+  (eval mode) and torch."""
+  import os  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  config = transformers.WhisperConfig(**WHISPER_TINY, pad_token_id=0, bos_token_id=1,
+                                      eos_token_id=2, decoder_start_token_id=1)
+  model = transformers.WhisperForConditionalGeneration(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if 'encoder.embed_positions' not in name:
+        p.add_(0.1 * torch.randn_like(p))
+  directory = str(directory)
+  model.save_pretrained(directory)
+  if pytorch_bin:
+    os.makedirs(os.path.join(directory, 'bin'), exist_ok=True)
+    torch.save(model.state_dict(), os.path.join(directory, 'bin', 'pytorch_model.bin'))
+    shutil.copy(os.path.join(directory, 'config.json'), os.path.join(directory, 'bin'))
+  return model, torch
+
+
+def whisper_rows(features, real_frames=None):
+  """Whisper's `input_features [batch, mels, frames]` -> this project's rows
+  `[batch, frames, 1 + mels]`: the realness column (1.0 for the first
+  `real_frames[i]` frames of row i; default every frame), then the log-mels."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  batch, _, frames = features.shape
+  real = np.ones((batch, frames), np.float32)
+  if real_frames is not None:
+    real = (np.arange(frames)[None] < np.asarray(real_frames)[:, None]).astype(np.float32)
+  return np.concatenate([real[..., None], features.transpose(0, 2, 1)], -1).astype(np.float32)

@@ -1,4 +1,4 @@
-"""Checkpoints: T5 v1.1 and Pix2Struct weights in, Hugging Face / T5X out, train-state I/O.
+"""Checkpoints: T5 v1.1, Pix2Struct and Whisper weights in, Hugging Face / T5X out, train-state I/O.
 
 Parameter trees
 ---------------
@@ -57,6 +57,13 @@ model_type ``pix2struct``) or ``pix2struct-t5x-legacy`` /
 ``target`` holds ``encoder/token_embedder/patch_projection``).
 `load_pix2struct(path)` reads those; `load_t5_v1_1` refuses them, naming it.
 
+Whisper (`T5Config.encoder_input` ``'whisper'``, `whisper`: its own tree of
+convolutions, position tables, LayerNorms and biases) is a Hugging Face
+directory whose config.json says model_type ``whisper``, reported as
+``whisper-hf-safetensors`` / ``whisper-hf-pytorch``. `load_whisper(path)`
+reads it; `load_t5_v1_1` and `load_pix2struct` refuse it, naming it, and it
+refuses theirs, naming them.
+
 A directory holding several ``checkpoint_<step>/`` (a t5x ``model_dir``) reads
 the one with the largest step. Only the model parameters are read (optimizer
 slots never are), one leaf at a time, optionally cast (``dtype=``). Every leaf
@@ -77,9 +84,10 @@ Modules (each imports only those below it; none imports this one):
 tree, `infer_config`, `check_shapes`), ``torch_pickle``, ``hf``, ``t5x``,
 ``train_state``, ``trained`` (a trained MODEL_DIR), ``coda``
 (`init_coda_from_t5`, adapter-only files), ``pix2struct`` (Hugging Face and
-T5X Pix2Struct). This package detects the format and loads (`detect_format`,
-`load_t5_v1_1`, `load_pix2struct`, `inspect_checkpoint`) and re-exports the
-public names of the others.
+T5X Pix2Struct), ``whisper`` (Hugging Face Whisper). This package detects
+the format and loads (`detect_format`, `load_t5_v1_1`, `load_pix2struct`,
+`load_whisper`, `inspect_checkpoint`) and re-exports the public names of the
+others.
 
 Nothing here imports torch or transformers.
 """
@@ -96,6 +104,7 @@ from coda_jax.checkpoints import hf
 from coda_jax.checkpoints import pix2struct
 from coda_jax.checkpoints import t5x
 from coda_jax.checkpoints import trained
+from coda_jax.checkpoints import whisper
 from coda_jax.checkpoints.base import (CODA_TRAIN_STATE, DTYPE_NAMES, HF_PYTORCH,
                                        HF_SAFETENSORS, T5X_LEGACY, T5X_ORBAX,
                                        CheckpointError, Params, Source, canonical_dtype,
@@ -113,19 +122,20 @@ from coda_jax.checkpoints.torch_pickle import read_torch_state_dict
 from coda_jax.checkpoints.train_state import TrainStateCheckpointer
 from coda_jax.checkpoints.trained import (TrainedModel, load_train_state, read_run_config,
                                           save_run_config)
+from coda_jax.checkpoints.whisper import WHISPER_HF_PYTORCH, WHISPER_HF_SAFETENSORS
 from coda_jax.config import T5Config
 from coda_jax.model.params import unflatten
 
 __all__ = [
     'ADAPTER_CONFIG', 'ADAPTER_WEIGHTS', 'CODA_TRAIN_STATE', 'DTYPE_NAMES', 'HF_PYTORCH',
     'HF_SAFETENSORS', 'PIX2STRUCT_HF_PYTORCH', 'PIX2STRUCT_HF_SAFETENSORS',
-    'PIX2STRUCT_T5X_LEGACY', 'PIX2STRUCT_T5X_ORBAX',
+    'PIX2STRUCT_T5X_LEGACY', 'PIX2STRUCT_T5X_ORBAX', 'WHISPER_HF_PYTORCH',
+    'WHISPER_HF_SAFETENSORS',
     'T5X_LEGACY', 'T5X_ORBAX', 'CheckpointError', 'TrainStateCheckpointer', 'TrainedModel',
     'apply_adapters', 'backbone_fingerprint', 'check_shapes', 'config_from_hf',
     'config_to_hf', 'detect_format', 'hf_name_to_t5x', 'hf_to_t5x', 'infer_config',
     'init_coda_from_t5', 'inspect_checkpoint', 'load_adapters', 'load_backbone',
-    'load_pix2struct',
-    'load_t5_v1_1',
+    'load_pix2struct', 'load_t5_v1_1', 'load_whisper',
     'load_train_state', 'param_shapes', 'read_run_config', 'read_torch_state_dict',
     'save_adapters', 'save_hf', 'save_run_config', 'save_t5x_legacy', 'save_t5x_orbax',
     't5x_name_to_hf', 't5x_to_hf',
@@ -152,7 +162,8 @@ def _url_exists(kv, key: str) -> bool:
 def detect_format(path: str) -> Tuple[str, str]:
   """(format, resolved path) of a checkpoint; see the module docstring."""
   fmt, resolved = _detect_layout(path)
-  return pix2struct.detect(fmt, resolved) or fmt, resolved
+  return (pix2struct.detect(fmt, resolved) or whisper.detect(fmt, resolved) or fmt,
+          resolved)
 
 
 def _detect_layout(path: str) -> Tuple[str, str]:
@@ -235,6 +246,8 @@ def _open_source(path: str) -> Source:
   fmt, resolved = detect_format(path)
   if fmt in pix2struct.FORMATS.values():
     return pix2struct.open_source(fmt, resolved)
+  if fmt in whisper.FORMATS.values():
+    return whisper.open_source(fmt, resolved)
   if fmt == T5X_LEGACY:
     return t5x.open_legacy(resolved)
   if fmt == T5X_ORBAX:
@@ -248,6 +261,10 @@ def _source_config(src: Source, config: Optional[T5Config]) -> T5Config:
   if src.format in pix2struct.FORMATS.values():
     config = config or pix2struct.source_config(src)
     pix2struct.check_leaves(src, config)
+    return config
+  if src.format in whisper.FORMATS.values():
+    config = config or whisper.source_config(src)
+    whisper.check_leaves(src, config)
     return config
   shapes = {k: v.shape for k, v in src.leaves.items()}
   if config is None:
@@ -286,13 +303,11 @@ def load_t5_v1_1(path: str, config: Optional[T5Config] = None,
   Raises:
     CheckpointError: unknown directory (lists the formats looked for), a
       missing leaf or a shape mismatch (names the path and shapes), a
-      truncated or corrupt file (names it), a Pix2Struct checkpoint (names
-      `load_pix2struct`).
+      truncated or corrupt file (names it), a Pix2Struct or Whisper checkpoint
+      (names `load_pix2struct` / `load_whisper`).
   """
   src = _open_source(path)
-  if src.format in pix2struct.FORMATS.values():
-    raise CheckpointError(f'{src.path} is a Pix2Struct checkpoint ({src.format}), not T5: '
-                          f'read it with coda_jax.checkpoints.load_pix2struct')
+  _refuse_other(src, 'T5', ())
   config = _source_config(src, config)
   dtype = canonical_dtype(dtype)
   if src.read_all is not None:
@@ -333,26 +348,70 @@ def load_pix2struct(path: str, dtype: Any = None) -> Tuple[T5Config, Params]:
 
   Raises:
     CheckpointError: not a Pix2Struct checkpoint (a T5 one names
-      `load_t5_v1_1`), a missing, misshapen or unexpected leaf (named as in the
-      file), an unreadable array. Every leaf is checked before any is read.
+      `load_t5_v1_1`, a Whisper one `load_whisper`), a missing, misshapen or
+      unexpected leaf (named as in the file), an unreadable array. Every leaf
+      is checked before any is read.
   """
   src = _open_source(path)
-  if src.format not in pix2struct.FORMATS.values():
-    raise CheckpointError(
-        f'{src.path} is a {src.format} checkpoint, not Pix2Struct (no config.json '
-        f'model_type \'pix2struct\', no target/{pix2struct.T5X_PATCH_PROJECTION}): read '
-        f'it with coda_jax.checkpoints.load_t5_v1_1')
+  _refuse_other(src, pix2struct.MODEL, pix2struct.FORMATS.values())
   return pix2struct.load_source(src, dtype=dtype)
+
+
+def load_whisper(path: str, dtype: Any = None) -> Tuple[T5Config, Params]:
+  """Reads a Hugging Face Whisper directory (`whisper`).
+
+  Args:
+    path: config.json (model_type 'whisper') and ``model.safetensors`` or
+      ``pytorch_model.bin`` (or their sharded indexes).
+    dtype: cast every parameter to this dtype while reading (None keeps the
+      stored dtype).
+
+  Returns:
+    (config, params): a `T5Config` with ``encoder_input='whisper'`` (from
+    config.json) and the nested dict of numpy arrays of the ``'params'``
+    collection of `Transformer(config)`.
+
+  Raises:
+    CheckpointError: not a Whisper checkpoint (a T5 one names
+      `load_t5_v1_1`, a Pix2Struct one `load_pix2struct`), a missing,
+      misshapen or unexpected leaf (named as in the file), an unreadable
+      array. Every leaf is checked before any is read.
+  """
+  src = _open_source(path)
+  _refuse_other(src, whisper.MODEL, whisper.FORMATS.values())
+  return whisper.load_source(src, dtype=dtype)
+
+
+# Each model kind's formats and loader, for the refusals' messages.
+_LOADERS = ((pix2struct.MODEL, pix2struct.FORMATS.values(), 'load_pix2struct'),
+            (whisper.MODEL, whisper.FORMATS.values(), 'load_whisper'))
+
+
+def _refuse_other(src: Source, model: str, formats) -> None:
+  """Raises a `CheckpointError` naming the right loader unless `src` is a
+  `model` checkpoint (one of `formats`; none: T5, every other format)."""
+  for other, other_formats, loader in _LOADERS:
+    if other != model and src.format in other_formats:
+      raise CheckpointError(f'{src.path} is a {other} checkpoint ({src.format}), not '
+                            f'{model}: read it with coda_jax.checkpoints.{loader}')
+  if formats and src.format not in formats:
+    looked_for = (f"no config.json model_type 'pix2struct', no "
+                  f'target/{pix2struct.T5X_PATCH_PROJECTION}' if model == pix2struct.MODEL
+                  else "no config.json model_type 'whisper'")
+    raise CheckpointError(f'{src.path} is a {src.format} checkpoint, not {model} '
+                          f'({looked_for}): read it with coda_jax.checkpoints.load_t5_v1_1')
 
 
 def load_backbone(path: str, config: Optional[T5Config] = None, dtype: Any = None
                   ) -> Tuple[T5Config, Params]:
-  """The pretrained model CoDA starts from, by its format: a Pix2Struct
-  checkpoint (`load_pix2struct`; `config`, when given, replaces the one read
-  off the checkpoint, e.g. the dtype a run recorded) or a T5 v1.1 one
-  (`load_t5_v1_1`)."""
-  if detect_format(path)[0] in pix2struct.FORMATS.values():
-    read, params = load_pix2struct(path, dtype=dtype)
+  """The pretrained model CoDA starts from, by its format: a Pix2Struct or
+  Whisper checkpoint (`load_pix2struct`, `load_whisper`; `config`, when
+  given, replaces the one read off the checkpoint, e.g. the dtype a run
+  recorded) or a T5 v1.1 one (`load_t5_v1_1`)."""
+  fmt = detect_format(path)[0]
+  if fmt in pix2struct.FORMATS.values() or fmt in whisper.FORMATS.values():
+    load = load_pix2struct if fmt in pix2struct.FORMATS.values() else load_whisper
+    read, params = load(path, dtype=dtype)
     return config or read, params
   return load_t5_v1_1(path, config=config, dtype=dtype)
 
@@ -364,10 +423,14 @@ def inspect_checkpoint(path: str) -> Dict[str, Any]:
   recorded it), backbone and trainable parameter counts (`trained`);
   ``num_params`` and ``bytes`` count every parameter, CoDA's included. A
   Pix2Struct checkpoint also reports ``model: 'Pix2Struct'``; its config is
-  the image model's (``encoder_input: 'patches'``, ``patch_positions``).
+  the image model's (``encoder_input: 'patches'``, ``patch_positions``). A
+  Whisper checkpoint reports ``model: 'Whisper'`` and ``size``, the preset
+  its sizes are (``whisper_tiny`` ... ``whisper_large_v3_turbo``, or None).
   """
   src = _open_source(path)
   config = _source_config(src, None)  # checks the leaves are exactly config's
+  if src.format in whisper.FORMATS.values():
+    src.details['size'] = whisper.size_name(config)
   sizes = [(int(np.prod(leaf.shape)), 4 if leaf.dtype is None else leaf.dtype.itemsize)
            for leaf in list(src.leaves.values()) + list(src.new_leaves.values())]
   return {'format': src.format, 'path': src.path, 'step': src.step,

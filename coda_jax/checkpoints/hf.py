@@ -162,9 +162,11 @@ def config_from_hf(hf: Mapping[str, Any], has_lm_head: bool = True) -> T5Config:
   """
   model_type = hf.get('model_type', 't5')
   if model_type not in ('t5', 'mt5'):
+    loader = {'pix2struct': 'load_pix2struct', 'whisper': 'load_whisper'}.get(model_type)
     raise CheckpointError(
         f'config.json model_type is {model_type!r}; only T5 and mT5 '
-        f'(T5 v1.1 architecture) are supported')
+        f'(T5 v1.1 architecture) are supported here' + (
+            f': read it with coda_jax.checkpoints.{loader}' if loader else ''))
   proj = hf.get('feed_forward_proj', 'relu')
   if proj not in _HF_ACTIVATIONS:
     raise CheckpointError(

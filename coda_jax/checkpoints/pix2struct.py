@@ -166,8 +166,11 @@ def config_from_hf(hf: Mapping[str, Any], dtype: Any = 'float32') -> T5Config:
       both), or an activation other than gated GELU.
   """
   if hf.get('model_type') != 'pix2struct':
+    loader = {'whisper': 'load_whisper', 't5': 'load_t5_v1_1', 'mt5': 'load_t5_v1_1'}.get(
+        hf.get('model_type'))
     raise CheckpointError(f'config.json model_type is {hf.get("model_type")!r}, '
-                          'not \'pix2struct\'')
+                          'not \'pix2struct\'' + (
+                              f': read it with coda_jax.checkpoints.{loader}' if loader else ''))
   text, vision = hf['text_config'], hf['vision_config']
   shared = {'hidden_size': ('hidden_size', 'hidden_size'), 'heads': ('num_heads',
                                                                      'num_attention_heads'),

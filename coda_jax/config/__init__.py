@@ -5,7 +5,8 @@
              kernel's setting
   presets    the models by name (`preset`, `t5_1_1`; `paper_coda`: the paper's
              CodaConfig for each): T5 v1.1, the paper's §6
-             text and vision models, Pix2Struct
+             text and vision models, Pix2Struct, the §6 speech encoders,
+             Whisper
   coda       `CodaConfig` with its `SoftTopKConfig`; the names the modules
              share (adapter types, attention variants, router normalisers,
              logical axes) and `k = ceil(n / r)`
@@ -14,8 +15,9 @@
              `StemConfig` (speech's subsampling stem), `BestRqConfig`
              (BEST-RQ pre-training)
   speech     `TransducerConfig` (the RNN-T's prediction and joint networks)
-  whisper    `WhisperFeaturesConfig` (Whisper's log-mel features) and the
-             constants of Whisper's log-mel normalisation
+  whisper    `WhisperFeaturesConfig` (Whisper's log-mel features), the
+             constants of Whisper's log-mel normalisation, its parameters'
+             logical axes
   serialize  `to_dict` / `from_dict`: configs as JSON
 
 Every name is importable from `coda_jax.config`, and every config's gin name

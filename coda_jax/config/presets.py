@@ -1,14 +1,15 @@
 """The model presets by name: T5 v1.1's sizes, the paper's §6 text models, the
-image models (Pix2Struct's public sizes and the §6 vision model) and the §6
-speech encoders, and the paper's CoDA settings for each (`paper_coda`). No
-flax."""
+image models (Pix2Struct's public sizes and the §6 vision model), the §6
+speech encoders and OpenAI's Whisper sizes, and the paper's CoDA settings
+for each (`paper_coda`). No flax."""
 from __future__ import annotations
 
 import difflib
 from typing import Any, Dict
 
 from coda_jax.config.coda import DEFAULT_ADAPTER_DIM, CodaConfig, SoftTopKConfig
-from coda_jax.config.t5 import AUDIO, PATCHES, T5Config
+from coda_jax.config.t5 import (AUDIO, LAYER_NORM, LEARNED, PATCHES, SINUSOIDAL, WHISPER,
+                                T5Config)
 
 # t5x's T5 v1.1 sizes (t5x/examples/t5/t5_1_1/*.gin).
 T5_1_1_SIZES = {
@@ -74,6 +75,38 @@ SPEECH_SIZES = {
 }
 SPEECH_INPUT = dict(vocab_size=1025, encoder_input=AUDIO, num_mels=80, num_decoder_layers=0,
                     mlp_activations=('swish',))
+# OpenAI's Whisper (Hugging Face `openai/whisper-*`, their config.json):
+# d_model, encoder / decoder layers, heads (of 64), the FFN's width, the
+# vocabulary (51866 for large-v3 and -turbo, which read 128 mel bins).
+# `WHISPER_INPUT` is the rest of the architecture, the same for all:
+# Whisper's two convolutions and sinusoids (`encoder_input='whisper'`), its
+# learned decoder positions, pre-LayerNorm layers (epsilon 1e-5) with biases
+# on the query, value, output and MLP projections, queries scaled by
+# head_dim**-0.5, an exact-GELU MLP, the output tied to the token embedding
+# without a scale, 1500 encoder positions (30 s) and 448 decoder ones.
+# Outside `PRESETS` (the benchmark's and selftest's models) until those
+# commands build Whisper's shapes; `preset` and `paper_coda` take them.
+WHISPER_SIZES = {
+    'whisper_tiny': dict(emb_dim=384, num_encoder_layers=4, num_decoder_layers=4,
+                         num_heads=6, mlp_dim=1536, vocab_size=51865, num_mels=80),
+    'whisper_base': dict(emb_dim=512, num_encoder_layers=6, num_decoder_layers=6,
+                         num_heads=8, mlp_dim=2048, vocab_size=51865, num_mels=80),
+    'whisper_small': dict(emb_dim=768, num_encoder_layers=12, num_decoder_layers=12,
+                          num_heads=12, mlp_dim=3072, vocab_size=51865, num_mels=80),
+    'whisper_medium': dict(emb_dim=1024, num_encoder_layers=24, num_decoder_layers=24,
+                           num_heads=16, mlp_dim=4096, vocab_size=51865, num_mels=80),
+    'whisper_large_v3': dict(emb_dim=1280, num_encoder_layers=32, num_decoder_layers=32,
+                             num_heads=20, mlp_dim=5120, vocab_size=51866, num_mels=128),
+    'whisper_large_v3_turbo': dict(emb_dim=1280, num_encoder_layers=32, num_decoder_layers=4,
+                                   num_heads=20, mlp_dim=5120, vocab_size=51866,
+                                   num_mels=128),
+}
+WHISPER_INPUT = dict(encoder_input=WHISPER, head_dim=64, norm=LAYER_NORM, norm_epsilon=1e-5,
+                     use_bias=True, scale_query=True, encoder_positions=SINUSOIDAL,
+                     decoder_positions=LEARNED, max_encoder_positions=1500,
+                     max_decoder_positions=448, mlp_activations=('gelu_exact',),
+                     logits_via_embedding=True, scale_tied_logits=False, dropout_rate=0.0)
+WHISPER_PRESETS = tuple(WHISPER_SIZES)
 # Table 7's adapter widths (d_adpt) of the models it lists: the §6 text models
 # 64, the vision and speech models 256. Table 7 gives none for T5 v1.1 (§5)
 # or the public Pix2Struct checkpoints: `paper_coda` gives them
@@ -96,13 +129,14 @@ def t5_1_1(size: str, **overrides) -> T5Config:
 
 
 def _unknown(size: str) -> ValueError:
-  close = difflib.get_close_matches(str(size), PRESETS, 1, 0.6)
+  close = difflib.get_close_matches(str(size), PRESETS + WHISPER_PRESETS, 1, 0.6)
   return ValueError(f'unknown model size {size!r}' + (f' (did you mean {close[0]!r}?)'
                                                       if close else '')
                     + f'; known: T5 v1.1 {list(T5_1_1_SIZES)}, '
                     f"the paper's §6 text models {list(CODA_TEXT_SIZES)}, "
                     f'the image models {list(PIX2STRUCT_SIZES)}, '
-                    f'the speech encoders {list(SPEECH_SIZES)}')
+                    f'the speech encoders {list(SPEECH_SIZES)}, '
+                    f'Whisper {list(WHISPER_SIZES)}')
 
 
 def preset(size: str, **overrides) -> T5Config:
@@ -110,13 +144,16 @@ def preset(size: str, **overrides) -> T5Config:
   the paper's §6 text models ('text_base', 'text_large', 'text_xl') or an
   image model (`PIX2STRUCT_SIZES`: 'pix2struct_base', 'pix2struct_large',
   'vision') or a speech encoder (`SPEECH_SIZES`: 'speech_base',
-  'speech_large', 'speech_xl', for a `SpeechTransducer`)."""
+  'speech_large', 'speech_xl', for a `SpeechTransducer`) or a Whisper size
+  (`WHISPER_SIZES`: 'whisper_tiny' ... 'whisper_large_v3_turbo')."""
   if size in T5_1_1_SIZES:
     return t5_1_1(size, **overrides)
   if size in PIX2STRUCT_SIZES:
     return _t5_layers({**PIX2STRUCT_INPUT, **PIX2STRUCT_SIZES[size]}, overrides)
   if size in SPEECH_SIZES:
     return _t5_layers({**SPEECH_INPUT, **SPEECH_SIZES[size]}, overrides)
+  if size in WHISPER_SIZES:
+    return _t5_layers({**WHISPER_INPUT, **WHISPER_SIZES[size]}, overrides)
   if size not in CODA_TEXT_SIZES:
     raise _unknown(size)
   return _t5_layers(CODA_TEXT_SIZES[size], overrides)
@@ -135,15 +172,16 @@ def paper_coda(size: str, **overrides) -> CodaConfig:
   App. C's ε = 1.0 and β = 0.85 (`SPEECH_SOFT_TOPK`). r is the run's choice
   (CodaConfig's default 3; App. A pre-trains the text models at k = 192 of
   n = 512 and the vision model at 1024 of 4096: r = 4; speech fine-tunes
-  at r = 2 and 4).
+  at r = 2 and 4). Whisper (not in the paper): DEFAULT_ADAPTER_DIM and the
+  speech soft top-k.
 
     coda = config.paper_coda('vision')                       # adapter_dim 256
     coda = config.paper_coda('text_base', reduction_factor=5.0)
   """
-  if size not in PRESETS:
+  if size not in PRESETS and size not in WHISPER_SIZES:
     raise _unknown(size)
   settings = {'adapter_dim': PAPER_ADAPTER_DIMS.get(size, DEFAULT_ADAPTER_DIM)}
-  if size in SPEECH_SIZES:
+  if size in SPEECH_SIZES or size in WHISPER_SIZES:
     settings['soft_topk'] = SoftTopKConfig(**SPEECH_SOFT_TOPK)
   settings.update(overrides)
   return CodaConfig(**settings)

@@ -65,8 +65,11 @@ LM_HEAD_KERNELS = ('auto', 'xla', 'pallas')
 # or 'audio' (speech: `[batch, frames, 1 + num_mels]` rows of
 # `data.audio`, a frame's realness (1.0, 0.0 at padding) before its
 # log-mels), subsampled 4x by a convolutional stem (`model.speech.stem`),
-# SpecAugment while training, T5's relative position bias in the encoder.
-TOKENS, PATCHES, AUDIO = 'tokens', 'patches', 'audio'
+# SpecAugment while training, T5's relative position bias in the encoder;
+# or 'whisper' (Whisper's encoder: `[batch, frames, 1 + num_mels]` rows as
+# for 'audio', Whisper's log-mels after the realness column, read by two 1-D
+# convolutions, the second of stride 2: `model.speech.whisper_stem`).
+TOKENS, PATCHES, AUDIO, WHISPER = 'tokens', 'patches', 'audio', 'whisper'
 # A patch row's row id and column id before its pixel values (Pix2Struct's
 # `[row_id, col_id, values...]`: `data.images.patches`, `model.patch_embed`).
 PATCH_ID_COLUMNS = 2
@@ -74,7 +77,17 @@ PATCH_ID_COLUMNS = 2
 # `model.speech.encoder_input`): 1.0 at a real frame, 0.0 at padding, so
 # that the zeros a batch is padded with are padding frames.
 AUDIO_MASK_COLUMNS = 1
-ENCODER_INPUTS = (TOKENS, PATCHES, AUDIO)
+ENCODER_INPUTS = (TOKENS, PATCHES, AUDIO, WHISPER)
+# The layers' norm: T5's RMS norm (a scale, no mean subtraction) or a
+# LayerNorm with a scale and a bias (Whisper's).
+RMS_NORM, LAYER_NORM = 'rms', 'layer'
+NORMS = (RMS_NORM, LAYER_NORM)
+# Where a stack's positions come from: T5's relative position bias, or an
+# absolute table added to its input: 'sinusoidal' (the encoder's, fixed:
+# Whisper's sinusoids, a frozen table) or 'learned' (the decoder's).
+RELATIVE, SINUSOIDAL, LEARNED = 'relative', 'sinusoidal', 'learned'
+ENCODER_POSITIONS = (RELATIVE, SINUSOIDAL)
+DECODER_POSITIONS = (RELATIVE, LEARNED)
 
 
 @gin.configurable(module=GIN_MODULE)
@@ -120,6 +133,25 @@ class T5Config:
   patch_dim: int = 768
   patch_positions: int = 4096
   num_mels: int = 80
+  # 'rms' | 'layer' (see NORMS) and its epsilon.
+  norm: str = RMS_NORM
+  norm_epsilon: float = 1e-6
+  # Biases on the attention's query, value and output projections and on the
+  # MLP's (Whisper's; its key projection has none, as its checkpoints hold it).
+  use_bias: bool = False
+  # Queries multiplied by head_dim**-0.5 after their projection (Whisper);
+  # T5 scales nothing.
+  scale_query: bool = False
+  # 'relative' | 'sinusoidal' (see ENCODER_POSITIONS; an image encoder has
+  # its own tables) and 'relative' | 'learned' (see DECODER_POSITIONS), with
+  # the absolute tables' sizes.
+  encoder_positions: str = RELATIVE
+  decoder_positions: str = RELATIVE
+  max_encoder_positions: int = 1500
+  max_decoder_positions: int = 448
+  # With logits_via_embedding: the decoder output divided by sqrt(emb_dim)
+  # before the tied output layer (T5), or not (Whisper).
+  scale_tied_logits: bool = True
 
   def __post_init__(self):
     if isinstance(self.dtype, str):
@@ -128,7 +160,7 @@ class T5Config:
     for name in ('vocab_size', 'emb_dim', 'num_heads', 'head_dim', 'mlp_dim',
                  'relative_attention_num_buckets',
                  'relative_attention_max_distance', 'patch_dim', 'patch_positions',
-                 'num_mels'):
+                 'num_mels', 'max_encoder_positions', 'max_decoder_positions'):
       positive_int(getattr(self, name), f'T5Config.{name}')
     for name in ('num_encoder_layers', 'num_decoder_layers'):
       if int(getattr(self, name)) < 0:
@@ -149,9 +181,14 @@ class T5Config:
       if getattr(self, name) not in allowed:
         raise ValueError(f'T5Config.{name} must be one of {allowed}, '
                          f'got {getattr(self, name)!r}')
-    if self.encoder_input not in ENCODER_INPUTS:
-      raise ValueError(f'T5Config.encoder_input must be one of {ENCODER_INPUTS}, '
-                       f'got {self.encoder_input!r}')
+    for name, allowed in (('encoder_input', ENCODER_INPUTS), ('norm', NORMS),
+                          ('encoder_positions', ENCODER_POSITIONS),
+                          ('decoder_positions', DECODER_POSITIONS)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f'T5Config.{name} must be one of {allowed}, '
+                         f'got {getattr(self, name)!r}')
+    if not self.norm_epsilon > 0:
+      raise ValueError(f'T5Config.norm_epsilon must be > 0, got {self.norm_epsilon}')
     kv = self.kv_heads
     if kv < 1 or self.num_heads % kv:
       raise ValueError(

@@ -1,6 +1,7 @@
 """Whisper's input settings: `WhisperFeaturesConfig` (the log-mel features of
-`coda_jax.data.audio.whisper_features`) and the constants of Whisper's
-log-mel normalisation. No flax.
+`coda_jax.data.audio.whisper_features`), the constants of Whisper's
+log-mel normalisation and the logical axes of Whisper's own parameters (the
+model's sizes are presets: `config.presets.WHISPER_SIZES`). No flax.
 
 The defaults are Whisper's (openai/whisper `whisper/audio.py`; transformers'
 `WhisperFeatureExtractor`): 16 kHz audio in 30 s windows, a 400-point FFT of
@@ -19,7 +20,16 @@ from coda_jax.config.t5 import GIN_MODULE
 from coda_jax.validation import positive_int
 
 __all__ = ['WhisperFeaturesConfig', 'WHISPER_LOG_FLOOR', 'WHISPER_DYNAMIC_RANGE',
-           'WHISPER_LOG_SHIFT', 'WHISPER_LOG_SCALE']
+           'WHISPER_LOG_SHIFT', 'WHISPER_LOG_SCALE', 'WHISPER_CONV_WIDTH_AXIS',
+           'WHISPER_CONV_IN_AXIS', 'ABSOLUTE_POSITION_AXIS']
+
+# Logical axes of Whisper's parameters beyond t5x's: its convolutions'
+# kernels `[width 3, in channels, embed]` (the first one's in channels are
+# the mel bins), and the absolute position tables `[positions, embed]` (the
+# encoder's sinusoids, the decoder's learned positions). All replicated.
+WHISPER_CONV_WIDTH_AXIS = 'whisper_conv_width'
+WHISPER_CONV_IN_AXIS = 'whisper_conv_in'
+ABSOLUTE_POSITION_AXIS = 'absolute_positions'
 
 # Whisper's log-mel normalisation, fixed by the trained models:
 # x = log10(max(mel, WHISPER_LOG_FLOOR)), x = max(x, max(x) - WHISPER_DYNAMIC_RANGE)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coda_jax import plan as plan_lib
-from coda_jax.config import LORA_AXIS
+from coda_jax.config import ABSOLUTE_POSITION_AXIS, LAYER_NORM, LORA_AXIS, RMS_NORM
 from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import tpu_blocks
 from coda_jax.plan import blockers
@@ -37,6 +37,9 @@ Initializer = Callable[..., Array]
 
 param_with_axes = nn_partitioning.param_with_axes
 with_sharding_constraint = nn_partitioning.with_sharding_constraint
+
+# The erf GELU's activation name (`get_activation`).
+GELU_EXACT = 'gelu_exact'
 
 # Initialisers exactly as t5x's T5 uses them.
 default_kernel_init = nn.initializers.variance_scaling(1.0, 'fan_in', 'truncated_normal')
@@ -55,12 +58,15 @@ def _canonicalize_tuple(x):
 def get_activation(name: Union[str, Callable]) -> Callable:
   """Maps 'gelu' / 'relu' / 'linear' / any flax.linen activation to a function.
 
-  'gelu' is flax's tanh approximation, as in t5x and HF's `gelu_new`.
+  'gelu' is flax's tanh approximation, as in t5x and HF's `gelu_new`;
+  'gelu_exact' the erf form (torch's `gelu`, Whisper's).
   """
   if callable(name):
     return name
   if name == 'linear':
     return lambda x: x
+  if name == GELU_EXACT:
+    return functools.partial(nn.gelu, approximate=False)
   fn = getattr(nn, name, None)
   if fn is None or not callable(fn) or isinstance(fn, type):
     raise ValueError(f'unknown activation {name!r}: expected "linear" or a '
@@ -82,7 +88,8 @@ class DenseGeneral(nn.Module):
 
   With `lora_rank > 0` it adds the LoRA branch `(x @ lora_a) @ lora_b * lora_scaling`
   (Hu et al.; CoDA App. B.3) with `lora_b` zero-initialised, so the layer starts
-  as the pretrained projection.
+  as the pretrained projection. With `use_bias`, a `bias [prod(features)]`
+  (zero at init, the kernel's output axis) is added.
   """
   features: Union[int, Sequence[int]]
   axis: Union[int, Sequence[int]] = -1
@@ -91,6 +98,7 @@ class DenseGeneral(nn.Module):
   kernel_axes: Tuple[str, ...] = ()
   lora_rank: int = 0
   lora_alpha: float = 1.0
+  use_bias: bool = False
 
   @nn.compact
   def __call__(self, inputs: Array) -> Array:
@@ -117,6 +125,10 @@ class DenseGeneral(nn.Module):
       low = low * jnp.asarray(lora_scaling(self.lora_rank, self.lora_alpha), self.dtype)
       up = jnp.asarray(lora_b, self.dtype).reshape((self.lora_rank,) + features)
       y = y + jnp.tensordot(low, up, axes=1)
+    if self.use_bias:
+      bias = param_with_axes('bias', nn.initializers.zeros, (out_dim,), jnp.float32,
+                             axes=self.kernel_axes[-1:])
+      y = y + jnp.asarray(bias, self.dtype).reshape(features)
     return y
 
 
@@ -156,6 +168,100 @@ class RMSNorm(nn.Module):
     return y * jnp.asarray(scale, self.dtype)
 
 
+class LayerNorm(nn.Module):
+  """A LayerNorm with a scale and a bias (Whisper's; torch's `nn.LayerNorm`):
+  `(x - mean) / sqrt(var + epsilon) * scale + bias` over the last axis, in
+  float32. Parameters `scale` and `bias` `[emb]` ('embed'), named as
+  `RMSNorm`'s so that they train where norms train."""
+  epsilon: float = 1e-5
+  dtype: DType = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, factor: Optional[Array] = None) -> Array:
+    """`[..., emb] -> [..., emb]` in `dtype` (`factor`: `RMSNorm`'s, which a
+    LayerNorm cannot take: None only)."""
+    if factor is not None:
+      raise ValueError('LayerNorm takes no precomputed RMS factor (a kernel computed for '
+                       "T5's RMS norm): use T5Config.norm = 'rms' or XLA")
+    features = x.shape[-1]
+    scale = param_with_axes('scale', nn.initializers.ones, (features,), jnp.float32,
+                            axes=('embed',))
+    bias = param_with_axes('bias', nn.initializers.zeros, (features,), jnp.float32,
+                           axes=('embed',))
+    x32 = jnp.asarray(x, jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    centred = x32 - mean
+    var = jnp.mean(lax.square(centred), axis=-1, keepdims=True)
+    y = centred * lax.rsqrt(var + self.epsilon) * scale + bias
+    return jnp.asarray(y, self.dtype)
+
+
+def norm(kind: str, epsilon: float, dtype: DType, name: str) -> nn.Module:
+  """A layer's norm by `T5Config.norm`: 'rms' (T5's `RMSNorm`, its own
+  epsilon, 1e-6) or 'layer' (`LayerNorm` with `epsilon`)."""
+  if kind == RMS_NORM:
+    return RMSNorm(dtype=dtype, name=name)
+  if kind == LAYER_NORM:
+    return LayerNorm(epsilon=epsilon, dtype=dtype, name=name)
+  raise ValueError(f'unknown norm {kind!r}; expected {RMS_NORM!r} or {LAYER_NORM!r}')
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> np.ndarray:
+  """float32 `[length, channels]`: Whisper's position table, sines of
+  `channels / 2` geometric timescales from 1 to `max_timescale`, then their
+  cosines."""
+  if channels % 2:
+    raise ValueError(f'sinusoidal positions need an even width, got {channels}')
+  half = channels // 2
+  increment = np.log(max_timescale) / max(half - 1, 1)
+  inv = np.exp(-increment * np.arange(half, dtype=np.float64))
+  scaled = np.arange(length, dtype=np.float64)[:, None] * inv[None, :]
+  return np.concatenate([np.sin(scaled), np.cos(scaled)], axis=1).astype(np.float32)
+
+
+def sinusoid_init(key, shape, dtype=jnp.float32):
+  """An initialiser of `[positions, emb]` tables with `sinusoids`."""
+  del key
+  return jnp.asarray(sinusoids(*shape), dtype)
+
+
+class PositionEmbed(nn.Module):
+  """An absolute position table `pos_embedding [positions, emb]` (axes
+  ABSOLUTE_POSITION_AXIS, 'embed'): Whisper's encoder sinusoids
+  (`sinusoidal`, a frozen table) or its decoder's learned positions.
+
+  Called with a length, the rows of positions 0 .. length - 1 `[1, length,
+  emb]`; while decoding (`decode`, one position a step), the row of the step,
+  whose index is kept in the 'cache' collection (`position_index`) as the
+  attention keeps its cache's.
+  """
+  positions: int
+  features: int
+  sinusoidal: bool = False
+  dtype: DType = jnp.float32
+
+  @nn.compact
+  def __call__(self, length: int, decode: bool = False) -> Array:
+    table = param_with_axes('pos_embedding',
+                            sinusoid_init if self.sinusoidal else embedding_init,
+                            (self.positions, self.features), jnp.float32,
+                            axes=(ABSOLUTE_POSITION_AXIS, 'embed'))
+    table = jnp.asarray(table, self.dtype)
+    if decode:
+      initialized = self.has_variable('cache', 'position_index')
+      index = self.variable('cache', 'position_index', lambda: jnp.array(0, jnp.int32))
+      if initialized:
+        if length != 1:
+          raise ValueError(f'a decoding step reads one position, got {length}')
+        row = lax.dynamic_slice_in_dim(table, index.value, 1)[None]
+        index.value = index.value + 1
+        return row
+    if length > self.positions:
+      raise ValueError(f'{length} positions, but the table holds {self.positions} '
+                       '(T5Config.max_encoder_positions / max_decoder_positions)')
+    return table[None, :length]
+
+
 class MlpBlock(nn.Module):
   """T5's (gated) feed-forward block: `wo(act_0(wi_0 x) * act_1(wi_1 x))`.
 
@@ -176,6 +282,7 @@ class MlpBlock(nn.Module):
   kernel_interpret: Optional[bool] = None
   vmem_bytes: int = tpu_blocks.SMALLEST_VMEM
   single_block: bool = False      # the kernel's rows are one block (`kernels.mlp.mlp`)
+  use_bias: bool = False          # biases on every projection (Whisper's)
 
   def _check_kernel(self, deterministic: bool) -> None:
     if self.kernel not in _FORMULATIONS:
@@ -184,7 +291,8 @@ class MlpBlock(nn.Module):
     if self.kernel == plan_lib.PALLAS:
       blockers.refuse(plan_lib.MLP, blockers.mlp(
           lora=bool(self.lora_rank),
-          dropout=not deterministic and self.intermediate_dropout_rate > 0.))
+          dropout=not deterministic and self.intermediate_dropout_rate > 0.,
+          bias=self.use_bias))
 
   @nn.compact
   def __call__(self, inputs: Array, deterministic: bool = False,
@@ -195,7 +303,8 @@ class MlpBlock(nn.Module):
     block applies to `inputs` first (in the kernel, with `kernel='pallas'`)."""
     self._check_kernel(deterministic)
     dense = functools.partial(DenseGeneral, dtype=self.dtype, kernel_init=self.kernel_init,
-                              lora_rank=self.lora_rank, lora_alpha=self.lora_alpha)
+                              lora_rank=self.lora_rank, lora_alpha=self.lora_alpha,
+                              use_bias=self.use_bias)
     names = (['wi'] if len(self.activations) == 1
              else [f'wi_{idx}' for idx in range(len(self.activations))])
     if norm is not None:

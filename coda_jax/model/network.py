@@ -3,6 +3,10 @@
 `Transformer` exposes exactly what t5x's `EncoderDecoderModel` calls
 (`__call__`, `encode`, `decode`) and the parameter tree of
 `t5x/examples/t5/network.py`, so public T5 v1.1 checkpoints load unchanged.
+`T5Config`'s switches make the same layers Pix2Struct's (`encoder_input`
+'patches') and Whisper's ('whisper': LayerNorms, biases, scaled queries,
+absolute positions; `config.presets.WHISPER_INPUT`), CoDA's routers and
+adapters on their encoder layers alike.
 """
 from __future__ import annotations
 
@@ -15,10 +19,10 @@ import jax
 import jax.numpy as jnp
 
 from coda_jax import plan as plan_lib
-from coda_jax.config import (AUDIO, NO_ADAPTER, PARALLEL, PATCHES, SEQUENTIAL_ADAPTERS,
-                             SEQUENTIAL_HOULSBY, AcmConfig, CodaConfig, SpecAugmentConfig,
-                             StemConfig, T5Config, parallel_adapter_baseline,
-                             t5_1_1)  # noqa: F401
+from coda_jax.config import (AUDIO, LEARNED, NO_ADAPTER, PARALLEL, PATCHES, RELATIVE,
+                             RMS_NORM, SEQUENTIAL_ADAPTERS, SEQUENTIAL_HOULSBY, WHISPER,
+                             AcmConfig, CodaConfig, SpecAugmentConfig, StemConfig, T5Config,
+                             parallel_adapter_baseline, t5_1_1)  # noqa: F401
 from coda_jax.kernels import route_adapter
 from coda_jax.kernels import tpu_blocks
 from coda_jax.kernels import unroute_combine
@@ -31,6 +35,7 @@ from coda_jax.model import patch_embed
 from coda_jax.model import routing
 from coda_jax.model import soft_topk
 from coda_jax.model.speech import audio_input
+from coda_jax.model.speech import whisper_stem
 from coda_jax.plan import AttentionPlan, LayerPlan
 
 Array = jax.Array
@@ -66,15 +71,20 @@ def _attention(config: T5Config, name: str, coda: Optional[CodaConfig] = None,
       num_heads=config.num_heads, num_kv_heads=config.kv_heads,
       head_dim=config.head_dim, dtype=config.dtype,
       dropout_rate=config.dropout_rate,
-      float32_logits=config.float32_attention_logits, name=name, **_lora(coda),
-      **extra, **kwargs)
+      float32_logits=config.float32_attention_logits, use_bias=config.use_bias,
+      scale_query=config.scale_query, name=name, **_lora(coda), **extra, **kwargs)
 
 
 def _mlp(config: T5Config, coda: Optional[CodaConfig] = None, **kwargs) -> layers.MlpBlock:
   return layers.MlpBlock(
       intermediate_dim=config.mlp_dim, activations=config.mlp_activations,
       intermediate_dropout_rate=config.dropout_rate, dtype=config.dtype,
-      name='mlp', **_lora(coda), **kwargs)
+      use_bias=config.use_bias, name='mlp', **_lora(coda), **kwargs)
+
+
+def _norm(config: T5Config, name: str) -> nn.Module:
+  """The layer norm `name`: T5's RMS norm, or Whisper's LayerNorm (`T5Config.norm`)."""
+  return layers.norm(config.norm, config.norm_epsilon, config.dtype, name)
 
 
 def _ffn(module: nn.Module, config: T5Config, coda: Optional[CodaConfig],
@@ -116,10 +126,13 @@ def _beams(decoder_rows: int, encoder_rows: int, decode: bool) -> int:
 
 
 def encoder_inputs(config: T5Config, inputs: Array) -> Array:
-  """Token ids as int32; Pix2Struct's patches and audio rows as they are,
-  checked."""
+  """Token ids as int32; Pix2Struct's patches and audio (and Whisper's) rows
+  as they are, checked."""
   if config.encoder_input == PATCHES:
     patch_embed.check_patches(config, inputs)
+    return inputs
+  if config.encoder_input == WHISPER:
+    whisper_stem.check_whisper(config, inputs)
     return inputs
   if config.encoder_input == AUDIO:
     audio_input.check_audio(config, inputs)
@@ -129,16 +142,24 @@ def encoder_inputs(config: T5Config, inputs: Array) -> Array:
 
 def encoder_real(config: T5Config, inputs: Array) -> Array:
   """bool `[batch, encoder length]`: the encoder's real tokens, not padding
-  (token id 0, a patch row with row id 0, or for audio the stem's output
-  frames that read only real frames)."""
+  (token id 0, a patch row with row id 0, for audio the stem's output
+  frames that read only real frames, for Whisper the positions whose centre
+  frame is real)."""
   if config.encoder_input == PATCHES:
     return patch_embed.real_patches(inputs)
+  if config.encoder_input == WHISPER:
+    return whisper_stem.real_positions(inputs)
   if config.encoder_input == AUDIO:
     return audio_input.real_frames(inputs)
   return attention.real_token_mask(inputs)
 
 
-encoder_length = audio_input.encoder_length
+def encoder_length(config: T5Config, length: int) -> int:
+  """The encoder's tokens for `length` inputs: the speech stem's ceil(length
+  / 4) frames for audio, Whisper's ceil(length / 2), else `length`."""
+  if config.encoder_input == WHISPER:
+    return whisper_stem.output_frames(length)
+  return audio_input.encoder_length(config, length)
 
 
 def _relative_embedding(config: T5Config) -> attention.RelativePositionBiases:
@@ -178,7 +199,7 @@ def _pretrained_update(config: T5Config, coda: Optional[CodaConfig],
   if sequential and coda.adapter == SEQUENTIAL_HOULSBY:
     att = _adapter(config, coda, 'adapter_attention', sequential=True)(att)
   h = x + att
-  norm = layers.RMSNorm(dtype=config.dtype, name='pre_mlp_layer_norm')
+  norm = _norm(config, 'pre_mlp_layer_norm')
   mlp = functools.partial(_mlp, config, coda, kernel=plan.mlp,
                           kernel_interpret=plan.interpret, vmem_bytes=plan.vmem_bytes)
   if plan.mlp == 'pallas':
@@ -220,7 +241,7 @@ class EncoderLayer(nn.Module):
     row's), `input_mask [batch, length]` (True at real tokens) -> `[batch,
     length, emb]`."""
     cfg, coda = self.config, self.coda
-    xn = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')(inputs)
+    xn = _norm(cfg, 'pre_attention_layer_norm')(inputs)
     att, ffn = _pretrained_update(cfg, coda, self.acm, self.relative_embedding, self.plan,
                                   self, inputs, xn, xn, encoder_mask, deterministic,
                                   mask_is_padding=mask_is_padding, token_mask=input_mask)
@@ -261,9 +282,12 @@ class RoutedEncoderLayer(nn.Module):
     the padding)."""
     del mask_is_padding
     cfg, coda, plan = self.config, self.coda, self.plan
-    norm = layers.RMSNorm(dtype=cfg.dtype, name='pre_attention_layer_norm')
+    norm = _norm(cfg, 'pre_attention_layer_norm')
     xn = norm(inputs)
     scale = norm.variables['params']['scale']
+    # T5's router reads x and the RMS norm's scale (no normalised copy);
+    # under a LayerNorm it reads the normalised tokens.
+    rms = cfg.norm == RMS_NORM
     adapter = _adapter(cfg, coda, 'adapter') if coda.adapter == PARALLEL else None
     real = (jnp.ones(inputs.shape[:2], bool) if input_mask is None else input_mask)
     with jax.named_scope('router'):
@@ -272,7 +296,8 @@ class RoutedEncoderLayer(nn.Module):
           soft_topk=dataclasses.replace(coda.soft_topk, impl=plan.soft_topk),
           w_init=nn.initializers.normal(stddev=coda.router_init_stddev),
           soft_topk_interpret=plan.soft_topk_interpret, name='router')(
-              inputs, plan.k, input_mask, rms_scale=scale, rms_epsilon=norm.epsilon)
+              inputs if rms else xn, plan.k, input_mask, rms_scale=scale if rms else None,
+              rms_epsilon=norm.epsilon)
     self.sow('intermediates', 'routing', {
         'indices': decision.indices, 'gate': decision.gate, 'weights': decision.weights,
         'mass_ratio': soft_topk.topk_mass_ratio(decision.weights, plan.k, mask=input_mask)})
@@ -364,7 +389,7 @@ class DecoderLayer(nn.Module):
     cfg = self.config
     coda = self.coda if self.coda is not None and self.coda.decoder_adapters else None
     adapter_type = coda.adapter if coda is not None else NO_ADAPTER
-    xn = layers.RMSNorm(dtype=cfg.dtype, name='pre_self_attention_layer_norm')(inputs)
+    xn = _norm(cfg, 'pre_self_attention_layer_norm')(inputs)
     x = _attention(cfg, 'self_attention', coda, self.acm, 'decoder',
                    relative_embedding=self.relative_embedding, bidirectional=False,
                    plan=self.self_attention_plan)(
@@ -374,14 +399,14 @@ class DecoderLayer(nn.Module):
     if adapter_type == SEQUENTIAL_HOULSBY:
       x = _adapter(cfg, coda, 'adapter_attention', sequential=True)(x)
     x = x + inputs
-    y = layers.RMSNorm(dtype=cfg.dtype, name='pre_cross_attention_layer_norm')(x)
+    y = _norm(cfg, 'pre_cross_attention_layer_norm')(x)
     y = _attention(cfg, 'encoder_decoder_attention', coda, self.acm, 'decoder',
                    plan=self.cross_attention_plan)(
         y, encoded, encoder_decoder_mask, cache_kv=decode and cache_cross_kv,
         deterministic=deterministic, query_token_mask=token_mask,
         kv_token_mask=encoder_token_mask)
     y = _dropout(cfg)(y, deterministic=deterministic) + x
-    norm = layers.RMSNorm(dtype=cfg.dtype, name='pre_mlp_layer_norm')
+    norm = _norm(cfg, 'pre_mlp_layer_norm')
     if self.plan is not None and self.plan.mlp == 'pallas':
       # A decoding step's rows as one row of tokens (per device holding a
       # share of the batch): the kernel reads the weights once for all of
@@ -403,7 +428,7 @@ class DecoderLayer(nn.Module):
 
 
 class Encoder(nn.Module):
-  """Embedding, `num_encoder_layers` layers (dense or routed), final RMS norm.
+  """Embedding, `num_encoder_layers` layers (dense or routed), final norm.
 
   Its plan (`coda_jax.plan`) is resolved here, once per traced program, from
   the configs, the chip the program is for (`plan.target.current()`), the
@@ -423,7 +448,8 @@ class Encoder(nn.Module):
                deterministic: bool = False, mask_is_padding: bool = False) -> Array:
     """`[batch, length]` tokens (or Pix2Struct's patches `[batch, length, 2 +
     patch_dim]`, or audio rows `[batch, frames, 1 + num_mels]`: length =
-    ceil(frames / 4), `T5Config.encoder_input`) -> `[batch, length, emb]`;
+    ceil(frames / 4), Whisper's ceil(frames / 2), `T5Config.encoder_input`)
+    -> `[batch, length, emb]`;
     `mask_is_padding`: `encoder_mask` is the padding mask of the inputs (no
     segments)."""
     cfg = self.config
@@ -437,6 +463,9 @@ class Encoder(nn.Module):
     input_mask = encoder_real(cfg, encoder_input_tokens)
     if cfg.encoder_input == PATCHES:
       rel_emb, x = None, patch_embed.embed_patches(cfg, encoder_input_tokens)
+    elif cfg.encoder_input == WHISPER:
+      rel_emb = None
+      x = whisper_stem.WhisperEmbed(cfg, name='whisper_embed')(encoder_input_tokens)
     elif cfg.encoder_input == AUDIO:
       rel_emb = _relative_embedding(cfg)
       x, _ = audio_input.AudioEmbed(cfg, self.stem_config, self.spec_augment_config,
@@ -452,7 +481,7 @@ class Encoder(nn.Module):
       else:
         layer = EncoderLayer(cfg, rel_emb, plan.dense, self.coda, acm, name=f'layers_{lyr}')
       x = layer(x, encoder_mask, deterministic, input_mask, mask_is_padding)
-    x = layers.RMSNorm(dtype=cfg.dtype, name='encoder_norm')(x)
+    x = _norm(cfg, 'encoder_norm')(x)
     return _dropout(cfg)(x, deterministic=deterministic)
 
 
@@ -502,8 +531,11 @@ class Decoder(nn.Module):
           training=not deterministic)[0])
       xla = AttentionPlan(plan_lib.resolve_xla_attention()[0])
       sites = dict(self_attention_plan=xla, cross_attention_plan=xla)
-    rel_emb = _relative_embedding(cfg)
+    rel_emb = _relative_embedding(cfg) if cfg.decoder_positions == RELATIVE else None
     y = self.shared_embedding(decoder_input_tokens.astype('int32'))
+    if cfg.decoder_positions == LEARNED:
+      y = y + layers.PositionEmbed(cfg.max_decoder_positions, cfg.emb_dim, dtype=cfg.dtype,
+                                   name='position_embedder')(y.shape[1], decode)
     y = _dropout(cfg)(y, deterministic=deterministic).astype(cfg.dtype)
     for lyr in range(cfg.num_decoder_layers):
       y = DecoderLayer(config=cfg, relative_embedding=rel_emb, coda=self.coda, acm=acm,
@@ -513,10 +545,12 @@ class Decoder(nn.Module):
                            deterministic=deterministic, decode=decode,
                            cache_cross_kv=self.cache_cross_kv, token_mask=token_mask,
                            encoder_token_mask=encoder_token_mask)
-    y = layers.RMSNorm(dtype=cfg.dtype, name='decoder_norm')(y)
+    y = _norm(cfg, 'decoder_norm')(y)
     y = _dropout(cfg)(y, deterministic=deterministic)
     if cfg.logits_via_embedding:
-      logits = self.shared_embedding.attend(y) / jnp.sqrt(y.shape[-1])
+      logits = self.shared_embedding.attend(y)
+      if cfg.scale_tied_logits:
+        logits = logits / jnp.sqrt(y.shape[-1])
     else:
       head = lm_head.LmHead(cfg.vocab_size, name='logits_dense',
                             kernel_interpret=None if plan is None else plan.interpret)
@@ -550,6 +584,9 @@ class Transformer(nn.Module):
 
   def setup(self):
     cfg = self.config
+    if self.acm is not None and cfg.use_bias:
+      raise ValueError('ACM learners have no biases: an AcmConfig needs T5Config.use_bias = '
+                       'False (T5 layers, not Whisper\'s)')
     self.shared_embedding = layers.Embed(
         num_embeddings=cfg.vocab_size, features=cfg.emb_dim, dtype=cfg.dtype,
         attend_dtype=jnp.float32, name='token_embedder')

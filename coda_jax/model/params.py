@@ -27,7 +27,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from coda_jax.config import AUDIO, AUDIO_MASK_COLUMNS, PATCHES
+from coda_jax.config import AUDIO, AUDIO_MASK_COLUMNS, PATCHES, WHISPER
 from coda_jax.config import PATCH_ID_COLUMNS as ID_COLUMNS
 
 PyTree = Any
@@ -182,8 +182,8 @@ def example_inputs(batch: int = 1, encoder_length: int = EXAMPLE_ENCODER_LENGTH,
   """(encoder tokens, decoder input tokens, decoder target tokens), all ones
   (with a `config` whose encoder reads patches, the encoder's input is
   `[batch, encoder_length, 2 + patch_dim]` ones: patch rows with ids 1; for
-  audio `[batch, encoder_length, 1 + num_mels]` ones: real frames)."""
-  if config is not None and config.encoder_input in (PATCHES, AUDIO):
+  audio and Whisper `[batch, encoder_length, 1 + num_mels]` ones: real frames)."""
+  if config is not None and config.encoder_input in (PATCHES, AUDIO, WHISPER):
     enc = jnp.ones(encoder_input_spec(config, batch, encoder_length).shape, jnp.float32)
   else:
     enc = jnp.ones((batch, encoder_length), jnp.int32)
@@ -194,11 +194,11 @@ def example_inputs(batch: int = 1, encoder_length: int = EXAMPLE_ENCODER_LENGTH,
 def encoder_input_spec(config, batch: int, length: int) -> jax.ShapeDtypeStruct:
   """The encoder's input as a shape: `[batch, length]` int32 token ids, or
   for an image encoder (`T5Config.encoder_input` 'patches') `[batch, length,
-  2 + patch_dim]` float32 patch rows; for audio `[batch, length, 1 +
-  num_mels]` float32 frames."""
+  2 + patch_dim]` float32 patch rows; for audio (and Whisper) `[batch,
+  length, 1 + num_mels]` float32 frames."""
   if config.encoder_input == PATCHES:
     return jax.ShapeDtypeStruct((batch, length, ID_COLUMNS + config.patch_dim), jnp.float32)
-  if config.encoder_input == AUDIO:
+  if config.encoder_input in (AUDIO, WHISPER):
     return jax.ShapeDtypeStruct((batch, length, AUDIO_MASK_COLUMNS + config.num_mels),
                                 jnp.float32)
   return jax.ShapeDtypeStruct((batch, length), jnp.int32)

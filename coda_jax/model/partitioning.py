@@ -21,10 +21,12 @@ import numpy as np
 
 from coda_jax.model import params as params_lib
 from coda_jax.plan import target
-from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_RANK_AXIS,
-                             ADAPTER_AXIS, JOINT_AXIS, LORA_AXIS, PATCH_AXIS,
-                             PATCH_POSITION_AXIS, STEM_CHANNELS_AXIS, STEM_FEATURES_AXIS, STEM_IN_CHANNELS_AXIS,
-                             STEM_KERNEL_FREQ_AXIS, STEM_KERNEL_TIME_AXIS)
+from coda_jax.config import (ABSOLUTE_POSITION_AXIS, ACM_CHOICES_AXIS, ACM_GATE_AXIS,
+                             ACM_GATE_IN_AXIS, ACM_RANK_AXIS, ADAPTER_AXIS, JOINT_AXIS, LORA_AXIS,
+                             PATCH_AXIS, PATCH_POSITION_AXIS, STEM_CHANNELS_AXIS,
+                             STEM_FEATURES_AXIS, STEM_IN_CHANNELS_AXIS, STEM_KERNEL_FREQ_AXIS,
+                             STEM_KERNEL_TIME_AXIS, WHISPER_CONV_IN_AXIS,
+                             WHISPER_CONV_WIDTH_AXIS)
 
 LogicalRules = Sequence[Tuple[str, Optional[str]]]
 MESH_AXES = ('data', 'model')
@@ -32,7 +34,8 @@ MESH_AXES = ('data', 'model')
 
 # Rules for the axes coda_jax adds to t5x's: adapter bottlenecks, LoRA ranks
 # ACM gates and the rank of ACM attention learners are small, replicate them;
-# so are the speech stem's convolutions (a few hundred thousand values).
+# so are the speech stem's convolutions (a few hundred thousand values),
+# Whisper's convolutions' width and input channels and its position tables.
 CODA_LOGICAL_AXIS_RULES: Tuple[Tuple[str, Optional[str]], ...] = (
     (ADAPTER_AXIS, None),
     (LORA_AXIS, None),
@@ -48,6 +51,9 @@ CODA_LOGICAL_AXIS_RULES: Tuple[Tuple[str, Optional[str]], ...] = (
     (STEM_CHANNELS_AXIS, None),
     (STEM_FEATURES_AXIS, None),
     (JOINT_AXIS, None),
+    (WHISPER_CONV_WIDTH_AXIS, None),
+    (WHISPER_CONV_IN_AXIS, None),
+    (ABSOLUTE_POSITION_AXIS, None),
 )
 
 

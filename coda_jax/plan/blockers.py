@@ -105,10 +105,11 @@ def beam_attention_fits(batch: int, beams: int, heads: int, kv_heads: int, head_
 
 
 def mlp(*, lora: bool = False, acm: bool = False, dropout: bool = False,
-        split: Sequence[str] = (), fits: bool = True, vmem_bytes: int = 0) -> List[str]:
-  """The MLP kernel (`kernels.mlp`): the pre-MLP norm and T5's (gated) MLP,
-  its weights whole on each device."""
-  out = []
+        split: Sequence[str] = (), fits: bool = True, vmem_bytes: int = 0,
+        layer_norm: bool = False, bias: bool = False) -> List[str]:
+  """The MLP kernel (`kernels.mlp`): the pre-MLP RMS norm and T5's (gated)
+  MLP without biases, its weights whole on each device."""
+  out = norm_and_bias(layer_norm, bias)
   if lora:
     out.append('LoRA')
   if acm:
@@ -146,10 +147,23 @@ def lm_head_fits(rows: int, emb: int, vocab: int, k: int, dtype) -> bool:
   return top_logits_kernel.supported(rows, emb, vocab, k, dtype)
 
 
+def norm_and_bias(layer_norm: bool = False, bias: bool = False) -> List[str]:
+  """What keeps the kernels that compute T5's RMS norm or its bias-free
+  projections (the MLP, route and output kernels) from Whisper's layers."""
+  out = []
+  if layer_norm:
+    out.append("a LayerNorm (the kernel computes T5's RMS norm)")
+  if bias:
+    out.append('projection biases')
+  return out
+
+
 def route(*, adapter: bool = True, output_kernel: bool = False,
-          split: FrozenSet[str] = frozenset(), fits: bool = True) -> List[str]:
-  """A routed layer's route kernel (`kernels.route_adapter`)."""
-  out = [] if adapter else ['no parallel adapter']
+          split: FrozenSet[str] = frozenset(), fits: bool = True,
+          layer_norm: bool = False) -> List[str]:
+  """A routed layer's route kernel (`kernels.route_adapter`: the routed
+  tokens' RMS-norm factors with the adapter's down projection)."""
+  out = ([] if adapter else ['no parallel adapter']) + norm_and_bias(layer_norm)
   if output_kernel:
     out.append('the output kernel computes the adapter')
   if 'embed' in split:

@@ -17,7 +17,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 import jax.numpy as jnp
 
-from coda_jax.config import PARALLEL, AcmConfig, CodaConfig, T5Config
+from coda_jax.config import PARALLEL, RMS_NORM, AcmConfig, CodaConfig, T5Config
 from coda_jax.kernels import tpu_blocks
 from coda_jax.plan import blockers
 from coda_jax.plan.attention import RELPOS_KERNEL, AttentionPlan
@@ -157,7 +157,7 @@ def mlp_blockers(config: T5Config, coda: Optional[CodaConfig], acm: Optional[Acm
       fits=blockers.mlp_fits(rows, config.emb_dim, config.mlp_dim,
                              len(config.mlp_activations), config.dtype, vmem_bytes,
                              single_block),
-      vmem_bytes=vmem_bytes)
+      vmem_bytes=vmem_bytes, layer_norm=config.norm != RMS_NORM, bias=config.use_bias)
 
 
 def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
@@ -227,7 +227,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
         rules, config, coda, n, k, dispatch, sharded)
     # The norm's factor after the MLP's input projections, where the output
     # kernel finishes the layer and the MLP is XLA's (measured with it only).
-    factored = output == PALLAS and mlp == XLA and not (
+    factored = output == PALLAS and mlp == XLA and not config.use_bias and not (
         acm is not None and acm.replaces('mlp', 'encoder'))
     reasons += [(ROUTE, f'{route}: {why_route}'), (OUTPUT, f'{output}: {why_out}'),
                 ('factored_norm', f'{factored}: ' + (
@@ -247,12 +247,13 @@ def _output_and_route(rules: Resolver, config: T5Config, coda: CodaConfig, n: in
   both kernels need the parallel adapter and the one-hot dispatch, and the
   output kernel, where it runs, computes the adapter the route kernel would."""
   adapter = coda.adapter == PARALLEL
-  output, why_out = rules.choose(OUTPUT, coda.unroute_kernel, [] if adapter else [
-      'no parallel adapter'])
+  layer_norm = config.norm != RMS_NORM
+  output, why_out = rules.choose(OUTPUT, coda.unroute_kernel, ([] if adapter else [
+      'no parallel adapter']) + blockers.norm_and_bias(layer_norm))
   if coda.unroute_kernel == 'auto' and output == PALLAS and dispatch != ONE_HOT:
     output, why_out = XLA, f'the dispatch is {dispatch} (else pallas: {why_out})'
   route, why_route = rules.choose(ROUTE, coda.route_kernel, blockers.route(
-      adapter=adapter, output_kernel=output == PALLAS, split=sharded,
+      adapter=adapter, output_kernel=output == PALLAS, split=sharded, layer_norm=layer_norm,
       fits=blockers.route_fits(n, k, config.emb_dim, jnp.dtype(config.dtype).itemsize)))
   if coda.route_kernel == 'auto' and route == PALLAS and dispatch != ONE_HOT:
     route, why_route = XLA, f'the dispatch is {dispatch} (else pallas: {why_route})'

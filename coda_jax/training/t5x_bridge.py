@@ -35,11 +35,12 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import gin
 
 from coda_jax.model import params as params_lib
-from coda_jax.config import (ACM_CHOICES_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_RANK_AXIS,
-                             ADAPTER_AXIS, JOINT_AXIS, LORA_AXIS, PATCH_AXIS,
-                             PATCH_POSITION_AXIS, STEM_CHANNELS_AXIS, STEM_FEATURES_AXIS,
-                             STEM_IN_CHANNELS_AXIS, STEM_KERNEL_FREQ_AXIS,
-                             STEM_KERNEL_TIME_AXIS)
+from coda_jax.config import (ABSOLUTE_POSITION_AXIS, ACM_CHOICES_AXIS, ACM_GATE_AXIS,
+                             ACM_GATE_IN_AXIS, ACM_RANK_AXIS, ADAPTER_AXIS, JOINT_AXIS, LORA_AXIS,
+                             PATCH_AXIS, PATCH_POSITION_AXIS, STEM_CHANNELS_AXIS,
+                             STEM_FEATURES_AXIS, STEM_IN_CHANNELS_AXIS, STEM_KERNEL_FREQ_AXIS,
+                             STEM_KERNEL_TIME_AXIS, WHISPER_CONV_IN_AXIS,
+                             WHISPER_CONV_WIDTH_AXIS)
 from coda_jax.model.partitioning import CODA_LOGICAL_AXIS_RULES
 
 T5X_INSTALL_HINT = (
@@ -54,7 +55,8 @@ T5X_INSTALL_HINT = (
 CODA_AXES = (ADAPTER_AXIS, LORA_AXIS, ACM_GATE_AXIS, ACM_GATE_IN_AXIS, ACM_CHOICES_AXIS,
              ACM_RANK_AXIS, PATCH_AXIS, PATCH_POSITION_AXIS, STEM_KERNEL_TIME_AXIS,
              STEM_KERNEL_FREQ_AXIS, STEM_IN_CHANNELS_AXIS, STEM_CHANNELS_AXIS,
-             STEM_FEATURES_AXIS, JOINT_AXIS)
+             STEM_FEATURES_AXIS, JOINT_AXIS, WHISPER_CONV_WIDTH_AXIS, WHISPER_CONV_IN_AXIS,
+             ABSOLUTE_POSITION_AXIS)
 
 # Adafactor factorisation of the new axes: the small bottleneck side of a
 # (embed, adapter) kernel is a column, as `mlp` is in t5x's rules. (Rank-2
@@ -82,6 +84,13 @@ CODA_LOGICAL_FACTOR_RULES = {
     STEM_CHANNELS_AXIS: 'column',
     STEM_FEATURES_AXIS: 'column',
     JOINT_AXIS: 'column',
+    # Whisper's convolution kernels [width, in channels, embed] are rank 3:
+    # factored over (in channels, embed), `embed` a row in t5x's rules, the
+    # width kept in both factors; its position tables [absolute_positions,
+    # embed] as Pix2Struct's.
+    WHISPER_CONV_WIDTH_AXIS: 'none',
+    WHISPER_CONV_IN_AXIS: 'column',
+    ABSOLUTE_POSITION_AXIS: 'column',
 }
 
 # A path component that names a leaf a T5 checkpoint does not have: a router,

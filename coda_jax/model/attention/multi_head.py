@@ -31,6 +31,11 @@ class MultiHeadDotProductAttention(nn.Module):
   projected once per sequence (`cache_kv=True`; t5x recomputes them at each
   step). `plan`: how the attention runs (`run.attend`); `relative_embedding`:
   the stack's shared `RelativePositionBiases` (None: no relative bias).
+
+  Whisper's attention (`use_bias`, `scale_query`): biases on the query,
+  value and output projections (`query/bias`, ...; the key has none, as
+  Whisper's checkpoints hold it), and the projected queries multiplied by
+  head_dim**-0.5, as Whisper scales them.
   """
   num_heads: int
   head_dim: int
@@ -44,6 +49,8 @@ class MultiHeadDotProductAttention(nn.Module):
   relative_embedding: Optional[nn.Module] = None
   bidirectional: bool = True
   plan: AttentionPlan = AttentionPlan()
+  use_bias: bool = False
+  scale_query: bool = False
 
   @property
   def kv_heads(self) -> int:
@@ -57,10 +64,14 @@ class MultiHeadDotProductAttention(nn.Module):
     init = self.kernel_init
     if name == 'query':
       init = lambda *a: self.kernel_init(*a) / jnp.sqrt(self.head_dim).astype(self.dtype)
-    return DenseGeneral(features=heads * self.head_dim if flat else (heads, self.head_dim),
-                        kernel_axes=('embed', 'joined_kv' if heads == self.num_heads else 'kv'),
-                        kernel_init=init, dtype=self.dtype, lora_rank=self.lora_rank,
-                        lora_alpha=self.lora_alpha, name=name)(x)
+    y = DenseGeneral(features=heads * self.head_dim if flat else (heads, self.head_dim),
+                     kernel_axes=('embed', 'joined_kv' if heads == self.num_heads else 'kv'),
+                     kernel_init=init, dtype=self.dtype, lora_rank=self.lora_rank,
+                     lora_alpha=self.lora_alpha, use_bias=self.use_bias and name != 'key',
+                     name=name)(x)
+    if name == 'query' and self.scale_query:
+      y = y * jnp.asarray(self.head_dim ** -0.5, self.dtype)
+    return y
 
   def _output(self, x: Array, features: int, token_mask: Optional[Array] = None,
               deterministic: bool = True) -> Array:
@@ -69,7 +80,7 @@ class MultiHeadDotProductAttention(nn.Module):
     return DenseGeneral(features=features, axis=-1 if x.ndim == 3 else (-2, -1),
                         kernel_init=self.kernel_init, kernel_axes=('joined_kv', 'embed'),
                         dtype=self.dtype, lora_rank=self.lora_rank,
-                        lora_alpha=self.lora_alpha, name='out')(x)
+                        lora_alpha=self.lora_alpha, use_bias=self.use_bias, name='out')(x)
 
   @nn.compact
   def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Optional[Array] = None,

@@ -14,4 +14,6 @@ own; this package imports none of them.
   bestrq                BEST-RQ pre-training (Chiu et al. 2022): the frozen
                         random-projection quantizer's labels, span masks
                         with noise, target frames, the softmax head and loss
+  whisper_stem          Whisper's encoder input: two 1-D convolutions (the
+                        second of stride 2) and its sinusoidal positions
 """
