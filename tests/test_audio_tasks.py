@@ -15,7 +15,7 @@ sf = pytest.importorskip('soundfile')
 
 import gin  # pylint: disable=g-import-not-at-top
 
-from coda_jax.config import AudioConfig, T5Config  # pylint: disable=g-import-not-at-top
+from coda_jax.config import AudioConfig, T5Config, preset  # pylint: disable=g-import-not-at-top
 from coda_jax.data import tasks  # pylint: disable=g-import-not-at-top
 from coda_jax.data.audio import dtmf  # pylint: disable=g-import-not-at-top
 from coda_jax.data.audio import features  # pylint: disable=g-import-not-at-top
@@ -227,6 +227,7 @@ def test_dtmf_vocabulary_round_trips():
 def test_models_and_tasks_that_disagree_about_audio_are_named():
   tasks.register_tasks(VOCAB)
   speech, tokens = T5Config(encoder_input='audio'), T5Config()
+  whisper = preset("whisper_tiny")
   audio_tasks.check_model(speech, audio_tasks.DTMF_TASK, None)
   data_lib.check_inputs(speech, audio_tasks.DTMF_TASK)
   cases = [
@@ -237,6 +238,13 @@ def test_models_and_tasks_that_disagree_about_audio_are_named():
        "input='audio'\\), but task 'coda_quickstart_reverse' gives tokens: use a speech task"),
       (speech, 'coda_quickstart_read_text', "task 'coda_quickstart_read_text' gives image "
        'patches'),
+      (whisper, audio_tasks.DTMF_TASK, r'gives audio frames \(log-mels\), but the model '
+       r"reads whisper: use a speech model \(T5Config.encoder_input='audio'\)"),
+      (whisper, 'coda_quickstart_reverse', "the model reads Whisper's log-mel rows "
+       r"\(T5Config.encoder_input='whisper'\), but task 'coda_quickstart_reverse' gives "
+       'tokens: use a Whisper task'),
+      (speech, 'coda_whisper_directory', "task 'coda_whisper_directory' gives Whisper's "
+       'log-mel rows, but the model reads audio: use a Whisper model'),
       (T5Config(encoder_input='audio', num_mels=64), audio_tasks.DTMF_TASK,
        r'gives 80 log-mel bins a frame \(AudioConfig.num_mels; rows of 1 \+ 80\), but the '
        'model reads T5Config.num_mels = 64'),

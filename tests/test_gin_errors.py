@@ -128,6 +128,8 @@ def test_every_run_file_sets_only_macros_it_reads():
     if name in ('finetune_librispeech.gin', 'finetune_librispeech_parallel_adapter.gin',
                 'pretrain_bestrq.gin'):  # LibriSpeech's word pieces are a required flag
       task += [('SENTENCEPIECE_MODEL', "'x.model'")]
+    if name == 'finetune_whisper_coda.gin':  # the checkpoint is a required flag
+      task += [('WHISPER_CHECKPOINT', "'x'")]
     gin_utils.parse_gin([os.path.join(runs, name)],
                         [('MODEL_DIR', "'x'"), ('INITIAL_CHECKPOINT_PATH', 'None'), *task])
     for extra in ('infer.gin', 'eval.gin'):

@@ -94,7 +94,9 @@ def test_invalid_value(capsys, tmp_path, no_compute):
       "mean 'small'?); known: T5 v1.1 ['small', 'base', 'large', 'xl', 'xxl'], the paper's "
       "§6 text models ['text_base', 'text_large', 'text_xl'], the image models "
       "['pix2struct_base', 'pix2struct_large', 'vision'], the speech encoders "
-      "['speech_base', 'speech_large', 'speech_xl'] (building configurable "
+      "['speech_base', 'speech_large', 'speech_xl'], Whisper ['whisper_tiny', "
+      "'whisper_base', 'whisper_small', 'whisper_medium', 'whisper_large_v3', "
+      "'whisper_large_v3_turbo'] (building configurable "
       "'preset' in scope 'MODEL')"]
   rc, err = _cli(capsys, tmp_path / 'run', '--gin.ATTENTION=k_to_kk')
   assert rc == 2

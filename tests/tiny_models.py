@@ -110,10 +110,11 @@ WHISPER_TINY = dict(vocab_size=100, num_mel_bins=8, d_model=16, encoder_layers=2
                     max_target_positions=16)
 
 
-def tiny_whisper(directory, pytorch_bin: bool = False):
+def tiny_whisper(directory, pytorch_bin: bool = False, tune=None, **sizes):
   """A tiny random `transformers.WhisperForConditionalGeneration`
-  (`WHISPER_TINY`, every parameter but the encoder's sinusoids moved off its
-  init so that biases and norms matter) written to `directory` as
+  (`WHISPER_TINY`, `sizes` overriding it; every parameter but the encoder's
+  sinusoids moved off its init so that biases and norms matter; then
+  `tune(model, torch)`, when given) written to `directory` as
   `save_pretrained` writes it (`model.safetensors`); with `pytorch_bin`
   also a copy as `pytorch_model.bin` in `directory`/bin. Returns the model
   (eval mode) and torch."""
@@ -122,13 +123,15 @@ def tiny_whisper(directory, pytorch_bin: bool = False):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
   torch.manual_seed(0)
-  config = transformers.WhisperConfig(**WHISPER_TINY, pad_token_id=0, bos_token_id=1,
-                                      eos_token_id=2, decoder_start_token_id=1)
+  ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+  config = transformers.WhisperConfig(**{**WHISPER_TINY, **ids, **sizes})
   model = transformers.WhisperForConditionalGeneration(config).eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
       if 'encoder.embed_positions' not in name:
         p.add_(0.1 * torch.randn_like(p))
+    if tune is not None:
+      tune(model, torch)
   directory = str(directory)
   model.save_pretrained(directory)
   if pytorch_bin:
@@ -148,3 +151,36 @@ def whisper_rows(features, real_frames=None):
   if real_frames is not None:
     real = (np.arange(frames)[None] < np.asarray(real_frames)[:, None]).astype(np.float32)
   return np.concatenate([real[..., None], features.transpose(0, 2, 1)], -1).astype(np.float32)
+
+
+# Transcripts a tiny Whisper tokenizer is trained on (`whisper_tokenizer_file`).
+WHISPER_SENTENCES = ('one two three four five six seven eight nine zero',
+                     'the quick brown fox jumps over the lazy dog',
+                     'alpha bravo charlie delta star hash')
+
+
+def whisper_tokenizer_file(directory, sentences=WHISPER_SENTENCES, languages=('en', 'de')):
+  """Writes `directory`/tokenizer.json: a byte-level BPE (GPT-2's pre-
+  tokenizer and decoder, as Whisper's) trained with `tokenizers` on
+  `sentences` (a few pieces beyond the 256 bytes), then Whisper's special
+  tokens in Whisper's order with `languages` only, and <|0.00|>. Returns
+  the file's `WhisperTokenizer`."""
+  import os  # pylint: disable=g-import-not-at-top
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.audio import whisper_tokenizer as wt  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+      vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False)
+  tok.train_from_iterator([' ' + s for s in sentences], trainer)
+  specials = [wt.END_OF_TEXT, wt.START_OF_TRANSCRIPT, *[f'<|{l}|>' for l in languages],
+              wt.TRANSLATE, wt.TRANSCRIBE, '<|startoflm|>', wt.START_OF_PREV, '<|nospeech|>',
+              wt.NO_TIMESTAMPS]
+  tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
+                          for t in specials])
+  tok.add_tokens([tokenizers.AddedToken('<|0.00|>', special=False, normalized=False)])
+  path = os.path.join(str(directory), wt.TOKENIZER_FILE)
+  tok.save(path)
+  return wt.WhisperTokenizer.from_file(path)

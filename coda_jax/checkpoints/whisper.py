@@ -31,6 +31,7 @@ format and loads.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -236,6 +237,20 @@ def detect(layout: str, path: str) -> Optional[str]:
   except (OSError, ValueError, AttributeError):
     found = False
   return FORMATS[layout] if found else None
+
+
+def model_config(path: str, dtype: Any = 'float32', dropout_rate: float = 0.0) -> T5Config:
+  """The `T5Config` of the Whisper directory `path` (its config.json), with
+  `dtype` (the activations) and `dropout_rate`: a run file's model
+  (``network.Transformer.config = @whisper.model_config()``)."""
+  cfg_file = os.path.join(str(path), 'config.json')
+  try:
+    with open(cfg_file) as f:
+      hf_config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f'{path} is not a Hugging Face Whisper directory: cannot read '
+                          f'{cfg_file} ({e})') from e
+  return dataclasses.replace(config_from_hf(hf_config, dtype), dropout_rate=dropout_rate)
 
 
 def source_config(src: Source) -> T5Config:

@@ -54,6 +54,7 @@ from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 import numpy as np
 
 from coda_jax.data.audio import tasks as audio_tasks
+from coda_jax.data.audio import whisper_tasks
 from coda_jax.data.images import tasks as image_tasks
 from coda_jax.data import offline_tasks
 
@@ -89,7 +90,7 @@ TASK_NAMES = ('coda_glue_mnli', 'coda_glue_rte', 'coda_super_glue_boolq',
               'coda_super_glue_record', 'coda_squad_v1_1', 'coda_xsum',
               'coda_c4_span_corruption') + tuple(offline_tasks.OFFLINE_TASKS) + tuple(
                   name for name in audio_tasks.TASK_NAMES
-                  if name not in offline_tasks.OFFLINE_TASKS)
+                  if name not in offline_tasks.OFFLINE_TASKS) + whisper_tasks.TASK_NAMES
 
 
 def default_vocabulary():
@@ -595,6 +596,7 @@ def task_specs(vocabulary) -> Dict[str, Dict[str, Any]]:
                                  span_corruption=(concat_and_split, span_corruption)),
       **image_tasks.task_specs(vocabulary),
       **audio_tasks.task_specs(vocabulary),
+      **whisper_tasks.task_specs(),
   }
 
 

@@ -19,8 +19,11 @@ task, its lengths and vocabulary and the mesh; ``runs/infer.gin`` or
                     file (one model input a line) or JSONL ({"inputs": .., "targets": ..});
                     for an image task (`coda_jax.data.images.tasks`) JSONL of {"image": path
                     relative to the file, "question": optional, "answer": text or list};
-                    for a speech task (`coda_jax.data.audio.tasks`) JSONL of {"audio": WAV
-                    or FLAC path relative to the file, "text": the transcript (eval)}
+                    for a speech task (`coda_jax.data.audio.tasks`, Whisper's
+                    `whisper_tasks`) JSONL of {"audio": WAV or FLAC path relative to
+                    the file, "text": the transcript (eval)}; a Whisper model decodes
+                    after its prompt (<|startoftranscript|> <|en|> <|transcribe|>
+                    <|notimestamps|>) up to <|endoftext|>
   DECODING          'greedy' or 'beam' (NUM_BEAMS, BEAM_ALPHA: t5x's length penalty)
   ACM_INFERENCE     a trained ACM's learners: None (as its run recorded: 'masked'),
                     'masked' or 'gather' (learner n only on the tokens that chose
@@ -247,12 +250,15 @@ class Predictor:
   """
 
   def __init__(self, model, params, mesh, rules, max_decode_length: int,
-               method: str = 'greedy', num_beams: int = 4, alpha: float = 0.6):
+               method: str = 'greedy', num_beams: int = 4, alpha: float = 0.6,
+               prompt: Sequence[int] = (), eos_id: int = decoding_lib.EOS_ID):
     # The trainer's placement (shardings by logical axes, shape checks).
     self.trainer = trainer_lib.Trainer(model, optax.identity(), mesh, rules=rules)
     self.model, self.mesh = model, mesh
     self.max_decode_length, self.method = int(max_decode_length), method
     self.num_beams, self.alpha = int(num_beams), alpha
+    # A decoder prompt and its end (Whisper's: `data_lib.decoding_options`).
+    self.prompt, self.eos_id = tuple(int(t) for t in prompt), int(eos_id)
     self.params = None if params is None else self.trainer.place_params(params)
     shardings = (self.trainer.params_shardings, self.trainer.batch_sharding)
     self._predict = partitioning.on_mesh(
@@ -269,7 +275,8 @@ class Predictor:
         return decoded.tokens, decoded.scores
       seqs, scores = decoding_lib.predict_batch(
           self.model, params, tokens, max_decode_length=self.max_decode_length,
-          method=self.method, num_beams=self.num_beams, alpha=self.alpha)
+          method=self.method, num_beams=self.num_beams, alpha=self.alpha,
+          prompt=self.prompt, eos_id=self.eos_id)
     if self.method == 'beam':  # the best beam
       seqs, scores = seqs[:, 0], scores[:, 0]
     return seqs, scores
@@ -513,7 +520,8 @@ def infer(*,
   except ValueError as e:
     raise train_lib.ConfigError(str(e)) from e
   predictor = Predictor(model, loaded.params, mesh, logical_axis_rules,
-                        lengths['targets'], decoding, num_beams, alpha)
+                        lengths['targets'], decoding, num_beams, alpha,
+                        **data_lib.decoding_options(task))
   decoded = _decode(predictor, evaluator, mesh, mode, progress_bar)
   source = (os.path.splitext(os.path.basename(input_file))[0] if input_file
             else f'{dataset_cfg.mixture_or_task_name}_{dataset_cfg.split}')

@@ -4,12 +4,18 @@ The searches are model-agnostic and jittable (`lax.while_loop`): they take
 `tokens_to_logits(tokens [batch, 1], cache) -> (logits [batch, vocab], cache)`.
 `predict_batch` wires them to a `Transformer` the way t5x's
 `EncoderDecoderModel.predict_batch` does: encode once, build the decoder cache,
-then search. Decoding starts from token 0 (T5's decoder start) and stops at EOS.
+then search. Decoding starts from token 0 (T5's decoder start) and stops at EOS;
+or, with a `prompt` (Whisper's `<|startoftranscript|> <|en|> <|transcribe|>
+<|notimestamps|>`), feeds the prompt's tokens first (`prefill_prompt`: one
+decoder step each, every row, no choice made), searches from its last token
+and stops at `eos_id` (Whisper's `<|endoftext|>`), as transformers' `generate`
+does with the prompt as `decoder_input_ids`: the prompt is neither returned
+nor scored.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import flax
 import jax
@@ -18,7 +24,7 @@ import jax.numpy as jnp
 
 from coda_jax.model.attention import beams as beam_attention
 from coda_jax import plan as plan_lib
-from coda_jax.config import PATCHES
+from coda_jax.config import TOKENS
 from coda_jax.kernels import top_logits as top_logits_lib
 from coda_jax.validation import positive_int
 
@@ -309,6 +315,26 @@ def sequence_score(log_prob: Array, sequences: Array, alpha: float,
 # ----------------------------------------------------------------------------
 
 
+def prefill_prompt(cache: Cache, tokens_to_logits: TokensToLogits, prompt: Sequence[int],
+                   rows: int) -> Cache:
+  """`cache` after the decoder read `prompt[:-1]`, one token a step for all
+  `rows` (a Python loop: the prompt is a few static tokens); the search then
+  starts from `prompt[-1]`."""
+  for token in prompt[:-1]:
+    _, cache = tokens_to_logits(jnp.full((rows, 1), int(token), jnp.int32), cache)
+  return cache
+
+
+def check_prompt(prompt: Sequence[int], max_decode_length: int) -> Tuple[int, ...]:
+  """`prompt` as a tuple of ints; ValueError for one that leaves no position
+  of the `max_decode_length` to decode."""
+  prompt = tuple(int(t) for t in prompt)
+  if len(prompt) >= int(max_decode_length):
+    raise ValueError(f'a decoder prompt of {len(prompt)} tokens {prompt} leaves nothing to '
+                     f'decode in max_decode_length = {max_decode_length} positions')
+  return prompt
+
+
 def init_decode_cache(model, params, encoded: Array, encoder_input_tokens: Array,
                       max_decode_length: int, num_beams: int = 1) -> Cache:
   """Decoder cache for `max_decode_length` steps, cross-attention K/V prefilled.
@@ -379,34 +405,46 @@ def predict_batch(model, params, encoder_input_tokens: Array, *,
                   topk: int = 0,
                   rng: Optional[Array] = None,
                   eos_id: int = EOS_ID,
-                  encoded: Optional[Array] = None) -> Tuple[Array, Array]:
+                  encoded: Optional[Array] = None,
+                  prompt: Sequence[int] = ()) -> Tuple[Array, Array]:
   """Decodes `encoder_input_tokens [batch, length]` (an image model's patches
   `[batch, length, 2 + patch_dim]`) with `model` (jittable).
 
   Args:
     method: 'greedy', 'sample' (temperature / top-k) or 'beam'.
     encoded: precomputed encoder output (else the model's `encode` runs).
+    prompt: token ids the decoder reads first (`prefill_prompt`; its first
+      replaces the decoder start 0); they take positions of the
+      `max_decode_length`.
 
   Returns:
-    `(sequences, scores)`: greedy/sample `[batch, max_decode_length]` with the
-    sequence log-probability; beam `[batch, num_beams, max_decode_length]`
-    best first with the length-penalised scores.
+    `(sequences, scores)`: greedy/sample `[batch, L]` with the sequence
+    log-probability; beam `[batch, num_beams, L]` best first with the
+    length-penalised scores; L = `max_decode_length` less the prompt's
+    tokens but its last, which the search starts from (the tokens after
+    the prompt; the lengths and scores count only those).
   """
   params = flax.core.unfreeze(params)
   params = params['params'] if 'params' in params else params
-  # Token ids as int32; an image model's patches (`T5Config.encoder_input`) as they are.
-  tokens = (encoder_input_tokens if model.config.encoder_input == PATCHES
-            else encoder_input_tokens.astype(jnp.int32))
+  # Token ids as int32; an image model's patches or audio rows
+  # (`T5Config.encoder_input`) as they are.
+  tokens = (encoder_input_tokens.astype(jnp.int32) if model.config.encoder_input == TOKENS
+            else encoder_input_tokens)
   batch = tokens.shape[0]
+  prompt = check_prompt(prompt, max_decode_length)
+  start = prompt[-1] if prompt else DECODER_START_ID
+  length = max_decode_length - max(len(prompt) - 1, 0)    # the search's positions
   if encoded is None:
     encoded = model.apply({'params': params}, tokens, enable_dropout=False,
                           method=model.encode)
   if method in ('greedy', 'sample'):
     cache = init_decode_cache(model, params, encoded, tokens, max_decode_length)
     step = make_tokens_to_logits(model, params, encoded, tokens, max_decode_length)
+    cache = prefill_prompt(cache, step, prompt, batch)
     return temperature_sample(
-        cache, step, batch_size=batch, max_decode_len=max_decode_length, eos_id=eos_id,
-        temperature=0.0 if method == 'greedy' else temperature, topk=topk, rng=rng)
+        cache, step, batch_size=batch, max_decode_len=length, eos_id=eos_id,
+        temperature=0.0 if method == 'greedy' else temperature, topk=topk, rng=rng,
+        decoder_start_id=start)
   if method == 'beam':
     # The beams of an example share its encoder output and cross-attention
     # keys/values, read once per step for all of them (`layers.
@@ -414,21 +452,23 @@ def predict_batch(model, params, encoder_input_tokens: Array, *,
     cache = init_decode_cache(model, params, encoded, tokens, max_decode_length, num_beams)
     step = make_tokens_to_logits(model, params, encoded, tokens, max_decode_length,
                                  top_logits=2 * num_beams)
-    return beam_search(cache, step, batch_size=batch, max_decode_len=max_decode_length,
-                       num_beams=num_beams, alpha=alpha, eos_id=eos_id)
+    cache = prefill_prompt(cache, step, prompt, batch * num_beams)
+    return beam_search(cache, step, batch_size=batch, max_decode_len=length,
+                       num_beams=num_beams, alpha=alpha, eos_id=eos_id,
+                       decoder_start_id=start)
   raise ValueError(f'unknown decoding method {method!r}; expected "greedy", "sample" '
                    'or "beam"')
 
 
 @functools.partial(jax.jit, static_argnames=('model', 'max_decode_length', 'method',
                                              'num_beams', 'alpha', 'temperature', 'topk',
-                                             'eos_id'))
+                                             'eos_id', 'prompt'))
 def predict_batch_jit(model, params, encoder_input_tokens, *, max_decode_length: int,
                       method: str = 'greedy', num_beams: int = 4, alpha: float = 0.6,
                       temperature: float = 1.0, topk: int = 0, rng=None,
-                      eos_id: int = EOS_ID):
+                      eos_id: int = EOS_ID, prompt: Tuple[int, ...] = ()):
   """`predict_batch` compiled once per model and setting."""
   return predict_batch(model, params, encoder_input_tokens,
                        max_decode_length=max_decode_length, method=method,
                        num_beams=num_beams, alpha=alpha, temperature=temperature,
-                       topk=topk, rng=rng, eos_id=eos_id)
+                       topk=topk, rng=rng, eos_id=eos_id, prompt=prompt)

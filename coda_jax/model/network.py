@@ -154,6 +154,15 @@ def encoder_real(config: T5Config, inputs: Array) -> Array:
   return attention.real_token_mask(inputs)
 
 
+def decoder_real(config: T5Config, targets: Array) -> Array:
+  """bool `[batch, length]`: targets other than id 0 (T5's padding); for
+  Whisper, whose id 0 is '!', every position (transformers' causal mask
+  alone: padding follows a row's targets; the loss weights drop it)."""
+  if config.encoder_input == WHISPER:
+    return jnp.ones(targets.shape, jnp.bool_)
+  return attention.real_token_mask(targets)
+
+
 def encoder_length(config: T5Config, length: int) -> int:
   """The encoder's tokens for `length` inputs: the speech stem's ceil(length
   / 4) frames for audio, Whisper's ceil(length / 2), else `length`."""
@@ -642,7 +651,7 @@ class Transformer(nn.Module):
     decoder_input_tokens = decoder_input_tokens.astype(jnp.int32)
     decoder_target_tokens = decoder_target_tokens.astype(jnp.int32)
     real = encoder_real(cfg, encoder_input_tokens)
-    target_real = attention.real_token_mask(decoder_target_tokens)
+    target_real = decoder_real(cfg, decoder_target_tokens)
     beams = _beams(decoder_input_tokens.shape[0], encoder_input_tokens.shape[0], decode)
     if decode:
       decoder_mask = None
@@ -650,8 +659,9 @@ class Transformer(nn.Module):
           jnp.ones_like(decoder_target_tokens), jnp.repeat(real, beams, axis=0),
           dtype=cfg.dtype)
     else:
-      decoder_mask = attention.make_decoder_mask(
-          decoder_target_tokens, dtype=cfg.dtype, decoder_segment_ids=decoder_segment_ids)
+      decoder_mask = attention.make_decoder_mask(   # causal, over the real positions
+          target_real.astype(jnp.int32), dtype=cfg.dtype,
+          decoder_segment_ids=decoder_segment_ids)
       encoder_decoder_mask = attention.make_attention_mask(target_real, real,
                                                         dtype=cfg.dtype)
     if encoder_segment_ids is not None:

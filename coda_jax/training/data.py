@@ -284,10 +284,14 @@ def check_inputs(config, *tasks) -> None:
   (`audio_tasks.check_model`, first), image patches or tokens
   (`image_tasks.check_model`)."""
   from coda_jax.data.audio import tasks as audio_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.audio import whisper_tasks  # pylint: disable=g-import-not-at-top
   from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
   try:
     audio_tasks.check_model(config, *tasks)
     image_tasks.check_model(config, *tasks)
+    for task in tasks:
+      if task is not None:
+        whisper_tasks.check_model(config, get_task(task) if isinstance(task, str) else task)
   except ValueError as e:
     raise errors.ConfigError(str(e)) from e
 
@@ -295,10 +299,16 @@ def check_inputs(config, *tasks) -> None:
 def feature_converter(task, pack: bool):
   """seqio's encoder-decoder feature converter, or for an audio task
   (`audio_tasks.has_audio`) or an image task (`image_tasks.has_patches`) its
-  float-input variant."""
+  float-input variant; for a Whisper task (`whisper_tasks`) Whisper's,
+  behind its decoder prompt's first token."""
   import seqio  # pylint: disable=g-import-not-at-top
+  from coda_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from coda_jax.data.audio import tasks as audio_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.audio import whisper_tasks  # pylint: disable=g-import-not-at-top
   from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
+  if audio_tasks.input_kind(task) == config_lib.WHISPER:
+    return whisper_tasks.feature_converter_class()(
+        decoder_start_id=whisper_tasks.decoder_prompt()[0], pack=pack)
   if audio_tasks.has_audio(task):
     return audio_tasks.feature_converter_class()(pack=pack)
   if image_tasks.has_patches(task):
@@ -384,6 +394,25 @@ def _text(value) -> str:
   return str(value)
 
 
+def decoding_options(task) -> Dict[str, Any]:
+  """`decoding.predict_batch`'s `prompt` and `eos_id` for a task's output
+  vocabulary: a Whisper vocabulary's decoder prompt and `<|endoftext|>`
+  (`whisper_tasks.vocabulary_class`); {} for T5's (start 0, EOS 1)."""
+  tasks = getattr(task, 'tasks', None) or [task]
+  vocab = output_vocabulary(tasks[0])
+  prompt = tuple(getattr(vocab, 'decoder_prompt', ()) or ())
+  return {'prompt': prompt, 'eos_id': int(vocab.eos_id)} if prompt else {}
+
+
+def decode_row(vocab, ids: Sequence[int]) -> str:
+  """A decoded row's text: up to its EOS, padding (0) dropped; a vocabulary
+  that `decodes_whole_rows` (Whisper's: id 0 is a token) reads the row
+  itself."""
+  if getattr(vocab, 'decodes_whole_rows', False):
+    return vocab.decode(ids)
+  return vocab.decode(trim_at_eos(ids))
+
+
 def trim_at_eos(ids: Sequence[int], eos_id: int = EOS_ID) -> List[int]:
   out = []
   for t in np.asarray(ids).tolist():
@@ -417,11 +446,17 @@ def _describe(example: Mapping[str, Any], audio: bool = False) -> str:
   return (audio_tasks if audio else image_tasks).describe(example)
 
 
-def _float_inputs(examples: Sequence[Mapping[str, Any]], n: int, audio: bool) -> np.ndarray:
-  """An image task's patches or an audio task's frames, `[len(examples), n, width]`."""
+def _float_inputs(examples: Sequence[Mapping[str, Any]], n: int, task) -> np.ndarray:
+  """An image task's patches or an audio task's frames (Whisper's rows),
+  `[len(examples), n, width]`."""
+  from coda_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from coda_jax.data.audio import tasks as audio_tasks  # pylint: disable=g-import-not-at-top
+  from coda_jax.data.audio import whisper_tasks  # pylint: disable=g-import-not-at-top
   from coda_jax.data.images import tasks as image_tasks  # pylint: disable=g-import-not-at-top
-  return (audio_tasks if audio else image_tasks).example_inputs(examples, n)
+  kind = audio_tasks.input_kind(task)
+  module = (whisper_tasks if kind == config_lib.WHISPER
+            else audio_tasks if kind == config_lib.AUDIO else image_tasks)
+  return module.example_inputs(examples, n)
 
 
 def _token_inputs(examples: Sequence[Mapping[str, Any]], n: int) -> np.ndarray:
@@ -529,7 +564,9 @@ class TaskEvaluator:
     feature = task.output_features.get('targets')
     if feature is None:
       return 0
-    limit = self.lengths['targets'] - int(feature.add_eos)
+    # A decoder prompt (Whisper's) takes positions too: its tokens but the first, and the end.
+    limit = self.lengths['targets'] - int(feature.add_eos) - len(
+        getattr(feature.vocabulary, 'decoder_prompt', ()) or ())
     return sum(len(feature.vocabulary.encode(_text(ex['targets_pretokenized']))) > limit
                for ex in examples if 'targets_pretokenized' in ex)
 
@@ -544,7 +581,7 @@ class TaskEvaluator:
       if 'targets_pretokenized' in ex:
         text = _text(ex['targets_pretokenized'])
       else:
-        text = vocab.decode(trim_at_eos(ex['targets']))
+        text = decode_row(vocab, ex['targets'])
       out.append(task.postprocess_fn(text, example=ex, is_target=True)
                  if task.postprocess_fn else text)
     return out
@@ -573,14 +610,14 @@ class TaskEvaluator:
       decoded, scores = [], []
       for start in range(0, len(examples), size):
         chunk = (inputs[start:start + size] if inputs is not None
-                 else _float_inputs(examples[start:start + size], n, audio))
+                 else _float_inputs(examples[start:start + size], n, task))
         rows = chunk.shape[0]
         if rows < size:
           chunk = np.concatenate([chunk, np.zeros((size - rows,) + chunk.shape[1:],
                                                   chunk.dtype)])
         result = predict(chunk)
         tokens, batch_scores = result if isinstance(result, tuple) else (result, None)
-        decoded.extend(vocab.decode(trim_at_eos(row)) for row in np.asarray(tokens)[:rows])
+        decoded.extend(decode_row(vocab, row) for row in np.asarray(tokens)[:rows])
         if batch_scores is not None:
           scores.extend(float(x) for x in np.asarray(batch_scores)[:rows])
         if on_batch is not None:

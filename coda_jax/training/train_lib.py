@@ -429,7 +429,8 @@ def save_adapter_file(run: RunSetup, ckpt, ckpt_dir: str, progress: Progress) ->
 def evaluate(run: RunSetup, evaluator: data_lib.TaskEvaluator, params) -> Dict[str, Any]:
   """Decodes the eval examples greedily with `params`; the task's metrics."""
   trainer = run.trainer
-  predict = trainer.predict_fn(run.lengths['targets'])
+  options = data_lib.decoding_options(evaluator.tasks[0][0]) if evaluator.tasks else {}
+  predict = trainer.predict_fn(run.lengths['targets'], **options)
 
   def predict_numpy(tokens: np.ndarray) -> np.ndarray:
     arr = jax.make_array_from_callback(tokens.shape, trainer.batch_sharding,

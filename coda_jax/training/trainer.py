@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -389,13 +389,16 @@ class Trainer:
                   out_shardings=self.replicated), self.mesh)
     return self._learner_usage
 
-  def predict_fn(self, max_decode_length: int, rung: int = -1) -> Callable:
+  def predict_fn(self, max_decode_length: int, rung: int = -1, prompt: Sequence[int] = (),
+                 eos_id: Optional[int] = None) -> Callable:
     """Jitted greedy decoding `(params, encoder_input_tokens) -> tokens`
-    (replicated): `max_decode_length` tokens of the decoder, or a
+    (replicated): `max_decode_length` tokens of the decoder (after a
+    decoder `prompt`, stopping at `eos_id`: `decoding.predict_batch`), or a
     transducer's labels (`speech_network.transcribe`: at most the model's
     symbols per encoder frame; `max_decode_length` unused)."""
     rung = rung % len(self.models)
-    key = (rung, int(max_decode_length))
+    prompt = tuple(int(t) for t in prompt)
+    key = (rung, int(max_decode_length), prompt, eos_id)
     if key not in self._predict:
       from coda_jax.model import decoding  # pylint: disable=g-import-not-at-top
       model = self.models[rung]
@@ -404,9 +407,10 @@ class Trainer:
         with partitioning.axis_rules(self.rules):
           if is_transducer(model):
             return speech_network.transcribe(model, params, tokens).tokens
-          seqs, _ = decoding.predict_batch(model, params, tokens,
-                                           max_decode_length=int(max_decode_length),
-                                           method='greedy')
+          seqs, _ = decoding.predict_batch(
+              model, params, tokens, max_decode_length=int(max_decode_length),
+              method='greedy', prompt=prompt,
+              eos_id=decoding.EOS_ID if eos_id is None else int(eos_id))
         return seqs
 
       self._predict[key] = partitioning.on_mesh(

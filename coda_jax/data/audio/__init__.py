@@ -17,6 +17,10 @@ config; tasks seqio; whisper_tokenizer the `tokenizers` library):
             TFDS LibriSpeech, generated DTMF): `[frames, 1 + num_mels]`
             inputs, labels without EOS, WER; `check_model`, the feature
             converter, `example_inputs`
+  whisper_tasks  the directory and LibriSpeech tasks in Whisper's features and
+            tokens (a checkpoint's tokenizer.json and preprocessor_config.json),
+            its vocabulary, feature converter and decoder prompt; WER after
+            Whisper's normaliser
 
 Import the modules themselves (`from coda_jax.data.audio import features`).
 """

@@ -439,10 +439,18 @@ def _tasks(task) -> list:
   return getattr(task, 'tasks', None) or [task]
 
 
-def has_audio(task) -> bool:
-  """Whether a seqio task's (or mixture's first task's) inputs are audio frames."""
+def input_kind(task) -> Optional[str]:
+  """The ``input_kind`` of a seqio task's (or mixture's first task's)
+  inputs: 'audio' (frames for the speech stem), 'whisper' (Whisper's rows,
+  `whisper_tasks`), or None."""
   feature = _tasks(task)[0].output_features.get('inputs')
-  return getattr(feature, 'input_kind', None) == config_lib.AUDIO
+  return getattr(feature, 'input_kind', None)
+
+
+def has_audio(task) -> bool:
+  """Whether a seqio task's (or mixture's first task's) inputs are audio
+  rows: frames (`input_kind` 'audio') or Whisper's ('whisper')."""
+  return input_kind(task) in (config_lib.AUDIO, config_lib.WHISPER)
 
 
 def check_model(config, *tasks) -> None:
@@ -457,20 +465,30 @@ def check_model(config, *tasks) -> None:
       _check_model(config, seqio.get_mixture_or_task(task) if isinstance(task, str) else task)
 
 
+# Each audio input kind in words, and where its tasks are.
+_KINDS = {config_lib.AUDIO: ('audio frames (log-mels)', 'speech',
+                             f'coda_jax.data.audio.tasks: {", ".join(TASK_NAMES)}'),
+          config_lib.WHISPER: ("Whisper's log-mel rows", 'Whisper',
+                               'coda_jax.data.audio.whisper_tasks')}
+
+
 def _check_model(config, task) -> None:
-  audio, reads = has_audio(task), config.encoder_input == config_lib.AUDIO
-  if audio and not reads:
-    raise ValueError(f'task {task.name!r} gives audio frames (log-mels), but the model reads '
-                     f'{config.encoder_input}: use a speech model '
-                     "(T5Config.encoder_input='audio')")
-  if reads and not audio:
+  kind = input_kind(task) if has_audio(task) else None
+  reads = config.encoder_input if config.encoder_input in _KINDS else None
+  if kind is not None and kind != config.encoder_input:
+    what, model, _ = _KINDS[kind]
+    raise ValueError(f'task {task.name!r} gives {what}, but the model reads '
+                     f'{config.encoder_input}: use a {model} model '
+                     f'(T5Config.encoder_input={kind!r})')
+  if reads is not None and kind is None:
+    what, model, where = _KINDS[reads]
     feature = _tasks(task)[0].output_features.get('inputs')
-    kind = 'image patches' if getattr(feature, 'rank', 1) == 2 else 'tokens'
-    raise ValueError(f"the model reads audio frames (T5Config.encoder_input='audio'), but "
-                     f'task {task.name!r} gives {kind}: use a speech task '
-                     f'(coda_jax.data.audio.tasks: {", ".join(TASK_NAMES)})')
+    found = 'image patches' if getattr(feature, 'rank', 1) == 2 else 'tokens'
+    raise ValueError(f'the model reads {what.split(" (")[0]} (T5Config.encoder_input='
+                     f"{reads!r}), but task {task.name!r} gives {found}: use a {model} task "
+                     f'({where})')
   mels = AudioConfig().num_mels
-  if audio and config.num_mels != mels:
+  if kind == config_lib.AUDIO and config.num_mels != mels:
     raise ValueError(f'task {task.name!r} gives {mels} log-mel bins a frame '
                      f'(AudioConfig.num_mels; rows of 1 + {mels}), but the model reads '
                      f'T5Config.num_mels = {config.num_mels}')
