@@ -19,6 +19,7 @@ only ([tokens of that ACM in that example, N+1]); on equal lengths it is the
 stacked code exactly (`test_the_ragged_transcription_is_the_stacked_code`).
 """
 import dataclasses
+import functools
 import math
 
 import jax
@@ -154,12 +155,21 @@ def _apply(module, params, *args, **kwargs):
                  params, args, traced)
 
 
+@functools.lru_cache(maxsize=None)
+def _acmized(cfg, acm_config):
+  """The tiny T5 and its ACM model's parameters, made once per test file and
+  configuration (an init and an acmize compile for each)."""
+  t5 = params_lib.init_params(Transformer(cfg), jax.random.PRNGKey(0))
+  return t5, acmize.acmize(t5, Transformer(cfg, acm=acm_config), jax.random.PRNGKey(1))
+
+
 def _acm_model(modules=BOTH, **fields):
   cfg = tiny_config(num_kv_heads=2)        # d = 32; q / o rank 32, k / v rank 16
-  t5 = params_lib.init_params(Transformer(cfg), jax.random.PRNGKey(0))
   model = Transformer(cfg, acm=AcmConfig(num_learners=N, modules=modules, budget=BETA,
                                          **fields))
-  return cfg, t5, model, acmize.acmize(t5, model, jax.random.PRNGKey(1))
+  # Fresh buffers for each test (a trainer step donates its state).
+  t5, params = jax.tree.map(lambda x: x.copy(), _acmized(cfg, model.acm))
+  return cfg, t5, model, params
 
 
 def _learner_cost(cfg, path):
@@ -344,14 +354,17 @@ def test_the_losses_reach_the_gates():
     return {name: acm.aux_losses(state['intermediates'], model.acm)[name] for name in names}
 
   # One forward pass, then each loss's gradient alone (a one-hot cotangent):
-  # jax.grad of each loss, without running the model three times.
+  # jax.grad of each loss, the three backward passes as one batched pass
+  # (one backward program to compile, not three).
   def each_grad(p):
     values, pullback = jax.vjp(losses, p)
-    return {name: pullback({n: jnp.ones_like(v) if n == name else jnp.zeros_like(v)
-                            for n, v in values.items()})[0] for name in names}
+    one_hots = {n: jnp.eye(len(names), dtype=values[n].dtype)[names.index(n)]
+                for n in names}
+    return jax.vmap(lambda c: pullback(c)[0])(one_hots)
 
-  for name, grad in _jitted(each_grad, params).items():
-    grads = params_lib.flatten(grad)
+  stacked = _jitted(each_grad, params)
+  for i, name in enumerate(names):
+    grads = params_lib.flatten(jax.tree.map(lambda g, i=i: g[i], stacked))
     gates = [np.abs(np.asarray(g)).max() for n, g in grads.items() if '/gate/' in n]
     assert len(gates) == 6 * 28 and min(gates) > 0 and np.all(np.isfinite(gates)), name
 

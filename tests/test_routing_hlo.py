@@ -78,7 +78,8 @@ def test_gather_routing_equals_the_scatter_form(attention, method, monkeypatch):
   params = params_lib.init_params(model, jax.random.PRNGKey(1))
   # Non-zero adapters and routers so every path carries signal.
   params = jax.tree_util.tree_map_with_path(
-      lambda path, x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(len(path)), x.shape)
+      lambda path, x: x + 0.3 * np.random.RandomState(len(path)).standard_normal(
+          x.shape).astype(x.dtype)
       if params_lib.is_new_leaf(params_lib.path_names(path)) else x, params)
   loss, grads = _loss_fn(model, _tokens())(params)
   _scatter_form(monkeypatch)
