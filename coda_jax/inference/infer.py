@@ -339,9 +339,12 @@ class Predictor:
 
   def _decoder_inputs(self, tokens):
     """The encoder's input as a decoding program reads it: tokens as they
-    are; an image's `[batch, n]` row ids as patch rows (`params.patches_of_row_ids`)."""
+    are; an image's `[batch, n]` row ids as patch rows (`params.patches_of_row_ids`);
+    Whisper's `[batch, frames]` realness as its rows (`params.rows_of_realness`)."""
     if self.model.config.encoder_input == config_lib.PATCHES:
       return params_lib.patches_of_row_ids(self.model.config, tokens)
+    if self.model.config.encoder_input == config_lib.WHISPER:
+      return params_lib.rows_of_realness(self.model.config, tokens)
     return tokens
 
   def _decode_step_fn(self, params, encoded, tokens, token, cache):

@@ -37,7 +37,7 @@ from coda_jax.model.speech import audio_input
 from coda_jax import plan as plan_lib
 from coda_jax.measure import timing
 from coda_jax.config import (AUDIO, AUDIO_MASK_COLUMNS, PATCHES, PIX2STRUCT_SIZES, PRESETS,
-                             SPEECH_SIZES, AcmConfig, CodaConfig, StemConfig, T5Config,
+                             SPEECH_SIZES, WHISPER, WHISPER_PRESETS, AcmConfig, CodaConfig, StemConfig, T5Config,
                              TransducerConfig, parallel_adapter_baseline, preset)
 from coda_jax.data.images.patches import ID_COLUMNS
 
@@ -52,8 +52,8 @@ TINY_SPEECH = dict(TINY, num_decoder_layers=0, encoder_input=AUDIO, num_mels=80,
 TINY_TRANSDUCER = TransducerConfig(vocab_size=31, embedding_dim=8, lstm_dim=16, joint_dim=16)
 TINY_STEM = StemConfig(channels=4)
 # 'tiny', the T5 v1.1 sizes, the paper's §6 text models, the image models,
-# the speech encoders (`config.preset`).
-MODEL_PRESETS = ('tiny',) + PRESETS
+# the speech encoders, Whisper's sizes (`config.preset`).
+MODEL_PRESETS = ('tiny',) + PRESETS + WHISPER_PRESETS
 # The presets whose encoder reads image patches ('tiny' does where asked).
 IMAGE_PRESETS = tuple(PIX2STRUCT_SIZES)
 # The presets whose encoder reads audio ('tiny' does where asked): a
@@ -116,8 +116,9 @@ class Variant:
   def k(self, input_length: int) -> int:
     """Tokens a routed layer selects of the encoder's tokens for
     `input_length` inputs (all of them for the baseline): a speech encoder's
-    tokens are its stem's ceil(frames / 4) frames (`audio_input.encoder_length`)."""
-    n = audio_input.encoder_length(self.model.config, input_length)
+    tokens are its stem's ceil(frames / 4) frames, Whisper's its ceil(frames / 2)
+    positions (`network.encoder_length`)."""
+    n = network.encoder_length(self.model.config, input_length)
     return self.coda.num_selected(n) if self.attention else n
 
 
@@ -301,11 +302,11 @@ def random_audio(batch: int, frames: int, mels: int, seed: int = 0) -> jax.Array
 def random_inputs(config: T5Config, batch: int, length: int, seed: int = 0) -> jax.Array:
   """The encoder's input: real tokens (`random_tokens`), for an image
   encoder (`T5Config.encoder_input` 'patches') a whole image's patches
-  (`random_patches`), for a speech encoder ('audio') `length` real frames
-  (`random_audio`)."""
+  (`random_patches`), for a speech encoder ('audio') or Whisper's `length`
+  real frames (`random_audio`)."""
   if config.encoder_input == PATCHES:
     return random_patches(batch, length, config.patch_dim, seed)
-  if config.encoder_input == AUDIO:
+  if config.encoder_input in (AUDIO, WHISPER):
     return random_audio(batch, length, config.num_mels, seed)
   return random_tokens(batch, length, config.vocab_size, seed)
 

@@ -214,6 +214,17 @@ def patches_of_row_ids(config, row_ids: jax.Array) -> jax.Array:
   return jnp.concatenate([row_ids[..., None].astype(jnp.float32), zeros], axis=-1)
 
 
+def rows_of_realness(config, realness: jax.Array) -> jax.Array:
+  """`[batch, frames]` realness (1.0 real, 0.0 padding) -> Whisper's
+  `[batch, frames, 1 + num_mels]` float32 rows with it in column 0 and zeros
+  elsewhere: all a decoder reads of a window's frames (which positions are
+  real), for a program that takes the realness alone (a decoding step,
+  whose compiler drops the zeros)."""
+  batch, frames = realness.shape
+  zeros = jnp.zeros((batch, frames, AUDIO_MASK_COLUMNS - 1 + config.num_mels), jnp.float32)
+  return jnp.concatenate([realness[..., None].astype(jnp.float32), zeros], axis=-1)
+
+
 def _init(model, rng, encoder_length: int = EXAMPLE_ENCODER_LENGTH,
           decoder_length: int = EXAMPLE_DECODER_LENGTH):
   """`model.init` on dummy tokens: the one place a model is initialised."""

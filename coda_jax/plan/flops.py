@@ -504,3 +504,60 @@ def speech_end_to_end_speedup_bound(config: T5Config, frames: int, stem: StemCon
   dense = speech_encoder_macs(config, frames, stem, variant=PARALLEL_ADAPTER,
                               adapter_dim=adapter_dim)
   return (dense['total'] + decoding) / (coda['total'] + decoding)
+
+
+# ----------------------------------------------------------------------------
+# Whisper (`config.presets.WHISPER_SIZES`): its stem, the layers above on its
+# ceil(frames / 2) positions (w = 1: an exact-GELU MLP, not gated), the
+# decoder as T5's. Its biases, LayerNorms and positions are element-wise
+# (O(n·d)) and, as the norms above, not counted.
+# ----------------------------------------------------------------------------
+
+
+def whisper_positions(frames: int) -> int:
+  """Whisper's encoder positions for `frames` input frames: ceil(frames / 2)."""
+  return _half(positive_int(frames, 'frames'))
+
+
+def whisper_stem_macs(frames: int, mels: int, emb_dim: int) -> Dict[str, int]:
+  """MACs of Whisper's stem (`model.speech.whisper_stem`) on one window of
+  `frames` frames of `mels` log-mels: conv_0 (width 3, M -> d) at every
+  frame, conv_1 (width 3, stride 2, d -> d) at each of ceil(frames / 2)
+  positions; padding frames included (the convolutions run over the whole
+  window)."""
+  frames, mels = positive_int(frames, 'frames'), positive_int(mels, 'mels')
+  return _with_total({'conv_0': frames * 3 * mels * emb_dim,
+                      'conv_1': whisper_positions(frames) * 3 * emb_dim * emb_dim})
+
+
+def whisper_decoding_macs(config: T5Config, frames: int, decode_steps: int, *,
+                          variant: str = DENSE, reduction_factor: float = 1.0,
+                          adapter_dim: int = DEFAULT_ADAPTER_DIM) -> Dict[str, int]:
+  """MACs of transcribing one window of `frames` frames with `decode_steps`
+  decoder steps (the forced prompt's tokens read one a step included): the
+  stem ('stem'), the encoder layers of `variant` on n = ceil(frames / 2)
+  positions ('encoder'), the cross-attention keys/values of n positions
+  ('cross_kv') and the decoder steps ('decoder', `end_to_end_macs`)."""
+  n = whisper_positions(frames)
+  e2e = end_to_end_macs(config, n, decode_steps, variant=variant,
+                        reduction_factor=reduction_factor, adapter_dim=adapter_dim)
+  stem = whisper_stem_macs(frames, config.num_mels, config.emb_dim)['total']
+  return _with_total({'stem': stem, 'encoder': e2e['encoder'], 'cross_kv': e2e['cross_kv'],
+                      'decoder': e2e['decoder']})
+
+
+def whisper_speedup_bounds(config: T5Config, frames: int, decode_steps: int,
+                           reduction_factor: float, attention: str = 'k_to_all',
+                           adapter_dim: int = DEFAULT_ADAPTER_DIM) -> Dict[str, float]:
+  """MACs(Parallel Adapter) / MACs(CoDA, every encoder layer routed) of
+  Whisper (`whisper_decoding_macs`): 'encoder' (the stem and the layers)
+  and 'end_to_end' (with the cross-attention keys/values and the decoder
+  steps, the same in both)."""
+  coda = whisper_decoding_macs(config, frames, decode_steps,
+                               variant=_coda_variant(attention),
+                               reduction_factor=reduction_factor, adapter_dim=adapter_dim)
+  dense = whisper_decoding_macs(config, frames, decode_steps, variant=PARALLEL_ADAPTER,
+                                adapter_dim=adapter_dim)
+  encoder = lambda m: m['stem'] + m['encoder']
+  return {'encoder': encoder(dense) / encoder(coda),
+          'end_to_end': dense['total'] / coda['total']}

@@ -14,6 +14,8 @@
   speech_programs   its speech task (librispeech): the transducer that never
                     takes the blank, greedy decoding and its loop's pieces
   speech_chip       the speech task on a TPU chip's model (``--chip``)
+  whisper_programs  Whisper's task: its padded and full windows, its prompt,
+                    what CoDA skips of each, its target lines
   latency_task      one task shape compiled, timed, a row per variant
   acm_block         its ACM rows (the dense T5, an ACM model per budget)
   cross_kv          its cross-attention K/V row (``--cross_kv``)

@@ -31,7 +31,10 @@ image model's encoder reads `[batch, n, 2 + 768]` patch rows; its prefill
 and step read their row ids `[batch, n]`, all a decoder needs of them. A
 speech task's programs are its encoder on audio rows, the transducer's start
 and one label step (`speech_chip`), with the paper's Table 1 quoted and the
-encoder's target line. With
+encoder's target line. A Whisper model's two shapes (`whisper_programs`)
+share one window: its encoders and prefill are compiled once, a decoding
+step per shape, with the target lines on the routed encoder and the step's
+byte floor. With
 --acm_budgets, the ACM block (the dense T5 and an ACM model per budget, each
 with its own three programs) is priced the same way (`chip_acm`).
 
@@ -60,6 +63,7 @@ from coda_jax.measure.bench import acm_block
 from coda_jax.measure.bench import chip_acm
 from coda_jax.measure.bench import speech_chip
 from coda_jax.measure.bench import speech_programs
+from coda_jax.measure.bench import whisper_programs
 from coda_jax.measure import models
 from coda_jax.measure import report
 from coda_jax.measure.bench.decoding_programs import paper_record, paper_speedup
@@ -193,6 +197,55 @@ def measure_task(config: T5Config, coda_template: CodaConfig, chip: str, batch_s
           'programs': [p.as_dict() for p in programs]}
 
 
+def measure_whisper_tasks(config: T5Config, coda_template: CodaConfig, chip: str,
+                          batch_size: int, reduction_factors: Sequence[float],
+                          attentions: Sequence[str], dtype: Any, log,
+                          decode_steps: Optional[int] = None) -> List[Dict[str, Any]]:
+  """Whisper's two shapes (`whisper_programs`) on one chip: one window, so
+  every variant's encoder and the shared prefill are compiled once; a
+  decoding step per shape (its cache of that shape's decoder steps); each
+  shape a task of `measure_task`'s rows, its FLOP bounds Whisper's."""
+  pod = chips.parse_pod(variant_costs.ONE_CHIP[chip])
+  variants = models.make_variants(config, coda_template, reduction_factors, attentions)
+  tasks = whisper_programs.resolve_tasks(config)
+  frames = tasks[0][1]
+  encoders = []
+  for variant in variants:
+    start = time.perf_counter()
+    encoders.append(variant_costs.encoder_row(variant, pod, batch_size, frames, dtype))
+    log(f'{chip} {frames} frames {variant.name} encoder: compiled in '
+        f'{time.perf_counter() - start:.1f} s')
+  out = []
+  prefill = None
+  for name, _, steps in tasks:
+    steps = decode_steps or steps
+    start = time.perf_counter()
+    if prefill is None:
+      prefill = variant_costs.prefill_row(variants[0], pod, batch_size, frames, steps, dtype)
+      log(f'{chip} {frames} frames prefill: compiled in {time.perf_counter() - start:.1f} s')
+      start = time.perf_counter()
+    step = variant_costs.decode_step_row(variants[0], pod, batch_size, frames, steps, dtype)
+    log(f'{chip} {name} decode step ({steps} positions): compiled in '
+        f'{time.perf_counter() - start:.1f} s')
+    bounds = whisper_programs.flop_bounds(config, coda_template.adapter_dim, frames, steps)
+    task = {'task': name, 'input_length': frames, 'decode_steps': steps,
+            'batch_size': batch_size, 'num_beams': 1,
+            'variants': variant_rows(encoders, prefill, step, config, steps,
+                                     coda_template.adapter_dim, pod.chip.hbm_bandwidth,
+                                     flop_bounds=bounds),
+            'step_floor': step.floor_bytes,
+            'step_over_floor': step.hbm_traffic / step.floor_bytes['total'],
+            'step_compiler_bytes_over_floor': step.bytes_accessed / step.floor_bytes['total'],
+            'step_flops_over_analytic': step.flops / step.model_flops,
+            'step_plan': step.plan,
+            'programs': [p.as_dict() for p in (*encoders, prefill, step)] if not out
+                        else [step.as_dict()],
+            'paper': None}
+    whisper_programs.annotate(task, config)
+    out.append(task)
+  return out
+
+
 def checks(result: Dict[str, Any]) -> List[Dict[str, Any]]:
   """Table 12's line: the soft top-k under 2% of every routed variant's
   end-to-end roofline."""
@@ -200,6 +253,8 @@ def checks(result: Dict[str, Any]) -> List[Dict[str, Any]]:
   for task in result['tasks']:
     if task.get('speech'):
       out += speech_chip.checks(task)
+    if task.get('whisper'):
+      out += whisper_programs.chip_checks(task)
     for row in task['variants']:
       if row['attention'] is not None:
         out.append({'check': f'{task["task"]} {row["name"]}: soft top-k share <= '
@@ -228,6 +283,7 @@ def format_table(result: Dict[str, Any]) -> str:
   for task in result['tasks']:
     lines += report.table_lines(
         speech_chip.title(task) if task.get('speech') else
+        whisper_programs.title(task) if task.get('whisper') else
         f'{task["task"]}: input {task["input_length"]}, {task["decode_steps"]} decoding '
         f'steps, batch {task["batch_size"]} (speed-ups over {models.BASELINE}; roofline ms; '
         'GB: HBM traffic; enc eff: encoder speed-up / its compiled-flops speed-up)',
@@ -244,6 +300,8 @@ def format_table(result: Dict[str, Any]) -> str:
           + f' {gb["encoder"]:7.2f} {gb["prefill"]:6.2f} {gb["step"]:7.3f}'
           + report.paper_cell(task, row))
     lines += report.paper_note(task) + report.shape_notes(task)
+    if task.get('whisper'):
+      lines += whisper_programs.padding_lines(task)
     if task.get('speech'):
       lines.append(speech_chip.step_line(task))
       continue
@@ -289,6 +347,11 @@ def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaCo
     result['meta']['acm'] = {'usage_profile': profile.as_dict(), 'budgets': budgets,
                              'num_learners': template.num_learners,
                              'capacity_factor': template.capacity_factor}
+  if whisper_programs.is_whisper(config):
+    result['tasks'] = measure_whisper_tasks(config, coda_template, args.chip, batch,
+                                            args.reduction_factors, args.attention, dtype,
+                                            log, args.decode_steps)
+    tasks = []
   for name, n, decoded in tasks:
     steps = args.decode_steps or decoded
     if speech_programs.is_speech(config):

@@ -87,6 +87,16 @@ weights (`speech_programs`). On a CPU, without --input_length or
 (the table and the JSON's task ``notes`` say so). No ACM rows, no
 cross-attention K/V row, no beam search for it.
 
+A Whisper model (``--model whisper_tiny`` ... ``whisper_large_v3_turbo``)
+takes ``--tasks librispeech`` at two shapes of its 30-s window, each a task
+of the JSON (`whisper_programs`): Whisper's own padded shape (a
+LibriSpeech-like 12.7 s of audio, the rest padding, which CoDA's routers
+skip first: each row says how much of what it skips is padding) and the
+window full of audio; the decoder reads Whisper's 4-token prompt, then a
+transcript of the audio's length. Its variants: the Parallel Adapter and
+CoDA k-to-all at r = 2, 4 and 8; on a CPU one window a batch. No ACM rows,
+cross-attention K/V row or beam search for it.
+
 With ``--cross_kv``, one more measured row compares computing the
 cross-attention keys/values once per sequence (``Transformer(cache_cross_kv=
 True)``, our default) with recomputing them at every step
@@ -148,12 +158,13 @@ from coda_jax.measure.bench.cross_kv import benchmark_cross_kv
 from coda_jax.measure.bench.decoding_programs import (DECODER, IMAGE_TASKS, NEVER_EOS,
     SPEECH_TASKS, TASK_SHAPES, TIMED, make_decode_fn, make_soft_topk_fn)
 from coda_jax.measure.bench import speech_programs
+from coda_jax.measure.bench import whisper_programs
 from coda_jax.measure.bench.latency_task import (benchmark_task, coda_row)  # pylint: disable=unused-import
 from coda_jax.measure.bench.targets import (BOOLQ_K_TO_ALL_R3_MIN_SPEEDUP,
     ENCODER_FRACTION_OF_BOUND, R1_MIN_SPEEDUP, SOFT_TOPK_MAX_SHARE, checks)
-from coda_jax.config import (ATTENTION_VARIANTS, DISPATCHES, PRESETS, AcmConfig, CodaConfig,
+from coda_jax.config import (ATTENTION_VARIANTS, DISPATCHES, PRESETS, WHISPER_PRESETS,
+                             AcmConfig, CodaConfig,
                              SoftTopKConfig, T5Config, coda_k, paper_coda)
-from coda_jax.model.speech import audio_input
 
 # The paper's batch: 128 sequences per TPUv4 chip (Table 12). On a CPU the
 # default is small enough that the default run takes a few minutes.
@@ -229,14 +240,18 @@ def _check_chip_args(args: argparse.Namespace) -> None:
 
 def _variant_defaults(args: argparse.Namespace) -> None:
   """--reduction_factors and --attention where not given: a speech model's
-  the paper's (r = 2 and 4, k-to-all: `speech_programs`), else r = 1, 3, 5
-  and both attention variants."""
+  the paper's (r = 2 and 4, k-to-all: `speech_programs`), Whisper's r = 2,
+  4 and 8, k-to-all (`whisper_programs`), else r = 1, 3, 5 and both
+  attention variants."""
   speech = speech_programs.speech_model(args)
+  whisper = whisper_programs.whisper_model(args)
   if args.reduction_factors is None:
-    args.reduction_factors = list(speech_programs.REDUCTION_FACTORS if speech
-                                  else DEFAULT_REDUCTION_FACTORS)
+    args.reduction_factors = list(
+        whisper_programs.REDUCTION_FACTORS if whisper else
+        speech_programs.REDUCTION_FACTORS if speech else DEFAULT_REDUCTION_FACTORS)
   if args.attention is None:
-    args.attention = list(speech_programs.ATTENTION if speech else ATTENTION_VARIANTS)
+    args.attention = list(speech_programs.ATTENTION if speech or whisper
+                          else ATTENTION_VARIANTS)
 
 
 def image_model(args: argparse.Namespace) -> bool:
@@ -256,6 +271,8 @@ def _check_model_and_tasks(args: argparse.Namespace) -> None:
   text shape). Sets the ACM rows off by default for an image model."""
   model = f'--checkpoint {args.checkpoint}' if args.checkpoint else f'--model {args.model}'
   tasks = [] if args.input_length is not None else list(args.tasks)
+  if whisper_programs.check_args(args, model, tasks):
+    return
   if speech_programs.check_args(args, model, tasks):
     return
   image, text = ([t for t in tasks if t in IMAGE_TASKS],
@@ -284,7 +301,8 @@ def make_coda_template(args: argparse.Namespace) -> CodaConfig:
   """The CoDA settings every variant shares; --adapter_dim by default the
   paper's width for --model (`config.paper_coda`, Table 7: 256 for vision,
   else 64; 'tiny' CodaConfig's 64)."""
-  paper = paper_coda(args.model) if args.model in PRESETS else CodaConfig()
+  paper = (paper_coda(args.model) if args.model in PRESETS + WHISPER_PRESETS
+           else CodaConfig())
   adapter_dim = args.adapter_dim or paper.adapter_dim
   # The paper's ε and β for its speech models (App. C), the method the flag's.
   soft_topk = dataclasses.replace(paper.soft_topk, method=args.soft_topk_method)
@@ -296,6 +314,8 @@ def _resolve_tasks(args, on_cpu: bool = False) -> List[Tuple[str, int, int]]:
   CPU without --batch_size has `speech_programs.CPU_FRAMES` frames."""
   if args.input_length is not None:
     return [('custom', args.input_length, args.output_length)]
+  if whisper_programs.whisper_model(args):    # its two shapes, one window
+    return whisper_programs.resolve_tasks(models.make_config(args.model, jnp.float32))
   out = [(name,) + TASK_SHAPES[name] for name in args.tasks]
   if on_cpu and speech_programs.speech_model(args) and args.batch_size is None:
     out = [(name, speech_programs.CPU_FRAMES, n_out) for name, _, n_out in out]
@@ -309,7 +329,7 @@ def _progress_total(tasks, rs, attentions, args, acm_budgets: Sequence[float],
   n_acm = (1 + len(acm_budgets)) if acm_budgets else 0
   total = 0
   for _, n_in, _ in tasks:
-    n_in = audio_input.encoder_length(config, n_in)
+    n_in = network.encoder_length(config, n_in)
     n_ks = len({coda_k(n_in, r) for r in rs}) if attentions else 0
     total += (n_var + 1 + n_ks + 2 * n_acm) + args.repeats * (
         2 * n_var + 1 + n_ks + 3 * n_acm)
@@ -363,7 +383,7 @@ def _self_tested(config: T5Config, coda: CodaConfig, tasks, reduction_factors,
   tasks' shapes switched to XLA."""
   model = network.Transformer(config, coda=coda)
   for _, n, _ in tasks:
-    n = audio_input.encoder_length(config, n)   # a speech encoder's frames
+    n = network.encoder_length(config, n)   # a speech encoder's or Whisper's frames
     for attention in attentions:
       ks = [dataclasses.replace(coda, reduction_factor=r).num_selected(n)
             for r in reduction_factors]
@@ -381,7 +401,8 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
   on_cpu = jax.default_backend() == 'cpu'
   dtype = args.dtype or timing.default_dtype()
   speech = models.speech_parts(args.model) if speech_programs.speech_model(args) else None
-  cpu_batch = speech_programs.CPU_BATCH if speech else CPU_BATCH
+  cpu_batch = (speech_programs.CPU_BATCH if speech else whisper_programs.CPU_BATCH
+               if whisper_programs.whisper_model(args) else CPU_BATCH)
   batch = args.batch_size or (cpu_batch if on_cpu else ACCELERATOR_BATCH)
   cross_batch = args.cross_kv_batch_size or (CPU_CROSS_KV_BATCH if on_cpu else batch)
   _variant_defaults(args)
@@ -414,13 +435,15 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
       result['meta']['speech'] = {'transducer': config_lib.to_dict(speech.transducer),
                                   'stem': config_lib.to_dict(speech.stem),
                                   'cpu_default_shape': note}
+    # Whisper's two shapes are one window: its encoders compiled once.
+    encoder_cache = {} if whisper_programs.whisper_model(args) else None
     for name, n_in, n_out in tasks:
       result['tasks'].append(benchmark_task(
           config, params, task=name, input_length=n_in, output_length=n_out,
           batch_size=batch, reduction_factors=rs, attentions=attentions,
           coda_template=coda_template, method=args.decoding, num_beams=args.num_beams,
           alpha=args.alpha, repeats=args.repeats, seed=args.seed, progress=progress,
-          acm=acm, speech=speech))
+          acm=acm, speech=speech, encoder_cache=encoder_cache))
       if note:
         result['tasks'][-1]['notes'].insert(0, note)
     if args.cross_kv:
@@ -449,7 +472,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  choices=models.MODEL_PRESETS,
                  help='a T5 v1.1 size, one of the paper\'s §6 text models (text_base, '
                  'text_large, text_xl) or an image model (pix2struct_base, pix2struct_large: '
-                 "Pix2Struct's checkpoints; vision: the paper's Table 7), random weights "
+                 "Pix2Struct's checkpoints; vision: the paper's Table 7), a speech model "
+                 "(speech_base, ...) or a Whisper size (whisper_tiny ... whisper_large_v3_turbo: "
+                 'librispeech at its padded and its full 30-s window), random weights '
                  '(tiny: a test-sized model, an image model for an image task)')
   g.add_argument('--checkpoint', default=None,
                  help='T5 v1.1 checkpoint (anything coda_jax.checkpoints.load_t5_v1_1 '

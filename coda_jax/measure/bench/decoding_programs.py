@@ -92,11 +92,13 @@ def paper_record(task: str) -> Any:
 
 
 def make_decode_fn(model: network.Transformer, output_length: int, method: str,
-                   num_beams: int, alpha: float):
+                   num_beams: int, alpha: float, prompt: Sequence[int] = ()):
+  """`decoding.predict_batch` of `output_length` decoder steps (a decoder
+  `prompt`'s tokens, read one a step, among them), EOS never emitted."""
   def decode(params, tokens, encoded):
     return decoding.predict_batch(model, params, tokens, max_decode_length=output_length,
                                   method=method, num_beams=num_beams, alpha=alpha,
-                                  eos_id=NEVER_EOS, encoded=encoded)
+                                  eos_id=NEVER_EOS, encoded=encoded, prompt=tuple(prompt))
   return jax.jit(decode)
 
 

@@ -12,7 +12,9 @@ number measures. A speech model's task (`speech`: its transducer and stem)
 has the same rows: its encoder on audio frames, its shared decoder greedy
 transducer decoding (`speech_programs`), its FLOP bounds the speech
 encoder's and transducer's (`flops.speech_encoder_speedup_bound`,
-`flops.speech_end_to_end_speedup_bound`).
+`flops.speech_end_to_end_speedup_bound`). A Whisper task's (`whisper_programs`:
+its padded or full window) reads its window's rows, decodes after Whisper's
+forced prompt, and its rows say how much of what CoDA skips is padding.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from coda_jax.measure.bench.acm_block import DENSE, AcmBlock, acm_row
 from coda_jax.measure.bench.decoding_programs import (DECODER, TIMED, make_decode_fn,
     make_soft_topk_fn, normal, paper_record, paper_speedup)
 from coda_jax.measure.bench import speech_programs
+from coda_jax.measure.bench import whisper_programs
 from coda_jax.config import CodaConfig, T5Config
 
 
@@ -55,7 +58,8 @@ def compile_task(config: T5Config, params: Mapping[str, Any], *, input_length: i
                  output_length: int, batch_size: int, reduction_factors: Sequence[float],
                  attentions: Sequence[str], coda_template: CodaConfig, method: str,
                  num_beams: int, alpha: float, seed: int, progress,
-                 acm: Optional[AcmBlock], speech: Optional[models.SpeechParts] = None
+                 acm: Optional[AcmBlock], speech: Optional[models.SpeechParts] = None,
+                 task: str = '', encoder_cache: Optional[Dict[str, Any]] = None
                  ) -> Compiled:
   """Compiles every program of one task shape (`benchmark_task`), ahead of time."""
   variants = models.make_variants(config, coda_template, reduction_factors, attentions,
@@ -63,17 +67,22 @@ def compile_task(config: T5Config, params: Mapping[str, Any], *, input_length: i
   base = variants[0]
   var_params = models.variant_params(variants, params)
   tokens = models.random_inputs(config, batch_size, input_length, seed)  # or patches, audio
+  whisper = whisper_programs.shape_of(config, task) if whisper_programs.is_whisper(config) else None
+  if whisper is not None:   # its realness: the padded shape's first frames
+    tokens = whisper_programs.window_inputs(config, batch_size, input_length,
+                                            whisper.real_frames, seed)
   scores = normal((batch_size, base.k(input_length)), jnp.float32, seed)
 
   def step(label):
     if progress is not None:
       progress.update(1, at=f'compile {label}')
 
-  encoders = models.compile_encoders(variants, var_params, tokens, progress)
+  encoders = _encoders(variants, var_params, tokens, progress, encoder_cache)
   encoded = jax.block_until_ready(encoders[base.name].call())
   decode_fn = (speech_programs.make_transcribe_fn(base.model, output_length)
                if speech_programs.is_speech(config)
-               else make_decode_fn(base.model, output_length, method, num_beams, alpha))
+               else make_decode_fn(base.model, output_length, method, num_beams, alpha,
+                                   whisper_programs.prompt(config) if whisper else ()))
   decoder = timing.compile_call(decode_fn, var_params[base.name], tokens, encoded)
   step('decoder (shared)')
   soft_topk = {}
@@ -94,6 +103,27 @@ def compile_task(config: T5Config, params: Mapping[str, Any], *, input_length: i
     step(f'{name} decoder')
   return Compiled(variants, var_params, tokens, encoders, decoder, soft_topk, acm_entries,
                   acm_compiled)
+
+
+def _encoders(variants, var_params, tokens, progress, cache: Optional[Dict[str, Any]]
+              ) -> Dict[str, timing.Timed]:
+  """`models.compile_encoders`; with `cache` (a dict the caller keeps), the
+  programs compiled for inputs of this shape and dtype before, bound to
+  `tokens` (Whisper's two shapes are one window: the same programs)."""
+  key = (tokens.shape, str(tokens.dtype))
+  if cache is None or key not in cache:
+    encoders = models.compile_encoders(variants, var_params, tokens, progress)
+    if cache is not None:
+      cache[key] = encoders
+    return encoders
+  out = {}
+  for v in variants:
+    old = cache[key][v.name]
+    out[v.name] = dataclasses.replace(
+        old, call=lambda c=old.compiled, p=var_params[v.name]: c(p, tokens))
+    if progress is not None:
+      progress.update(1, at=f'{v.name} encoder (compiled before)')
+  return out
 
 
 def timed_functions(c: Compiled) -> Dict[str, Callable[[], Any]]:
@@ -123,6 +153,8 @@ def flop_bounds(v: models.Variant, input_length: int, output_length: int, beams:
   encoder) transcribing with `output_length` label steps an encoder frame."""
   config, r, attention, adapter = (v.model.config, v.reduction_factor, v.attention,
                                    v.coda.adapter_dim)
+  if whisper_programs.is_whisper(config):
+    return whisper_programs.flop_bounds(config, adapter, input_length, output_length)(v)
   if speech_programs.is_speech(config):
     stem = v.model.stem_config
     return {'encoder': flops.speech_encoder_speedup_bound(config, input_length, stem, r,
@@ -178,7 +210,8 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
                    coda_template: CodaConfig, method: str, num_beams: int, alpha: float,
                    repeats: int, seed: int = 0, progress=None,
                    acm: Optional[AcmBlock] = None,
-                   speech: Optional[models.SpeechParts] = None) -> Dict[str, Any]:
+                   speech: Optional[models.SpeechParts] = None,
+                   encoder_cache: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
   """Times the baseline and every CoDA variant on one task shape (interleaved);
   with `acm`, the dense model and the ACM model at each of its budgets too, in
   the same round robin. A speech model's (`speech`: its transducer and stem)
@@ -189,7 +222,7 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
                      batch_size=batch_size, reduction_factors=reduction_factors,
                      attentions=attentions, coda_template=coda_template, method=method,
                      num_beams=num_beams, alpha=alpha, seed=seed, progress=progress, acm=acm,
-                     speech=speech)
+                     speech=speech, task=task, encoder_cache=encoder_cache)
   with timing.CompileCounter() as timed_loop:
     # A soft top-k call is sub-millisecond: timed as back-to-back calls
     # (`timing.time_round_robin`'s calls), not alone between two encoders.
@@ -221,5 +254,7 @@ def benchmark_task(config: T5Config, params: Mapping[str, Any], *, task: str,
   if speech_programs.is_speech(config):
     out['speech'] = speech_programs.task_record(config, input_length, output_length)
     out['notes'] = [out['speech']['decoding']]
+  if whisper_programs.is_whisper(config) and whisper_programs.shape_of(config, task):
+    whisper_programs.annotate(out, config)
   return out
 

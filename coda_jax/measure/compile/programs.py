@@ -49,7 +49,7 @@ from coda_jax.measure.compile import analysis
 from coda_jax.plan import chips as chips_lib
 from coda_jax.plan.chips import Pod
 from coda_jax.config import (AUDIO, AUDIO_MASK_COLUMNS, DEFAULT_ADAPTER_DIM, PARALLEL,
-                             PATCHES)
+                             PATCHES, WHISPER)
 from coda_jax.data.images.patches import ID_COLUMNS
 from coda_jax.model import network
 from coda_jax.model.speech import audio_input
@@ -117,12 +117,17 @@ class RunPrograms:
 def encoder_macs(model, n: int, k: int) -> int:
   """Analytic MACs of the model's encoder on n tokens, routed layers at k; a
   speech model's on n audio frames: its stem's (`flops.stem_macs`) and its
-  layers' on the stem's ceil(n / 4) frames."""
+  layers' on the stem's ceil(n / 4) frames; Whisper's on n frames: its
+  stem's (`flops.whisper_stem_macs`) and its layers' on ceil(n / 2)
+  positions."""
   cfg, coda = model.config, model.coda
   total = 0
   if _speech(model):
     total = flops_lib.stem_macs(n, cfg.num_mels, model.stem_config, cfg.emb_dim)['total']
     n = audio_input.encoder_length(cfg, n)
+  elif cfg.encoder_input == WHISPER:
+    total = flops_lib.whisper_stem_macs(n, cfg.num_mels, cfg.emb_dim)['total']
+    n = flops_lib.whisper_positions(n)
   if coda is None:
     return total + flops_lib.encoder_macs(cfg, n, variant=flops_lib.DENSE)
   adapter = coda.adapter_dim if coda.adapter == PARALLEL else DEFAULT_ADAPTER_DIM
@@ -170,10 +175,11 @@ def decode_flops(model, n: int, steps: int, batch: int, beams: int = 1
   if getattr(model, 'acm', None) is not None or _speech(model):
     return None
   adapter = model.coda.adapter_dim if model.coda is not None else DEFAULT_ADAPTER_DIM
-  macs = flops_lib.end_to_end_macs(model.config, n, steps, variant=_variant(model),
+  positions = network.encoder_length(model.config, n)   # Whisper's: of its n frames
+  macs = flops_lib.end_to_end_macs(model.config, positions, steps, variant=_variant(model),
                                    adapter_dim=adapter)
-  return {'encoder': 2.0 * encoder_macs(model, n, model.coda.num_selected(n)
-                                         if model.coda is not None else n),
+  return {'encoder': 2.0 * encoder_macs(model, n, model.coda.num_selected(positions)
+                                         if model.coda is not None else positions),
           'prefill': 2.0 * macs['cross_kv'] * batch,
           'step': 2.0 * macs['decoder'] / steps * batch * beams}
 
@@ -183,7 +189,9 @@ def decode_step_flops(model, rows: int, n: int, cache_length: int) -> float:
   decoder for one token of `rows` rows over the `n` encoder positions and a
   self-attention cache of `cache_length` positions (the whole cache, as the
   compiled step attends over it, masked), the cross-attention keys/values
-  read from the cache (the prefill's work, not the step's)."""
+  read from the cache (the prefill's work, not the step's). `n`: the
+  encoder's inputs (Whisper's frames: ceil(n / 2) positions)."""
+  n = network.encoder_length(model.config, n)
   adapter = model.coda.adapter_dim if model.coda is not None else DEFAULT_ADAPTER_DIM
   macs = flops_lib.decoder_step_macs(model.config, n, cache_length, adapter_dim=adapter,
                                      decoder_adapters=_variant(model) != flops_lib.DENSE)
@@ -191,8 +199,10 @@ def decode_step_flops(model, rows: int, n: int, cache_length: int) -> float:
 
 
 # A decoding step's parameters it does not read: the cross-attention key /
-# value projections, which the prefill applies once per sequence.
-_PREFILL_ONLY = ('encoder_decoder_attention/key/', 'encoder_decoder_attention/value/')
+# value projections, which the prefill applies once per sequence; a learned
+# position table (Whisper's decoder), of which it reads one row ('positions').
+_PREFILL_ONLY = ('encoder_decoder_attention/key/', 'encoder_decoder_attention/value/',
+                 'decoder/position_embedder/')
 
 
 def decode_step_floor(model, rows: int, n: int, cache_length: int, param_dtype: Any = None,
@@ -209,14 +219,21 @@ def decode_step_floor(model, rows: int, n: int, cache_length: int, param_dtype: 
   `num_beams`; the beams of an example share its cross-attention keys /
   values) keeps its logits (the top-k reads them where they are made: no
   'logits'), and its self-attention cache is addressed by beam slot
-  (`beam_attention`): nothing reordered."""
+  (`beam_attention`): nothing reordered. An output tied to the token
+  embedding (`T5Config.logits_via_embedding`, Whisper's) reads the table as
+  its LM head ('weights'); learned decoder positions (Whisper's) one row of
+  their table ('positions'). `n`: the encoder's inputs (Whisper's frames:
+  ceil(n / 2) positions)."""
   num_beams = validation.positive_int(num_beams, 'num_beams')
   config = model.config
+  n = network.encoder_length(config, n)
   act = jnp.dtype(config.dtype).itemsize
   shapes = params_lib.flatten(params_lib.abstract_params(model))
-  weights = sum(math.prod(s.shape) * jnp.dtype(param_dtype or s.dtype).itemsize
-                for name, s in shapes.items()
+  size = lambda s: math.prod(s.shape) * jnp.dtype(param_dtype or s.dtype).itemsize
+  weights = sum(size(s) for name, s in shapes.items()
                 if name.startswith('decoder/') and not any(p in name for p in _PREFILL_ONLY))
+  if config.logits_via_embedding:
+    weights += size(shapes['token_embedder/embedding'])
   kv_row = 2 * config.num_decoder_layers * config.kv_heads * config.head_dim * act
   floor = {'weights': float(weights),
            'embeddings': float(rows * config.emb_dim * jnp.dtype(
@@ -224,6 +241,9 @@ def decode_step_floor(model, rows: int, n: int, cache_length: int, param_dtype: 
            'cross_kv': float(rows // num_beams * n * kv_row),
            'self_cache': float(rows * (cache_length + 1) * kv_row),
            'logits': float(rows * config.vocab_size * act)}
+  table = shapes.get('decoder/position_embedder/pos_embedding')
+  if table is not None:
+    floor['positions'] = float(size(table) // table.shape[0])
   if num_beams > 1:
     del floor['logits']
   floor['total'] = sum(floor.values())

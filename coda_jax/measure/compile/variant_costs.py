@@ -45,6 +45,7 @@ from coda_jax.inference import infer as infer_lib
 from coda_jax import plan as plan_lib
 from coda_jax.measure import models
 from coda_jax.measure.compile import analysis, programs, topology
+from coda_jax.model import network
 from coda_jax.plan import chips
 from coda_jax.measure import hlo_costs
 from coda_jax.config import CodaConfig
@@ -182,7 +183,8 @@ def prefill_row(variant: models.Variant, pod: chips.Pod, batch_size: int, length
   beams share them)."""
   p = predictor(variant, pod, decode_steps, num_beams)
   lowered = p.lower_prefill(batch_size, length, param_dtype=dtype)
-  macs = flops_lib.cross_kv_macs(variant.model.config, length)
+  macs = flops_lib.cross_kv_macs(variant.model.config,
+                                 network.encoder_length(variant.model.config, length))
   return compiled_row(PREFILL, lowered, p.mesh, pod, variant, length,
                        2.0 * batch_size * macs)
 
