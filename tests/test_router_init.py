@@ -1,6 +1,7 @@
 """The routers' initialisation: w = 0 by default, what the run files get, and
 routing from it (every token scores the same) still picks k tokens."""
 import glob
+import json
 import os
 
 import flax
@@ -13,7 +14,7 @@ from coda_jax.model import params as params_lib
 from coda_jax.config import CodaConfig, SoftTopKConfig
 from coda_jax.model.network import Transformer
 
-from tiny_models import tiny_config
+from tiny_models import WHISPER_TINY, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(REPO, 'gin_configs', 'runs', 'finetune_*.gin')))
@@ -39,6 +40,11 @@ def test_each_finetune_recipe_starts_its_routers_from_zero(recipe, tmp_path):
   from coda_jax.training import gin_utils  # pylint: disable=g-import-not-at-top
   try:
     speech = ([('SENTENCEPIECE_MODEL', "'unused.model'")] if 'librispeech' in recipe else [])
+    if 'whisper' in recipe:
+      # The model is the checkpoint's (its config.json): a tiny Whisper's.
+      with open(tmp_path / 'config.json', 'w') as f:
+        json.dump({'model_type': 'whisper', **WHISPER_TINY}, f)
+      speech = [('WHISPER_CHECKPOINT', repr(str(tmp_path)))]
     gin_utils.parse_gin([recipe], [('MODEL_DIR', repr(str(tmp_path))),
                                    ('INITIAL_CHECKPOINT_PATH', 'None'), *speech], TINY_MODEL)
     model = gin.query_parameter('%MODEL').scoped_configurable_fn()
