@@ -373,6 +373,47 @@ def _hf_shards(directory: str, index_name: str) -> List[str]:
   return [os.path.join(directory, f) for f in files]
 
 
+def hf_layout(directory: str) -> str:
+  """HF_SAFETENSORS or HF_PYTORCH: which weights a Hugging Face directory holds."""
+  for layout, weights in ((HF_SAFETENSORS, 'model.safetensors'),
+                          (HF_PYTORCH, 'pytorch_model.bin')):
+    if any(os.path.exists(os.path.join(directory, f)) for f in (weights, f'{weights}.index.json')):
+      return layout
+  raise CheckpointError(f'{directory} holds no model.safetensors, pytorch_model.bin or '
+                        f'their .index.json')
+
+
+def read_hf_config(directory: str) -> Dict[str, Any]:
+  """A Hugging Face directory's ``config.json``, a clear error when unreadable."""
+  cfg_file = os.path.join(directory, 'config.json')
+  try:
+    with open(cfg_file) as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f'cannot read {cfg_file}: {e}') from e
+
+
+def hf_model_type(directory: str) -> Optional[str]:
+  """``config.json``'s model_type, or None where the directory has no readable one."""
+  try:
+    with open(os.path.join(directory, 'config.json')) as f:
+      return json.load(f).get('model_type')
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def weight_leaves(directory: str, layout: str) -> Dict[str, Leaf]:
+  """{HF name: leaf} of a directory's ``model.safetensors`` (HF_SAFETENSORS) or
+  ``pytorch_model.bin`` (HF_PYTORCH), one file or the shards its
+  ``.index.json`` names (only the headers read)."""
+  weights, file_leaves = {HF_SAFETENSORS: ('model.safetensors', _safetensors_leaves),
+                          HF_PYTORCH: ('pytorch_model.bin', _torch_leaves)}[layout]
+  single = os.path.join(directory, weights)
+  files = ([single] if os.path.exists(single) else
+           _hf_shards(directory, f'{weights}.index.json'))
+  return file_leaves(files)
+
+
 def open_hf(directory: str, fmt: str) -> Source:
   """The Hugging Face directory as {t5x path: leaf}; `fmt` is HF_SAFETENSORS or HF_PYTORCH."""
   cfg_file = os.path.join(directory, 'config.json')
@@ -383,12 +424,7 @@ def open_hf(directory: str, fmt: str) -> Source:
         hf_config = json.load(f)
     except ValueError as e:
       raise CheckpointError(f'{cfg_file} is not valid JSON: {e}') from e
-  weights, file_leaves = {HF_SAFETENSORS: ('model.safetensors', _safetensors_leaves),
-                          HF_PYTORCH: ('pytorch_model.bin', _torch_leaves)}[fmt]
-  single = os.path.join(directory, weights)
-  files = ([single] if os.path.exists(single) else
-           _hf_shards(directory, f'{weights}.index.json'))
-  hf_leaves = file_leaves(files)
+  hf_leaves = weight_leaves(directory, fmt)
   leaves = {}
   for path, (name, transpose) in _map_hf_names(hf_leaves).items():
     leaf = hf_leaves[name]

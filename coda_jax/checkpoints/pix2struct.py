@@ -37,7 +37,6 @@ form and loads.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
@@ -227,16 +226,6 @@ def config_from_t5x_shapes(shapes: Mapping[str, Tuple[int, ...]]) -> T5Config:
                                  'encoder/token_embedder/embedders_0/pos_embedding'][0])
 
 
-def _hf_layout(directory: str) -> str:
-  """HF_SAFETENSORS or HF_PYTORCH: which weights a Hugging Face directory holds."""
-  for layout, weights in ((HF_SAFETENSORS, 'model.safetensors'),
-                          (HF_PYTORCH, 'pytorch_model.bin')):
-    if any(os.path.exists(os.path.join(directory, f)) for f in (weights, f'{weights}.index.json')):
-      return layout
-  raise CheckpointError(f'{directory} holds no model.safetensors, pytorch_model.bin or '
-                        f'their .index.json')
-
-
 def open_hf(directory: str, layout: Optional[str] = None) -> Source:
   """A Hugging Face Pix2Struct directory as a `Source` of {HF name: leaf}
   (nothing read but config.json and the weight files' headers).
@@ -245,20 +234,10 @@ def open_hf(directory: str, layout: Optional[str] = None) -> Source:
     directory: holds config.json and the weights.
     layout: HF_SAFETENSORS or HF_PYTORCH (None: whichever the directory holds).
   """
-  layout = layout or _hf_layout(directory)
-  cfg_file = os.path.join(directory, 'config.json')
-  try:
-    with open(cfg_file) as f:
-      hf_config = json.load(f)
-  except (OSError, ValueError) as e:
-    raise CheckpointError(f'cannot read {cfg_file}: {e}') from e
-  weights, file_leaves = {
-      HF_SAFETENSORS: ('model.safetensors', hf_lib._safetensors_leaves),  # pylint: disable=protected-access
-      HF_PYTORCH: ('pytorch_model.bin', hf_lib._torch_leaves)}[layout]  # pylint: disable=protected-access
-  single = os.path.join(directory, weights)
-  files = ([single] if os.path.exists(single) else
-           hf_lib._hf_shards(directory, f'{weights}.index.json'))  # pylint: disable=protected-access
-  return Source(FORMATS[layout], directory, file_leaves(files), hf_config=hf_config,
+  layout = layout or hf_lib.hf_layout(directory)
+  hf_config = hf_lib.read_hf_config(directory)
+  return Source(FORMATS[layout], directory, hf_lib.weight_leaves(directory, layout),
+                hf_config=hf_config,
                 details={'model': MODEL})
 
 
@@ -290,11 +269,7 @@ def detect(layout: str, path: str) -> Optional[str]:
   holding the patch projection. A checkpoint that cannot be opened is None
   (reading it as T5 then names the problem)."""
   if layout in (HF_SAFETENSORS, HF_PYTORCH):
-    try:
-      with open(os.path.join(path, 'config.json')) as f:
-        found = json.load(f).get('model_type') == 'pix2struct'
-    except (OSError, ValueError, AttributeError):
-      found = False
+    found = hf_lib.hf_model_type(path) == 'pix2struct'
   elif layout in (T5X_LEGACY, T5X_ORBAX):
     try:
       src = (t5x_lib.open_legacy(path) if layout == T5X_LEGACY

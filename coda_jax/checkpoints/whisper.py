@@ -190,15 +190,6 @@ def size_name(config: T5Config) -> Optional[str]:
   return None
 
 
-def _hf_layout(directory: str) -> str:
-  for layout, weights in ((HF_SAFETENSORS, 'model.safetensors'),
-                          (HF_PYTORCH, 'pytorch_model.bin')):
-    if any(os.path.exists(os.path.join(directory, f)) for f in (weights, f'{weights}.index.json')):
-      return layout
-  raise CheckpointError(f'{directory} holds no model.safetensors, pytorch_model.bin or '
-                        f'their .index.json')
-
-
 def open_hf(directory: str, layout: Optional[str] = None) -> Source:
   """A Hugging Face Whisper directory as a `Source` of {HF name: leaf}
   (nothing read but config.json and the weight files' headers).
@@ -207,20 +198,9 @@ def open_hf(directory: str, layout: Optional[str] = None) -> Source:
     directory: holds config.json and the weights.
     layout: HF_SAFETENSORS or HF_PYTORCH (None: whichever the directory holds).
   """
-  layout = layout or _hf_layout(directory)
-  cfg_file = os.path.join(directory, 'config.json')
-  try:
-    with open(cfg_file) as f:
-      hf_config = json.load(f)
-  except (OSError, ValueError) as e:
-    raise CheckpointError(f'cannot read {cfg_file}: {e}') from e
-  weights, file_leaves = {
-      HF_SAFETENSORS: ('model.safetensors', hf_lib._safetensors_leaves),  # pylint: disable=protected-access
-      HF_PYTORCH: ('pytorch_model.bin', hf_lib._torch_leaves)}[layout]  # pylint: disable=protected-access
-  single = os.path.join(directory, weights)
-  files = ([single] if os.path.exists(single) else
-           hf_lib._hf_shards(directory, f'{weights}.index.json'))  # pylint: disable=protected-access
-  leaves = {name: leaf for name, leaf in file_leaves(files).items()
+  layout = layout or hf_lib.hf_layout(directory)
+  hf_config = hf_lib.read_hf_config(directory)
+  leaves = {name: leaf for name, leaf in hf_lib.weight_leaves(directory, layout).items()
             if name not in _SKIPPED and name[len(_PREFIX):] not in _SKIPPED}
   return Source(FORMATS[layout], directory, leaves, hf_config=hf_config,
                 details={'model': MODEL})
@@ -231,11 +211,7 @@ def detect(layout: str, path: str) -> Optional[str]:
   (config.json model_type 'whisper'), or None."""
   if layout not in FORMATS:
     return None
-  try:
-    with open(os.path.join(path, 'config.json')) as f:
-      found = json.load(f).get('model_type') == 'whisper'
-  except (OSError, ValueError, AttributeError):
-    found = False
+  found = hf_lib.hf_model_type(path) == 'whisper'
   return FORMATS[layout] if found else None
 
 
