@@ -237,6 +237,8 @@ def test_settings_are_obeyed_where_the_formulation_serves():
     ('xl_on_v4', ('mlp',), 'do not fit 16 MiB of VMEM'),
     ('no_parallel_adapter', ('route',), 'no parallel adapter'),
     ('acm', ('mlp',), 'an ACM MLP'),
+    ('layer_norm', ('mlp', 'route'), 'a LayerNorm'),
+    ('biases', ('mlp',), 'projection biases'),
 ])
 def test_a_kernel_that_cannot_serve_the_layer_is_not_planned(case, blocked, why):
   config, coda, kwargs, chip = BASE, CodaConfig(reduction_factor=5), {}, 'v4'
@@ -256,6 +258,10 @@ def test_a_kernel_that_cannot_serve_the_layer_is_not_planned(case, blocked, why)
   elif case == 'acm':
     from coda_jax.config import AcmConfig  # pylint: disable=g-import-not-at-top
     acm = AcmConfig()
+  elif case == 'layer_norm':        # Whisper's norms; the kernels compute T5's RMS norm
+    config = dataclasses.replace(config, norm='layer')
+  elif case == 'biases':            # Whisper's projections
+    config = dataclasses.replace(config, use_bias=True)
   plan = plan_lib.resolve(config, coda, acm, target=_tpu(chip), length=N, **kwargs)
   for name in blocked:
     assert getattr(plan.routed, name) == 'xla', plan.describe()
