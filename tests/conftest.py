@@ -34,7 +34,7 @@ def pytest_configure(config):
     return
   cache = tempfile.mkdtemp(prefix='coda_jax_tests_compilation_cache_')
   os.environ[_CACHE_ENV] = cache
-  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '1'
   os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
   config.coda_jax_test_cache = cache
 

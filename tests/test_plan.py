@@ -361,8 +361,8 @@ def _decoder_evidence_agrees(evidence):
     beams = tool.point_beams(evidence, point)
     # The attention files measure the cross-attention (greedy) or beam
     # search's self-attention, the mlp files the MLP, the lm_head files beam
-    # search's LM head.
-    choice, kernel = ((measured, measured) if measured in ('mlp', 'lm_head') else
+    # search's LM head, the keys files the cross-attention cache's positions.
+    choice, kernel = ((measured, measured) if measured in ('mlp', 'lm_head', 'keys') else
                       ('beam_attention', 'beam_attention') if beams > 1 else
                       ('cross_attention', 'decode_attention'))
     config = preset(point["model"], dtype=jnp.bfloat16)
@@ -373,9 +373,14 @@ def _decoder_evidence_agrees(evidence):
     where = f'{chip} {point["model"]} n {point["length"]} beams {beams}'
     assert seconds[getattr(plan, choice)] <= (1 + DECODE_TIE) * min(seconds.values()), (
         where, seconds)
+    programs = point['programs']
+    if measured == 'keys':  # each program's cache held the positions it names
+      n = point['length']
+      assert programs['as_is']['key_length'] == n, where
+      assert programs['lane_padded']['key_length'] == -(-n // 128) * 128 > n, where
+      continue
     # The program measured as 'pallas' ran the kernel, the other not (their
     # plans say so).
-    programs = point['programs']
     assert kernel in programs['pallas']['plan']['kernels'], where
     assert kernel not in programs['xla']['plan']['kernels'], where
   return len(evidence['points'])

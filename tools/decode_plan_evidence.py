@@ -14,13 +14,16 @@ mlp`, the step's pre-MLP norm and MLP (`T5Config.mlp_kernel`: XLA's fusions,
 or `coda_jax.kernels.mlp` on the step's rows), greedy and beam search
 (`--num_beams 1,4`). With `--choice lm_head`, beam search's LM head
 (`T5Config.lm_head_kernel`: XLA's float32 logits, top-k and normaliser, or
-`coda_jax.kernels.top_logits`, which keeps each row's top logits).
+`coda_jax.kernels.top_logits`, which keeps each row's top logits). With
+`--choice keys`, the positions the step's cross-attention cache holds
+(`T5Config.decode_keys`: the encoder's n as it is, or padded to a multiple
+of 128 with the added positions masked), each step with its padded mask.
 `tests/test_plan.py` holds the rules to the committed files: at every point
 the plan runs the formulation with the lower roofline.
 
   python tools/decode_plan_evidence.py --chip v4 [--models base,text_base,text_xl]
       [--points 384:8,512:32,1664:64] [--batch_size 128] [--num_beams 4]
-      [--choice attention|mlp|lm_head]
+      [--choice attention|mlp|lm_head|keys]
       [--out benchmarks/plan/decode/b128_v4.json]
   python tools/decode_plan_evidence.py --table benchmarks/plan/decode/*.json
 
@@ -46,10 +49,18 @@ from coda_jax.measure import models, report
 from coda_jax.plan import chips
 from coda_jax.measure.compile import topology, variant_costs
 from coda_jax.config import CodaConfig
+from coda_jax.model import network
 
 FORMULATIONS = (plan_lib.XLA, plan_lib.PALLAS)
 # What a file's two formulations differ in (`--choice`).
-CHOICES = ('attention', 'mlp', 'lm_head')
+CHOICES = ('attention', 'mlp', 'lm_head', 'keys')
+# The cross-attention cache's two layouts (`--choice keys`).
+KEY_FORMULATIONS = (plan_lib.AS_IS, plan_lib.LANE_PADDED)
+
+
+def formulations(choice: str = 'attention'):
+  """The two settings a file of `choice` measures."""
+  return KEY_FORMULATIONS if choice == 'keys' else FORMULATIONS
 # What the faster formulation has less of.
 MEASURE = 'traffic_roofline_seconds'
 
@@ -73,16 +84,18 @@ def parse_args(argv):
                  default=['base', 'text_base', 'text_xl'])
   p.add_argument('--points', type=lambda s: [_point(x) for x in s.split(',')],
                  default=[(384, 8), (512, 32), (1664, 64)],
-                 help='N:STEPS, comma-separated: encoder positions and decoding steps (the '
-                      'self-attention cache\'s length) of BoolQ, SQuAD and XSum')
+                 help='N:STEPS, comma-separated: encoder positions (Whisper reads 2N frames) '
+                      'and decoding steps (the self-attention cache\'s length); default '
+                      'BoolQ\'s, SQuAD\'s and XSum\'s')
   p.add_argument('--batch_size', type=flags.at_least_one, default=128)
   p.add_argument('--num_beams', type=lambda s: [flags.at_least_one(x) for x in s.split(',')],
                  default=[1], help='comma-separated; > 1: a step of beam search (with '
                  '--choice attention: its self-attention in both formulations)')
   p.add_argument('--choice', choices=CHOICES, default='attention',
                  help='what the two formulations differ in: the attention (greedy: the '
-                      'cross-attention; beam search: the self-attention), the MLP or beam '
-                      'search\'s LM head (--num_beams > 1 only)')
+                      'cross-attention; beam search: the self-attention), the MLP, beam '
+                      'search\'s LM head (--num_beams > 1 only) or the cross-attention '
+                      'cache\'s positions (n as it is, or padded to a multiple of 128)')
   p.add_argument('--out', default=None, help='write the JSON here')
   p.add_argument('--table', nargs='+', metavar='EVIDENCE.json',
                  help='print the Markdown table of these files and exit')
@@ -100,8 +113,19 @@ def _choice(beams: int, choice: str = 'attention'):
   """(the config field a point's formulations set, the plan's field of it)."""
   if choice in ('mlp', 'lm_head'):
     return f'{choice}_kernel', choice
+  if choice == 'keys':
+    return 'decode_keys', 'keys'
   return (('beam_attention_kernel', 'beam_attention') if beams > 1
           else ('decode_attention_kernel', 'cross_attention'))
+
+
+def input_length(config, n: int) -> int:
+  """The encoder input whose encoder has `n` positions: n tokens, Whisper's
+  2n frames, the speech stem's 4n."""
+  for length in (n, 2 * n, 4 * n):
+    if network.encoder_length(config, length) == n:
+      return length
+  raise ValueError(f'no input length gives {n} encoder positions')
 
 
 def planned(model: str, chip: str, batch: int, n: int, steps: int, beams: int,
@@ -120,17 +144,19 @@ def measure_point(chip: str, model: str, batch: int, n: int, steps: int, log,
   pod = chips.parse_pod(variant_costs.ONE_CHIP[chip])
   config = models.make_config(model, jnp.bfloat16)
   field, chosen = _choice(beams, choice)
-  out = {'model': model, 'length': n, 'decode_steps': steps, 'num_beams': beams,
+  out = {'model': model, 'length': n, 'input_length': input_length(config, n),
+         'decode_steps': steps, 'num_beams': beams,
          'plan': planned(model, chip, batch, n, steps, beams, choice), 'programs': {}}
-  for setting in FORMULATIONS:
+  for setting in formulations(choice):
     config = dataclasses.replace(config, **{field: setting})
     [baseline] = [v for v in models.make_variants(config, CodaConfig(), [3.0], ['k_to_all'])
                   if v.attention is None]
     start = time.perf_counter()
-    row = variant_costs.decode_step_row(baseline, pod, batch, n, steps, jnp.bfloat16, beams)
+    row = variant_costs.decode_step_row(baseline, pod, batch, out['input_length'], steps,
+                                        jnp.bfloat16, beams)
     formulation = row.plan[chosen]
     floor = row.floor_bytes['total']
-    out['programs'][formulation] = {
+    out['programs'][formulation] = {'key_length': row.plan.get('key_length', n),
         'hbm_traffic': row.hbm_traffic, 'bytes_accessed': row.bytes_accessed,
         'flops': row.flops, 'model_flops': row.model_flops, 'floor_bytes': floor,
         'traffic_over_floor': row.hbm_traffic / floor,
@@ -149,30 +175,31 @@ def point_beams(evidence: Dict[str, Any], point: Dict[str, Any]) -> int:
 
 def faster(point: Dict[str, Any]) -> str:
   """The formulation with the lower roofline at `point`."""
-  return min(FORMULATIONS, key=lambda f: point['programs'][f][MEASURE])
+  return min(point['programs'], key=lambda f: point['programs'][f][MEASURE])
 
 
 def table(paths: Iterable[str]) -> str:
-  """The files' points, with what the rules plan there today."""
-  header = ['chip', 'choice', 'model', 'n', 'steps', 'beams', 'plan', 'xla ms', 'pallas ms',
-            'xla traffic / floor', 'pallas traffic / floor', 'xla flops / analytic',
-            'pallas flops / analytic']
+  """The files' points, with what the rules plan there today: each measure
+  as 'first / second' of the point's two formulations."""
+  header = ['chip', 'choice', 'model', 'n', 'steps', 'beams', 'plan', 'formulations', 'ms',
+            'traffic / floor', 'flops / analytic']
   lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
   for path in paths:
     with open(path) as f:
       evidence = json.load(f)
     choice = evidence.get('choice', 'attention')
+    pair = formulations(choice)
     for point in evidence['points']:
-      x, p = point['programs'][plan_lib.XLA], point['programs'][plan_lib.PALLAS]
+      programs = [point['programs'][f] for f in pair]
+      both = lambda fmt, key: ' / '.join(fmt.format(p[key]) for p in programs)
       beams = point_beams(evidence, point)
       plan = planned(point['model'], evidence['chip'], evidence['batch_size'], point['length'],
                      point['decode_steps'], beams, choice)
       lines.append('| ' + ' | '.join([
           evidence['chip'], choice, point['model'], str(point['length']),
-          str(point['decode_steps']), str(beams), plan, f'{x[MEASURE] * 1e3:.3f}',
-          f'{p[MEASURE] * 1e3:.3f}',
-          f'{x["traffic_over_floor"]:.3f}', f'{p["traffic_over_floor"]:.3f}',
-          f'{x["flops_over_analytic"]:.3f}', f'{p["flops_over_analytic"]:.3f}']) + ' |')
+          str(point['decode_steps']), str(beams), plan, ' / '.join(pair),
+          ' / '.join(f'{p[MEASURE] * 1e3:.3f}' for p in programs),
+          both('{:.3f}', 'traffic_over_floor'), both('{:.3f}', 'flops_over_analytic')]) + ' |')
   return '\n'.join(lines)
 
 

@@ -57,6 +57,14 @@ BEAM_ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
 # kernel serves an untied LM head not split over devices.
 LM_HEAD_KERNELS = ('auto', 'xla', 'pallas')
 
+# The encoder positions a decoding step's cross-attention cache holds:
+# 'as_is' (the encoder's n), 'lane_padded' (n rounded up to a multiple of
+# 128, the added positions masked: a TPU lays the cached keys/values out in
+# 128-lane tiles, and at an n that is not a multiple of 128 its steps
+# relayout the cache; same results), 'auto' (as `coda_jax.plan`'s rules say
+# for the chip and n).
+DECODE_KEYS = ('auto', 'as_is', 'lane_padded')
+
 # What the encoder reads: 'tokens' (T5: `[batch, length]` ids, 0 padding) or
 # 'patches' (Pix2Struct: `[batch, max_patches, 2 + patch_dim]` rows of
 # `image_patches.extract_patches`, row id 0 padding), embedded by a linear
@@ -126,6 +134,8 @@ class T5Config:
   beam_attention_kernel: str = 'auto'
   # 'auto' | 'xla' | 'pallas' (see LM_HEAD_KERNELS).
   lm_head_kernel: str = 'auto'
+  # 'auto' | 'as_is' | 'lane_padded' (see DECODE_KEYS).
+  decode_keys: str = 'auto'
   # 'tokens' | 'patches' | 'audio' (see ENCODER_INPUTS); with patches, the
   # values per patch (16 x 16 x 3) and the rows (and columns) the position
   # tables hold; with audio, the log-mel bins per frame (`AudioConfig.num_mels`).
@@ -177,7 +187,8 @@ class T5Config:
     for name, allowed in (('attention_kernel', ATTENTION_KERNELS), ('mlp_kernel', MLP_KERNELS),
                           ('decode_attention_kernel', DECODE_ATTENTION_KERNELS),
                           ('beam_attention_kernel', BEAM_ATTENTION_KERNELS),
-                          ('lm_head_kernel', LM_HEAD_KERNELS)):
+                          ('lm_head_kernel', LM_HEAD_KERNELS),
+                          ('decode_keys', DECODE_KEYS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f'T5Config.{name} must be one of {allowed}, '
                          f'got {getattr(self, name)!r}')

@@ -74,6 +74,14 @@ def decode_attention_fits(batch: int, heads: int, kv_heads: int, head_dim: int,
   return decode_attention_kernel.supported(batch, heads, kv_heads, head_dim, length, dtype)
 
 
+def decode_keys(length: int) -> List[str]:
+  """Padding a decoding step's cross-attention keys to whole 128-lane tiles
+  (`T5Config.decode_keys` 'lane_padded'): nothing to pad where n fills them."""
+  if length % tpu_blocks.LANES == 0:
+    return [f'n = {length} is a multiple of {tpu_blocks.LANES}']
+  return []
+
+
 def beam_attention(*, float32_logits: bool = False, head_dim: Optional[int] = None,
                    beams: int = 0, cache_length: Optional[int] = None,
                    queries: Optional[int] = None, dropout: bool = False, fits: bool = True,

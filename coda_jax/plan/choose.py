@@ -56,7 +56,7 @@ class Resolver:
     alternative = _ALTERNATIVE[what]
     if setting == 'auto':
       choice, why = self.auto(what, fraction)
-    elif setting in ('xla', 'gather'):
+    elif setting in ('xla', 'gather', DEFAULTS[what]):
       return DEFAULTS[what], f'{SETTING[what]} = {setting!r}'
     else:
       choice, why = alternative, f'{SETTING[what]} = {setting!r}'

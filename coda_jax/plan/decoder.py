@@ -4,7 +4,9 @@
 A decoding step's cross-attention, its MLP and beam search's self-attention
 have XLA's formulation and a TPU kernel's; beam search's LM head too; beam
 search's cache is addressed by slot or reordered, whichever moves fewer
-bytes (`beam_cache_by_slot`) unless the slot kernel reads it. `resolve_decoder`
+bytes (`beam_cache_by_slot`) unless the slot kernel reads it; the
+cross-attention cache holds the encoder's n positions as they are or padded
+to whole 128-lane tiles (`DecoderPlan.key_length`). `resolve_decoder`
 chooses once per decoding program; `model.decoding.init_decode_cache` lays
 the cache out by the same plan. No flax here.
 """
@@ -21,8 +23,9 @@ from coda_jax.plan import blockers, flops
 from coda_jax.plan.attention import (DECODE_KERNEL, SLOT_KERNEL, XLA_BY_SLOT, AttentionPlan)
 from coda_jax.plan.choose import Resolver, interpret, resolve_acm, resolve_xla_attention
 from coda_jax.plan.encoder import mlp_blockers
-from coda_jax.plan.rules import (ACM, BEAM_ATTENTION, DECODE_ATTENTION, DECODE_MLP, EINSUMS,
-                                 LM_HEAD, MLP, PALLAS, XLA, XLA_ATTENTION)
+from coda_jax.plan.rules import (ACM, AS_IS, BEAM_ATTENTION, DECODE_ATTENTION, DECODE_KEYS,
+                                 DECODE_MLP, EINSUMS, LANE_PADDED, LM_HEAD, MLP, PALLAS, XLA,
+                                 XLA_ATTENTION)
 from coda_jax.plan import target as target_lib
 from coda_jax.plan.target import Target
 
@@ -56,6 +59,10 @@ class DecoderPlan:
       sites run (`plan.attention.AttentionPlan`): the self-attention by
       `beam_attention` (slot kernel, XLA by slot, or XLA over a reordered
       cache) or XLA's form, the cross-attention by `cross_attention`.
+    keys: AS_IS or LANE_PADDED (`T5Config.decode_keys`): the positions the
+      cross-attention cache holds, `key_length`: n, or n rounded up to a
+      multiple of 128 (`model.network.Decoder` pads the encoder output and
+      its masks there, the added positions masked).
   """
   target: Target
   length: int
@@ -70,6 +77,12 @@ class DecoderPlan:
   xla_attention: str = EINSUMS
   self_attention_plan: AttentionPlan = AttentionPlan()
   cross_attention_plan: AttentionPlan = AttentionPlan()
+  keys: str = AS_IS
+
+  @property
+  def key_length(self) -> int:
+    """The encoder positions the cross-attention cache holds."""
+    return padded_length(self.length) if self.keys == LANE_PADDED else self.length
 
   @property
   def vmem_bytes(self) -> int:
@@ -89,7 +102,8 @@ class DecoderPlan:
             'program': 'decoder', 'length': self.length, 'batch': self.batch,
             'cross_attention': self.cross_attention, 'beam_attention': self.beam_attention,
             'mlp': self.mlp, 'lm_head': self.lm_head, 'acm': self.acm,
-            'xla_attention': self.xla_attention, 'kernels': list(self.kernels()),
+            'xla_attention': self.xla_attention, 'keys': self.keys,
+            'key_length': self.key_length, 'kernels': list(self.kernels()),
             'reasons': dict(self.reasons)}
 
   def summary(self) -> str:
@@ -97,8 +111,9 @@ class DecoderPlan:
     acm = '' if self.acm is None else f', acm {self.acm}'
     beam = '' if self.beam_attention is None else f', beam attention {self.beam_attention}'
     head = '' if self.lm_head is None else f', lm head {self.lm_head}'
+    keys = f', keys padded to {self.key_length}' if self.key_length != self.length else ''
     return (f'{self.target.describe()}: decoder cross-attention {self.cross_attention}'
-            f'{beam}, mlp {self.mlp}{head}{acm}')
+            f'{beam}, mlp {self.mlp}{head}{acm}{keys}')
 
   def describe(self) -> str:
     lines = [f'decoder plan for {self.target.describe()}, n = {self.length}, '
@@ -131,14 +146,18 @@ def resolve_decoder(config: T5Config, acm: Optional[AcmConfig] = None, *,
   rules = Resolver(target, None, 1.0, n)
   form, why_form = resolve_xla_attention(target)
   kernels_interpret = interpret(DECODE_ATTENTION, target)
+  keys, why = rules.choose(DECODE_KEYS, config.decode_keys, blockers.decode_keys(n))
+  reasons = [(DECODE_KEYS, f'{keys}: {why}')]
+  key_length = padded_length(n) if keys == LANE_PADDED else n
   fits = blockers.decode_attention_fits(int(batch), int(beams) * config.num_heads,
-                                        config.kv_heads, config.head_dim, n, config.dtype)
+                                        config.kv_heads, config.head_dim, key_length,
+                                        config.dtype)
   choice, why = rules.choose(DECODE_ATTENTION, config.decode_attention_kernel,
                              blockers.decode_attention(
                                  queries=queries, float32_logits=config.float32_attention_logits,
                                  acm=acm is not None and acm.replaces('attention', 'decoder'),
                                  cross_cache=cross_cache, fits=fits))
-  reasons = [(DECODE_ATTENTION, f'{choice}: {why}')]
+  reasons.append((DECODE_ATTENTION, f'{choice}: {why}'))
   cross_plan = AttentionPlan(DECODE_KERNEL if choice == PALLAS else form, kernels_interpret)
   self_plan = AttentionPlan(form, kernels_interpret)
   beam = head = None
@@ -168,7 +187,12 @@ def resolve_decoder(config: T5Config, acm: Optional[AcmConfig] = None, *,
     reasons.append((ACM, why))
   reasons.append((XLA_ATTENTION, f'{form}: {why_form}'))
   return DecoderPlan(target, n, rows, choice, kernels_interpret, tuple(reasons),
-                     acm_inference, beam, mlp, head, form, self_plan, cross_plan)
+                     acm_inference, beam, mlp, head, form, self_plan, cross_plan, keys)
+
+
+def padded_length(length: int) -> int:
+  """`length` rounded up to a multiple of the 128 lanes."""
+  return -(-int(length) // tpu_blocks.LANES) * tpu_blocks.LANES
 
 
 def _beam_self_attention(rules: Resolver, config: T5Config, batch: int, beams: int,

@@ -34,8 +34,13 @@ LM_HEAD = 'lm_head'
 # (example and key/value head leading every operand, as XLA:CPU's batched
 # matmul takes them). Both stacks'; no config setting: the rows decide.
 XLA_ATTENTION = 'xla_attention'
+# The encoder positions a decoding step's cross-attention cache holds: the
+# encoder's n as it is, or n rounded up to a multiple of 128 lanes with the
+# added positions masked (`T5Config.decode_keys`), the decoder's.
+DECODE_KEYS = 'decode_keys'
+AS_IS, LANE_PADDED = 'as_is', 'lane_padded'
 CHOICES = (DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION,
-           BEAM_ATTENTION, DECODE_MLP, LM_HEAD, ACM, XLA_ATTENTION)
+           BEAM_ATTENTION, DECODE_MLP, LM_HEAD, ACM, XLA_ATTENTION, DECODE_KEYS)
 # The Pallas kernels among them (`coda-jax selftest` checks each one a plan
 # selects): the formulation that is not XLA's.
 KERNELS = (ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION, BEAM_ATTENTION,
@@ -47,11 +52,11 @@ NATIVE_PLATFORM = {ATTENTION: 'tpu', MLP: 'tpu', ROUTE: 'tpu', OUTPUT: 'tpu',
 # A chip with no row gets these: XLA's fusions, tokens moved by gathers.
 DEFAULTS = {DISPATCH: GATHER, ATTENTION: XLA, MLP: XLA, ROUTE: XLA, OUTPUT: XLA,
             SOFT_TOPK: XLA, DECODE_ATTENTION: XLA, BEAM_ATTENTION: XLA, DECODE_MLP: XLA,
-            LM_HEAD: XLA, ACM: GATHER, XLA_ATTENTION: EINSUMS}
+            LM_HEAD: XLA, ACM: GATHER, XLA_ATTENTION: EINSUMS, DECODE_KEYS: AS_IS}
 _ALTERNATIVE = {DISPATCH: ONE_HOT, ATTENTION: PALLAS, MLP: PALLAS, ROUTE: PALLAS,
                 OUTPUT: PALLAS, SOFT_TOPK: PALLAS, DECODE_ATTENTION: PALLAS,
                 BEAM_ATTENTION: PALLAS, DECODE_MLP: PALLAS, LM_HEAD: PALLAS, ACM: MASKED,
-                XLA_ATTENTION: BATCH_MAJOR}
+                XLA_ATTENTION: BATCH_MAJOR, DECODE_KEYS: LANE_PADDED}
 # The config field that asks for each choice: (its config class, its field).
 # A kernel's field set to 'xla' turns the kernel off (`training.preflight.
 # fall_back`, after a kernel differs from XLA on the chip).
@@ -61,7 +66,7 @@ SWITCHES = {DISPATCH: ('CodaConfig', 'dispatch'), ATTENTION: ('T5Config', 'atten
             DECODE_ATTENTION: ('T5Config', 'decode_attention_kernel'),
             BEAM_ATTENTION: ('T5Config', 'beam_attention_kernel'),
             DECODE_MLP: ('T5Config', 'mlp_kernel'), LM_HEAD: ('T5Config', 'lm_head_kernel'),
-            ACM: ('AcmConfig', 'inference')}
+            ACM: ('AcmConfig', 'inference'), DECODE_KEYS: ('T5Config', 'decode_keys')}
 # The same, for messages ('T5Config.attention_kernel'); XLA's attention form
 # has no config field (the rows decide).
 SETTING = {**{what: f'{owner}.{field}' for what, (owner, field) in SWITCHES.items()},
@@ -161,6 +166,14 @@ _DECODE_MLP = 'benchmarks/plan/decode/mlp_b128_{}.json'
 # T5 v1.1 base and the §6 base model (share 0.197, 0.254) and 5% slower
 # for the §6 XL model (0.115) at XSum's shape.
 _LM_HEAD = 'benchmarks/plan/decode/lm_head_beam4_b128_{}.json'
+# The cross-attention cache's positions: the same tool with `--choice keys`
+# (T5 v1.1 base and Whisper large-v3-turbo, batch 128, n = 129 to 1500), each
+# step compiled with the cache at n and at n padded to a multiple of 128. At
+# an n that is not one, the TPU relayouts the cached keys/values every
+# step: Whisper's n = 1500 moves 2.85x its byte floor as it is, 1.07x padded
+# to 1536 (v4); T5 v1.1 base 2.94x and 1.06x. Padding is faster at every
+# point on every chip measured, n = 129 (padded to 256) included.
+_KEYS = 'benchmarks/plan/decode/keys_b128_{}.json'
 # The ACM rows are timings on a shared machine (`tools/acm_plan_evidence.py`,
 # the fastest of 15 round-robin calls: over three runs a time moved by up to
 # 10%, and gather / masked at 256 tokens, β = 0.5, from 1.00 to 1.05): a
@@ -238,6 +251,11 @@ RULES: Tuple[Rule, ...] = (
     # shape, the others tied.
     Rule(DECODE_MLP, 'v6e', PALLAS, tokens=(0, 128), evidence=_DECODE_MLP.format('v6e')),
     Rule(LM_HEAD, 'v6e', PALLAS, fractions=(0.15, 1.0), evidence=_LM_HEAD.format('v6e')),
+    # The cross-attention cache padded to whole 128-lane tiles (_KEYS).
+    Rule(DECODE_KEYS, 'v4', LANE_PADDED, evidence=_KEYS.format('v4')),
+    Rule(DECODE_KEYS, 'v5p', LANE_PADDED, evidence=_KEYS.format('v5p')),
+    Rule(DECODE_KEYS, 'v5e', LANE_PADDED, evidence=_KEYS.format('v5e')),
+    Rule(DECODE_KEYS, 'v6e', LANE_PADDED, evidence=_KEYS.format('v6e')),
     # A CPU's ACMs (`tools/acm_plan_evidence.py`: one FFN ACM of T5 v1.1
     # small, 4 to 1536 tokens a call, the quickstart conversion's learner
     # usage at budgets 0.25, 0.5 and 0.75, timed on 2 cores): 'masked' on a

@@ -41,9 +41,11 @@ def select_by_index(table: Array, index: Array) -> Array:
   """
   rows, size = table.shape
   levels = max(1, (size - 1).bit_length())
-  values = [table[:, j].reshape((rows, 1, 1)) if j < size else jnp.zeros((rows, 1, 1),
-                                                                       table.dtype)
-            for j in range(2 ** levels)]
+  # The columns `[rows, 1, 1]` as one split (one op, and its transpose one
+  # concatenate: slices column by column made a tenth of a train step's
+  # trace), then zeros up to a power of two.
+  values = jnp.split(table.reshape(rows, size, 1), size, axis=1)
+  values += [jnp.zeros((rows, 1, 1), table.dtype)] * (2 ** levels - size)
   index = jnp.expand_dims(index, -3)                             # [..., 1, q, k]
   for bit in range(levels):
     odd = (jnp.right_shift(index, bit) & 1) == 1
