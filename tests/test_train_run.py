@@ -189,7 +189,7 @@ def runs(tmp_path_factory):
       'JAX_PLATFORMS': 'cpu',
       'XLA_FLAGS': fast_xla.with_flags(env.get('XLA_FLAGS', '')),
       'JAX_COMPILATION_CACHE_DIR': os.path.join(work, 'jax_cache'),
-      'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+      'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '1',
       'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
       'TF_CPP_MIN_LOG_LEVEL': '3',
       'PYTHONPATH': os.pathsep.join([REPO] + [p for p in [env.get('PYTHONPATH')] if p]),
