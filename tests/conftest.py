@@ -20,14 +20,10 @@ def pytest_configure(config):
   - XLA's CPU backend as `fast_xla` says (optimisation level 0, the older
     fusion emitters): the tests compile many small programs whose run time
     is negligible next to their compile time;
-  - many tests compile the same programs in several processes (the
-    quickstart model's train step, a tiny encoder): one persistent
-    compilation cache for the run keeps those that take 1 s or more to
-    compile, so each compiles once. A smaller program compiles faster than
-    XLA:CPU serialises it for the cache: tests/test_network.py's decoding
-    tests (`-k "cached or beam or greedy"`, one worker) took 42-43 s with
-    every program cached, 37-40 s with these (jax 0.10.2). Removed at the
-    end. A cache the environment already names is used as it is;
+  - many tests compile the same small programs (the quickstart model's train
+    step, a tiny encoder): one persistent compilation cache for the run
+    compiles each once. Removed at the end. A cache the environment already
+    names is used as it is;
   - one bytecode folder for the run (`_share_bytecode`).
   """
   if hasattr(config, 'workerinput'):
@@ -38,7 +34,7 @@ def pytest_configure(config):
     return
   cache = tempfile.mkdtemp(prefix='coda_jax_tests_compilation_cache_')
   os.environ[_CACHE_ENV] = cache
-  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '1'
+  os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
   os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
   config.coda_jax_test_cache = cache
 

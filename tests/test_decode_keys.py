@@ -14,7 +14,8 @@ import pytest
 from coda_jax import plan as plan_lib
 from coda_jax.config import T5Config, preset
 from coda_jax.model import decoding
-from coda_jax.model.network import Transformer, pad_keys
+from coda_jax.model.attention import pad_keys
+from coda_jax.model.network import Transformer
 from coda_jax.plan.target import Target
 
 from tiny_models import decode_step_by_step, tiny_config
@@ -102,7 +103,8 @@ def test_pad_keys_masks_what_it_adds():
 @pytest.mark.parametrize('n,setting,target,expected', [
     (1500, 'lane_padded', V4, 1536), (1536, 'lane_padded', V4, 1536),
     (9, 'lane_padded', Target('cpu', 'cpu'), 128), (1500, 'as_is', V4, 1500),
-    (1500, 'auto', Target('cpu', 'cpu'), 1500)])
+    (1500, 'auto', V4, 1536), (129, 'auto', Target('tpu', 'TPU v6 lite'), 256),
+    (100, 'auto', V4, 100), (1500, 'auto', Target('cpu', 'cpu'), 1500)])
 def test_the_plan_gives_the_key_length(n, setting, target, expected):
   config = dataclasses.replace(preset('base', dtype=jnp.bfloat16), decode_keys=setting)
   plan = plan_lib.resolve_decoder(config, target=target, length=n, batch=8)
@@ -110,6 +112,8 @@ def test_the_plan_gives_the_key_length(n, setting, target, expected):
   why = dict(plan.reasons)['decode_keys']
   if n % 128 == 0:
     assert plan.keys == 'as_is' and 'n = 1536 is a multiple of 128' in why
+  if setting == 'auto' and target.platform == 'tpu':  # the rows: measured above 128
+    assert ('measured on' in why) == (n > 128), why
   assert plan.as_dict()['key_length'] == expected
   assert ('keys padded to' in plan.summary()) == (expected != n)
 

@@ -147,7 +147,7 @@ def runs(tmp_path_factory):
       'TF_CPP_MIN_LOG_LEVEL': '3',
       # Compiling the train steps is most of the runtime; reruns reuse it (the
       # cache key hashes the HLO and flags, so edits cannot hit stale entries).
-      'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '1',
+      'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
       'PYTHONPATH': os.pathsep.join([REPO] + [p for p in [env.get('PYTHONPATH')] if p]),
   })
   cache = env.get('JAX_COMPILATION_CACHE_DIR') or os.path.join(

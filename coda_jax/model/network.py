@@ -436,22 +436,6 @@ class DecoderLayer(nn.Module):
     return layers.with_sharding_constraint(z, ('batch', 'length', 'embed'))
 
 
-def pad_keys(length: int, encoded: Array, encoder_decoder_mask: Optional[Array],
-             encoder_token_mask: Optional[Array]
-             ) -> Tuple[Array, Optional[Array], Optional[Array]]:
-  """The encoder output `[batch, n, emb]`, the cross-attention mask `[rows,
-  1, queries, n]` and the encoder's token mask `[batch, n]` padded to
-  `length` positions (a decoding step's `DecoderPlan.key_length`), the added
-  ones masked out: the step attends to what it did."""
-  extra = length - encoded.shape[1]
-  pad = lambda x, value: (None if x is None else jnp.pad(
-      x, [(0, 0)] * (x.ndim - 1) + [(0, extra)], constant_values=value))
-  if encoder_decoder_mask is None and encoder_token_mask is None:
-    raise ValueError('padding the cross-attention keys needs the encoder\'s masks, got none')
-  encoded = jnp.pad(encoded, [(0, 0), (0, extra), (0, 0)])
-  return encoded, pad(encoder_decoder_mask, 0), pad(encoder_token_mask, False)
-
-
 class Encoder(nn.Module):
   """Embedding, `num_encoder_layers` layers (dense or routed), final norm.
 
@@ -547,9 +531,8 @@ class Decoder(nn.Module):
           sharded=tpu_blocks.split_axes('mlp', 'embed', 'vocab'),
           queries=decoder_input_tokens.shape[1], cross_cache=self.cache_cross_kv)
       plan_lib.note(plan)
-      if plan.key_length != encoded.shape[1]:
-        encoded, encoder_decoder_mask, encoder_token_mask = pad_keys(
-            plan.key_length, encoded, encoder_decoder_mask, encoder_token_mask)
+      encoded, encoder_decoder_mask, encoder_token_mask = attention.pad_keys(
+          plan.key_length, encoded, encoder_decoder_mask, encoder_token_mask)
       acm = plan_lib.with_acm_inference(self.acm, plan.acm)
       sites = dict(self_attention_plan=plan.self_attention_plan,
                    cross_attention_plan=plan.cross_attention_plan)

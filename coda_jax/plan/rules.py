@@ -172,7 +172,9 @@ _LM_HEAD = 'benchmarks/plan/decode/lm_head_beam4_b128_{}.json'
 # an n that is not one, the TPU relayouts the cached keys/values every
 # step: Whisper's n = 1500 moves 2.85x its byte floor as it is, 1.07x padded
 # to 1536 (v4); T5 v1.1 base 2.94x and 1.06x. Padding is faster at every
-# point on every chip measured, n = 129 (padded to 256) included.
+# point on every chip measured, n = 129 (padded to 256) included; below 128
+# positions (up to 128 lanes of padding on fewer real ones) nothing was
+# measured, and the rows leave the cache as it is.
 _KEYS = 'benchmarks/plan/decode/keys_b128_{}.json'
 # The ACM rows are timings on a shared machine (`tools/acm_plan_evidence.py`,
 # the fastest of 15 round-robin calls: over three runs a time moved by up to
@@ -252,10 +254,14 @@ RULES: Tuple[Rule, ...] = (
     Rule(DECODE_MLP, 'v6e', PALLAS, tokens=(0, 128), evidence=_DECODE_MLP.format('v6e')),
     Rule(LM_HEAD, 'v6e', PALLAS, fractions=(0.15, 1.0), evidence=_LM_HEAD.format('v6e')),
     # The cross-attention cache padded to whole 128-lane tiles (_KEYS).
-    Rule(DECODE_KEYS, 'v4', LANE_PADDED, evidence=_KEYS.format('v4')),
-    Rule(DECODE_KEYS, 'v5p', LANE_PADDED, evidence=_KEYS.format('v5p')),
-    Rule(DECODE_KEYS, 'v5e', LANE_PADDED, evidence=_KEYS.format('v5e')),
-    Rule(DECODE_KEYS, 'v6e', LANE_PADDED, evidence=_KEYS.format('v6e')),
+    Rule(DECODE_KEYS, 'v4', LANE_PADDED, lengths=(128, ANY_LENGTH),
+         evidence=_KEYS.format('v4')),
+    Rule(DECODE_KEYS, 'v5p', LANE_PADDED, lengths=(128, ANY_LENGTH),
+         evidence=_KEYS.format('v5p')),
+    Rule(DECODE_KEYS, 'v5e', LANE_PADDED, lengths=(128, ANY_LENGTH),
+         evidence=_KEYS.format('v5e')),
+    Rule(DECODE_KEYS, 'v6e', LANE_PADDED, lengths=(128, ANY_LENGTH),
+         evidence=_KEYS.format('v6e')),
     # A CPU's ACMs (`tools/acm_plan_evidence.py`: one FFN ACM of T5 v1.1
     # small, 4 to 1536 tokens a call, the quickstart conversion's learner
     # usage at budgets 0.25, 0.5 and 0.75, timed on 2 cores): 'masked' on a

@@ -8,7 +8,9 @@
 * The cross-attention keys/values of the encoder output, projected once per
   sequence (`cross_kv`): `cached_cross_key [batch, kv_heads, head_dim,
   length]`, `cached_cross_value [batch, kv_heads, length, head_dim]` (the
-  'heads_major' layout the matmuls read with no transpose per step).
+  'heads_major' layout the matmuls read with no transpose per step), at the
+  decoder plan's key length: the encoder's n, or n padded to whole 128-lane
+  tiles (`pad_keys`).
 """
 from __future__ import annotations
 
@@ -69,6 +71,25 @@ def cross_kv(module: nn.Module, compute: Callable, inputs_kv: Array,
     ready.value = jnp.ones((), jnp.bool_)
   cached_key.value, cached_value.value = key, value
   return key, value
+
+
+def pad_keys(length: int, encoded: Array, encoder_decoder_mask: Optional[Array],
+             encoder_token_mask: Optional[Array]
+             ) -> Tuple[Array, Optional[Array], Optional[Array]]:
+  """The encoder output `[batch, n, emb]`, the cross-attention mask `[rows,
+  1, queries, n]` and the encoder's token mask `[batch, n]` padded to
+  `length` positions (a decoding step's `DecoderPlan.key_length`), the added
+  ones masked out: the step attends to what it did (as they are where
+  `length` is n)."""
+  extra = length - encoded.shape[1]
+  if extra == 0:
+    return encoded, encoder_decoder_mask, encoder_token_mask
+  pad = lambda x, value: (None if x is None else jnp.pad(
+      x, [(0, 0)] * (x.ndim - 1) + [(0, extra)], constant_values=value))
+  if encoder_decoder_mask is None and encoder_token_mask is None:
+    raise ValueError('padding the cross-attention keys needs the encoder\'s masks, got none')
+  encoded = jnp.pad(encoded, [(0, 0), (0, extra), (0, 0)])
+  return encoded, pad(encoder_decoder_mask, 0), pad(encoder_token_mask, False)
 
 
 def self_kv(module: nn.Module, key: Array, value: Array, mask: Optional[Array],
