@@ -42,8 +42,9 @@ def select_by_index(table: Array, index: Array) -> Array:
   rows, size = table.shape
   levels = max(1, (size - 1).bit_length())
   # The columns `[rows, 1, 1]` as one split (one op, and its transpose one
-  # concatenate: slices column by column made a tenth of a train step's
-  # trace), then zeros up to a power of two.
+  # concatenate: the quickstart's train step traced 3044 equations with a
+  # slice and a reshape per column, 2608 with it), then zeros up to a power
+  # of two.
   values = jnp.split(table.reshape(rows, size, 1), size, axis=1)
   values += [jnp.zeros((rows, 1, 1), table.dtype)] * (2 ** levels - size)
   index = jnp.expand_dims(index, -3)                             # [..., 1, q, k]
