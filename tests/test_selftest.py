@@ -372,3 +372,15 @@ def test_a_runs_gin_files_give_its_model_and_shapes(tmp_path, capsys):
   assert [r['case'] for r in report['results']] == ['48 rows', '24 rows']
   assert all(r['shape']['emb'] == 32 and r['shape']['mlp_dim'] == 64
              for r in report['results'])
+
+
+@pytest.mark.parametrize('argv,n,ks', [
+    (['--model', 'whisper_tiny', '--length', '3000', '--reduction_factors', '2,4'],
+     1500, [750, 375]),                                 # Whisper: ceil(frames / 2)
+    (['--model', 'speech_base', '--length', '3200'], 800, [267, 160]),  # the 4x stem
+    (['--model', 'base', '--length', '384'], 384, [128, 77])])
+def test_a_speech_models_length_is_its_frames(argv, n, ks):
+  """`--length` is the inputs' length: a speech model's kernels run at its
+  encoder's positions, the frames its stem leaves."""
+  runs = selftest._runs(selftest._parse(argv + ['--attentions', 'k_to_all']))
+  assert [(run[3], run[4]) for run in runs] == [(n, ks)]

@@ -98,7 +98,9 @@ def _parse(argv):
   p.add_argument('--model', default=None, choices=models.MODEL_PRESETS,
                  help='a preset instead of a run\'s gin files (default: base)')
   p.add_argument('--length', type=flags.at_least_one, default=None,
-                 help='input tokens n (default: the run\'s, else 384)')
+                 help='the inputs\' length: tokens, a speech model\'s audio frames '
+                      '(its encoder\'s n = ceil(frames / 4), Whisper\'s ceil(frames / 2)); '
+                      'default: the run\'s, else 384')
   p.add_argument('--reduction_factors', type=flags.number_list(
       lambda r: r >= 1, 'a reduction factor >= 1'), default=None,
                  help='with --model: CoDA\'s r (default 3, 5)')
@@ -129,9 +131,11 @@ def _parse(argv):
 
 
 def _runs(args) -> List[Tuple[Any, Any, Any, int, List[int]]]:
-  """(config, coda, acm, n, ks) of each run to test."""
+  """(config, coda, acm, n, ks) of each run to test; n the encoder's
+  positions (for audio, the frames its stem leaves)."""
   from coda_jax.measure import models  # pylint: disable=g-import-not-at-top
   from coda_jax.config import CodaConfig  # pylint: disable=g-import-not-at-top
+  from coda_jax.model import network  # pylint: disable=g-import-not-at-top
   if args.gin_file:
     from coda_jax.training import gin_utils, train_lib  # pylint: disable=g-import-not-at-top
     search = [p for p in args.gin_search_paths.split(',') if p]
@@ -139,11 +143,11 @@ def _runs(args) -> List[Tuple[Any, Any, Any, int, List[int]]]:
     train_args = gin_utils.call_arguments(train_lib.train)
     model = train_args['model']
     lengths = train_args['train_dataset_cfg'].task_feature_lengths
-    n = args.length or int(lengths['inputs'])
+    n = network.encoder_length(model.config, args.length or int(lengths['inputs']))
     ks = [model.coda.num_selected(n)] if model.routes_tokens else [n]
     return [(model.config, model.coda, getattr(model, 'acm', None), n, ks)]
   config = models.make_config(args.model or 'base', 'float32')
-  n = args.length or 384
+  n = network.encoder_length(config, args.length or 384)
   out = []
   for attention in args.attentions or ['k_to_all', 'k_to_k']:
     coda = CodaConfig(attention=attention)
