@@ -416,14 +416,8 @@ def weight_leaves(directory: str, layout: str) -> Dict[str, Leaf]:
 
 def open_hf(directory: str, fmt: str) -> Source:
   """The Hugging Face directory as {t5x path: leaf}; `fmt` is HF_SAFETENSORS or HF_PYTORCH."""
-  cfg_file = os.path.join(directory, 'config.json')
-  hf_config = None
-  if os.path.exists(cfg_file):
-    try:
-      with open(cfg_file) as f:
-        hf_config = json.load(f)
-    except ValueError as e:
-      raise CheckpointError(f'{cfg_file} is not valid JSON: {e}') from e
+  hf_config = (read_hf_config(directory)
+               if os.path.exists(os.path.join(directory, 'config.json')) else None)
   hf_leaves = weight_leaves(directory, fmt)
   leaves = {}
   for path, (name, transpose) in _map_hf_names(hf_leaves).items():
