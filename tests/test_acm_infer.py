@@ -1,6 +1,6 @@
 """A trained ACM run decoded from the command line with 'gather' inference.
 
-One subprocess (this file run as a script, XLA at optimisation level 0)
+One scenario (`script_scenario`: the commands called in this process)
 trains the README's ACM path on the quickstart task with one layer per stack
 and a few steps a phase: a dense model, then distillation, gate pre-training
 and fine-tuning at β = 0.5, each `coda-jax train` from the previous MODEL_DIR.
@@ -11,7 +11,6 @@ plus the commands that must be refused. The tests read its report.
 """
 import json
 import os
-import sys
 
 import pytest
 
@@ -92,7 +91,7 @@ def run_scenario(work: str) -> dict:
 def scenario(tmp_path_factory):
   pytest.importorskip('seqio')
   work = str(tmp_path_factory.mktemp('acm_infer'))
-  return script_scenario.run(__file__, work, timeout=1200)
+  return script_scenario.run(run_scenario, work)
 
 
 def _recorded_usage(model_dir):
@@ -157,8 +156,3 @@ def test_the_benchmark_reads_the_runs_usage(scenario):
   assert list(profile.usage_at(0.5)) == _recorded_usage(run)
   assert profile.template().capacity_factor == 1.25 and profile.template().num_learners == 4
 
-
-if __name__ == '__main__':
-  result = run_scenario(sys.argv[1])
-  with open(sys.argv[2], 'w') as f:
-    json.dump(result, f)

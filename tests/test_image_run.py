@@ -2,7 +2,7 @@
 quickstart's gin files at a tiny size, on the generated task and on a
 directory of images with a JSONL file, as users bring OCR-VQA.
 
-One subprocess (this file run as a script, XLA as `fast_xla` says) trains
+One scenario (`script_scenario`: the commands called in this process) trains
 the dense backbone a few steps, fine-tunes CoDA from it (k annealed, the
 backbone frozen), evaluates on a directory task with `coda-jax eval`,
 predicts a JSONL of images with `coda-jax infer`, draws the routing with
@@ -104,7 +104,7 @@ def run_scenario(work: str) -> dict:
 def scenario(tmp_path_factory):
   pytest.importorskip('seqio')
   work = str(tmp_path_factory.mktemp('image_run'))
-  return script_scenario.run(__file__, work, timeout=900)
+  return script_scenario.run(run_scenario, work)
 
 
 def test_backbone_then_coda_train_on_generated_images(scenario):
@@ -158,8 +158,3 @@ def test_a_text_task_for_an_image_model_is_refused(scenario):
   assert ("the model reads image patches, but task 'coda_quickstart_reverse' gives tokens"
           in err)
 
-
-if __name__ == '__main__':
-  result = run_scenario(sys.argv[1])
-  with open(sys.argv[2], 'w') as f:
-    json.dump(result, f)

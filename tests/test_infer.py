@@ -1,7 +1,7 @@
 """From a trained run to predictions: `coda-jax infer` / `coda-jax eval` on the
 MODEL_DIR the trainer wrote, and on a T5 checkpoint plus its adapter file.
 
-One subprocess (this file run as a script, XLA as `fast_xla` says)
+One scenario (`script_scenario`: the commands called in this process)
 trains the quickstart model (every parameter, as the quickstart does) for 150
 steps on a small generated task, "copy: w1 w2" -> "w1 w2" (registered there
 with `offline_tasks.offline_task`; it learns fast enough that the accuracy is
@@ -10,7 +10,6 @@ what they printed and wrote. The tests read its report.
 """
 import json
 import os
-import sys
 
 import pytest
 
@@ -108,7 +107,7 @@ def write_inputs(work: str) -> str:
 def scenario(tmp_path_factory):
   pytest.importorskip('seqio')
   work = str(tmp_path_factory.mktemp('infer'))
-  return script_scenario.run(__file__, work, timeout=600)
+  return script_scenario.run(run_scenario, work)
 
 
 def test_trainer_logs_without_a_terminal_and_says_when_finished(scenario):
@@ -190,8 +189,3 @@ def test_missing_or_mismatched_files_are_named(scenario):
   assert (rc, err) == (2, f'coda-jax eval: error: eval needs targets: {work}/inputs.txt '
                           'must be JSONL with a "targets" on every line\n')
 
-
-if __name__ == '__main__':
-  result = run_scenario(sys.argv[1])
-  with open(sys.argv[2], 'w') as f:
-    json.dump(result, f)

@@ -7,8 +7,8 @@ BEST-RQ (pretrain_bestrq.gin), CoDA r = 2 fine-tuned from it
 Adapter file builds in tests/test_router_init.py), `coda-jax eval`
 (WER per split) and `coda-jax infer` (a JSONL of audio files transcribed).
 
-One subprocess (this file run as a script, XLA as `fast_xla` says) runs the
-commands; the tests read its report.
+One scenario (`script_scenario`: the commands called in this process) runs
+them; the tests read its report.
 """
 import json
 import os
@@ -119,7 +119,7 @@ def run_scenario(work: str) -> dict:
 def scenario(tmp_path_factory):
   pytest.importorskip('seqio')
   work = str(tmp_path_factory.mktemp('speech_run'))
-  return script_scenario.run(__file__, work, timeout=900)
+  return script_scenario.run(run_scenario, work)
 
 
 def _summary(result):
@@ -175,8 +175,3 @@ def test_a_text_task_for_a_speech_model_is_refused(scenario):
   assert rc == 2
   assert 'coda_quickstart_reverse' in err and 'audio' in err
 
-
-if __name__ == '__main__':
-  result = run_scenario(sys.argv[1])
-  with open(sys.argv[2], 'w') as f:
-    json.dump(result, f)

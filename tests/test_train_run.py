@@ -1,22 +1,19 @@
 """End-to-end training runs on CPU: the quickstart gin config, a tiny T5X
 checkpoint written here, the offline task; kill + resume; NaN stop.
 
-The runs happen in one subprocess (this file run as a script) with XLA's CPU
-backend as `fast_xla` says and a compilation cache, so the three runs
-that compile the same steps compile them once; the tests read its JSON report
-and the files it left.
+The runs happen in one scenario (`script_scenario`: in this process), whose
+runs that compile the same steps find them in the run's compilation cache;
+the tests read its report and the files it left.
 """
 import contextlib
 import io
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-import fast_xla
+import script_scenario  # pylint: disable=g-bad-import-order
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(REPO, 'gin_configs', 'runs', 'quickstart.gin')
@@ -26,7 +23,7 @@ NAN_FROM_UPDATE = 15   # the 16th update gets a NaN learning rate -> step 17's l
 
 
 # ----------------------------------------------------------------------------
-# The scenario (runs in the subprocess).
+# The scenario.
 # ----------------------------------------------------------------------------
 
 
@@ -184,28 +181,7 @@ def run_scenarios(work: str) -> dict:
 def runs(tmp_path_factory):
   pytest.importorskip('seqio')
   work = str(tmp_path_factory.mktemp('train_runs'))
-  env = dict(os.environ)
-  env.update({
-      'JAX_PLATFORMS': 'cpu',
-      'XLA_FLAGS': fast_xla.with_flags(env.get('XLA_FLAGS', '')),
-      'JAX_COMPILATION_CACHE_DIR': os.path.join(work, 'jax_cache'),
-      # Cached: the programs that compile in 1 s or more (the train and
-      # evaluation steps the runs share); a smaller one compiles faster than
-      # XLA:CPU serialises it for the cache (the subprocess took 68 s
-      # instead of 90 in the suite).
-      'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '1',
-      'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
-      'TF_CPP_MIN_LOG_LEVEL': '3',
-      'PYTHONPATH': os.pathsep.join([REPO] + [p for p in [env.get('PYTHONPATH')] if p]),
-  })
-  out = os.path.join(work, 'report.json')
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), work, out], cwd=REPO,
-                        env=env, capture_output=True, text=True, timeout=900)
-  if proc.returncode != 0:
-    raise AssertionError(f'scenario failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n'
-                         f'{proc.stderr[-6000:]}')
-  with open(out) as f:
-    report = json.load(f)
+  report = script_scenario.run(run_scenarios, work)
   report['work'] = work
   return report
 
@@ -280,8 +256,3 @@ def test_nan_loss_stops_naming_step_and_last_good_checkpoint(runs):
   # A second run on the same MODEL_DIR resumes from 15 and stops at 17 again.
   assert runs['nan_error'] == message
 
-
-if __name__ == '__main__':
-  result = run_scenarios(sys.argv[1])
-  with open(sys.argv[2], 'w') as f:
-    json.dump(result, f)

@@ -7,12 +7,11 @@ and FLAC files with transcripts, CoDA r = 2 fine-tuned from the checkpoint
 eval` (WER after Whisper's English normaliser) and `coda-jax infer` (a JSONL
 of audio files transcribed, with beam search).
 
-One subprocess (this file run as a script, XLA as `fast_xla` says) runs the
-commands; the tests read its report.
+One scenario (`script_scenario`: the commands called in this process) runs
+them; the tests read its report.
 """
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -117,7 +116,7 @@ def scenario(tmp_path_factory):
   pytest.importorskip('transformers')
   pytest.importorskip('tokenizers')
   work = str(tmp_path_factory.mktemp('whisper_run'))
-  return script_scenario.run(__file__, work, timeout=900)
+  return script_scenario.run(run_scenario, work)
 
 
 def _summary(result):
@@ -169,8 +168,3 @@ def test_the_checkpoint_is_required(scenario):
   rc, _, err = scenario['no_checkpoint']
   assert rc == 2 and 'WHISPER_CHECKPOINT' in err
 
-
-if __name__ == '__main__':
-  result = run_scenario(sys.argv[1])
-  with open(sys.argv[2], 'w') as f:
-    json.dump(result, f)
