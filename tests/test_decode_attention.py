@@ -91,9 +91,11 @@ def test_kernel_is_xla(heads, kv_heads, head_dim, n, dtype, key_block, masked):
   assert plan.fits and plan.key_blocks == (1 if key_block is None else -(-n // key_block))
   assert plan.staged == (dtype == jnp.bfloat16 and kv_heads > 1 and heads // kv_heads % 8 != 0)
   call = functools.partial(kernel.decode_attention, key_block=key_block, interpret=True)
-  out = call(query, key, value, key_real)
+  # Kernel and XLA each compiled as one program (eagerly, each of their ops
+  # would be lowered and compiled on its own).
+  out = jax.jit(call)(query, key, value, key_real)
   assert out.shape == (batch, heads, head_dim) and out.dtype == dtype
-  xla = _xla(query, key, value, key_real)
+  xla = jax.jit(_xla)(query, key, value, key_real)
   reference = jax.jit(kernel.reference)(query, key, value, key_real)
   _assert_close(reference, xla, dtype)
   _assert_close(out, reference, dtype)

@@ -1,5 +1,6 @@
 """The routers' initialisation: w = 0 by default, what the run files get, and
 routing from it (every token scores the same) still picks k tokens."""
+import functools
 import glob
 import json
 import os
@@ -80,12 +81,15 @@ def test_routing_from_w_zero_picks_k_tokens_and_learns(normalizer, method):
                     soft_topk=SoftTopKConfig(method=method or 'iterative'))
   model = Transformer(tiny_config(), coda=coda)
   enc, dec_in, tgt = _batch()
-  params = flax.core.unfreeze(model.init(jax.random.PRNGKey(0), enc, dec_in, tgt,
-                                         enable_dropout=False)['params'])
+  # Each piece compiled as one program (eagerly, every op of the model would
+  # be lowered and compiled on its own).
+  init = jax.jit(functools.partial(model.init, enable_dropout=False))
+  params = flax.core.unfreeze(init(jax.random.PRNGKey(0), enc, dec_in, tgt)['params'])
   for i in range(2):
     assert np.all(np.asarray(params['encoder'][f'layers_{i}']['router']['w']) == 0)
-  _, state = model.apply({'params': params}, enc, enable_dropout=False, method=model.encode,
-                         mutable=['intermediates'])
+  _, state = jax.jit(lambda p, e: model.apply(
+      {'params': p}, e, enable_dropout=False, method=model.encode,
+      mutable=['intermediates']))(params, enc)
   for i in range(2):
     routing = state['intermediates']['encoder'][f'layers_{i}']['routing'][0]
     np.testing.assert_array_equal(routing['indices'], [[0, 1, 2, 3]] * 3)
@@ -101,7 +105,7 @@ def test_routing_from_w_zero_picks_k_tokens_and_learns(normalizer, method):
     out = model.apply({'params': p}, enc, dec_in, tgt, enable_dropout=False)
     return -jnp.mean(jnp.sum(jax.nn.log_softmax(out) * jax.nn.one_hot(tgt, out.shape[-1]), -1))
 
-  grads = jax.grad(loss)(params)
+  grads = jax.jit(jax.grad(loss))(params)
   for i in range(2):
     g = np.asarray(grads['encoder'][f'layers_{i}']['router']['w'])
     assert np.all(np.isfinite(g)) and np.abs(g).max() > 0
