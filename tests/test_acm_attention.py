@@ -220,7 +220,8 @@ def test_attention_distill_and_gate_phases():
       err = np.asarray(stats.reconstruction_error)
       # SVD-initialised: exact at k = N, error falling with k.
       assert err[-1] < 1e-9 and np.all(np.diff(err) < 0), (path, err)
-  losses = acm.aux_losses(state['intermediates'], model.acm)
+  # One program (op by op: a program per statistic's op).
+  losses = jax.jit(lambda i: acm.aux_losses(i, model.acm))(state['intermediates'])
   assert {'learners_used_mlp', 'learners_used_attention'} <= set(losses)
   grads = params_lib.flatten(_jitted(jax.grad(_phase_loss(model, enc, dec)), params))
   moving = {n for n, g in grads.items() if np.abs(np.asarray(g)).max() > 0}

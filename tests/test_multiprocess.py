@@ -3,20 +3,20 @@
 `launch/local.sh 2` runs the quickstart as two JAX processes of 2 CPU devices
 each (gloo collectives); the reference is one process with 4 CPU devices, the
 same global mesh, so the sharded math is the same. The runs share a
-compilation cache and happen in this order (one module fixture):
+compilation cache and happen in this order (one module fixture), all in one
+MODEL_DIR:
 
-  two        local.sh 2: steps 1..6, checkpoints 3 and 6, an evaluation at 6
-  killed     local.sh 2 toward step 12 (a checkpoint every 3 steps); process 1
-             is SIGKILLed once step 4 is logged
-  relaunch   local.sh 2 on killed's MODEL_DIR: resumes from its newest
+  killed     local.sh 2 toward step 12 (a checkpoint and an evaluation every
+             3 steps); process 1 is SIGKILLed once step 4 is logged
+  relaunch   local.sh 2 on the same MODEL_DIR: resumes from its newest
              complete checkpoint; two steps later process 1 gets SIGTERM (a
              preemption notice): both processes checkpoint the step they agree
              on and stop
   reference  one process (a subprocess running this file): 12 steps
-             (checkpoints 3, 6, 9, 12; evaluations at 6 and 12); then two's
-             MODEL_DIR resumed up to step 9 and killed's (from the preemption
-             checkpoint) up to step 12, both in one process; it restores the
-             checkpoints and reports their differences from its own.
+             (checkpoints and evaluations every 3); then the two processes'
+             MODEL_DIR resumed from the preemption checkpoint up to step 12 in
+             one process; it restores the checkpoints and reports their
+             differences from its own.
 """
 import json
 import os
@@ -78,7 +78,7 @@ def reference(work: str) -> dict:
     return train_lib.train(progress_bar=False)
 
   report = {'devices': jax.device_count(), 'processes': jax.process_count()}
-  full = train(_flags(os.path.join(work, 'reference'), TOTAL, 3, eval_period=6))
+  full = train(_flags(os.path.join(work, 'reference'), TOTAL, 3, eval_period=3))
   target = full.trainer.abstract_state()
   mine = checkpoints.TrainStateCheckpointer(full.checkpoint_dir, max_to_keep=None)
 
@@ -90,16 +90,12 @@ def reference(work: str) -> dict:
             'opt_state': _max_difference(a['opt_state'], b['opt_state']),
             'step': int(b['step']), 'position': pb, 'reference_position': pa}
 
-  two = os.path.join(work, 'two')
-  report['two_at_6'] = difference(two, 6)
-  # Checkpoints written by two processes, resumed in one.
-  resumed = train(_flags(two, 9, 3))
-  report['one_from_two'] = {'start_step': resumed.start_step, 'step': resumed.step,
-                            **difference(two, 9)}
-  killed = os.path.join(work, 'killed')
-  resumed = train(_flags(killed, TOTAL, 3))
+  run = os.path.join(work, 'run')
+  report['two_at_3'] = difference(run, 3)
+  # The preemption checkpoint of two processes, resumed in one.
+  resumed = train(_flags(run, TOTAL, 3))
   report['one_from_preempted'] = {'start_step': resumed.start_step, 'step': resumed.step,
-                                  **difference(killed, TOTAL)}
+                                  **difference(run, TOTAL)}
   return report
 
 
@@ -145,17 +141,6 @@ def _end(proc):
     os.killpg(proc.pid, signal.SIGKILL)
   except ProcessLookupError:
     pass
-
-
-def _launch(work, flags):
-  proc = _start(work, flags)
-  try:
-    out, err = proc.communicate(timeout=300)
-  finally:
-    _end(proc)
-  if proc.returncode != 0:
-    _fail('launch/local.sh 2', proc, out, err)
-  return out, err
 
 
 def _train_records(model_dir):
@@ -210,22 +195,19 @@ def runs(tmp_path_factory):
   pytest.importorskip('seqio')
   work = str(tmp_path_factory.mktemp('multiprocess'))
   report = {'work': work}
-  two = os.path.join(work, 'two')
-  report['two_stdout'], report['two_stderr'] = _launch(work, _flags(two, 6, 3, eval_period=6))
-  report['two'] = json.loads(report['two_stdout'].splitlines()[-1])
-  report['two_files'] = {d: sorted(os.listdir(os.path.join(two, d)))
-                         for d in ('', 'train', 'eval')}
-  killed = os.path.join(work, 'killed')
-  report['kill'] = _signal_mid_run(work, _flags(killed, TOTAL, 3), killed, KILL_AFTER,
+  run = os.path.join(work, 'run')
+  report['kill'] = _signal_mid_run(work, _flags(run, TOTAL, 3, eval_period=3), run, KILL_AFTER,
                                    signal.SIGKILL)
-  report['killed_logged'] = max(r['step'] for r in _train_records(killed))
-  report['killed_checkpoints'] = _complete_checkpoints(killed)
+  report['killed_records'] = _train_records(run)
+  report['killed_logged'] = max(r['step'] for r in report['killed_records'])
+  report['killed_checkpoints'] = _complete_checkpoints(run)
+  report['killed_files'] = {d: sorted(os.listdir(os.path.join(run, d)))
+                            for d in ('', 'train', 'eval')}
   start = report['killed_checkpoints'][-1]
-  before = len(_train_records(killed))
-  report['preempt'] = _signal_mid_run(work, _flags(killed, TOTAL, 3), killed, start + 2,
+  report['preempt'] = _signal_mid_run(work, _flags(run, TOTAL, 3), run, start + 2,
                                       signal.SIGTERM)
-  report['preempted_checkpoints'] = _complete_checkpoints(killed)
-  report['relaunch_records'] = _train_records(killed)[before:]
+  report['preempted_checkpoints'] = _complete_checkpoints(run)
+  report['relaunch_records'] = _train_records(run)[len(report['killed_records']):]
 
   env = _env(work)
   env['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=4'
@@ -250,54 +232,36 @@ def test_two_processes_train_as_one(runs):
   `local.sh 2` equal one process's on the same global mesh."""
   work = runs['work']
   assert runs['devices'] == 4 and runs['processes'] == 1
-  assert runs['two'] == {'model_dir': os.path.join(work, 'two'), 'step': 6,
-                         'start_step': 0, 'last_eval': runs['two']['last_eval']}
   reference = _losses(os.path.join(work, 'reference'))
-  records = _train_records(os.path.join(work, 'two'))
-  two = {r['step']: r['loss'] for r in records[:6]}
-  assert sorted(two) == list(range(1, 7))
-  np.testing.assert_allclose([two[s] for s in range(1, 7)],
-                             [reference[s] for s in range(1, 7)], rtol=0, atol=1e-5)
-  assert reference[6] < reference[1]
-  at_6 = runs['two_at_6']
-  assert at_6['params'] < 1e-5 and at_6['opt_state'] < 1e-5 and at_6['step'] == 6
-  # The data position is global: 6 batches of 8 examples, as in one process.
-  assert at_6['position'] == at_6['reference_position'] == {'examples': 48}
+  two = {r['step']: r['loss'] for r in runs['killed_records']}
+  assert sorted(two) == list(range(1, runs['killed_logged'] + 1))
+  np.testing.assert_allclose([two[s] for s in sorted(two)],
+                             [reference[s] for s in sorted(two)], rtol=0, atol=1e-5)
+  assert reference[TOTAL] < reference[1]
+  at_3 = runs['two_at_3']
+  assert at_3['params'] < 1e-5 and at_3['opt_state'] < 1e-5 and at_3['step'] == 3
+  # The data position is global: 3 batches of 8 examples, as in one process.
+  assert at_3['position'] == at_3['reference_position'] == {'examples': 24}
   # The evaluation (every process decodes, process 0 reports) gives the same metrics.
-  eval_two = runs['two']['last_eval']
-  with open(os.path.join(work, 'reference', 'metrics.jsonl')) as f:
-    [eval_ref] = [r for r in map(json.loads, f) if r['split'] == 'eval' and r['step'] == 6]
+  def evaluation(model_dir):
+    with open(os.path.join(model_dir, 'metrics.jsonl')) as f:
+      [found] = [r for r in map(json.loads, f) if r['split'] == 'eval' and r['step'] == 3]
+    return found
+  eval_two, eval_ref = evaluation(os.path.join(work, 'run')), evaluation(
+      os.path.join(work, 'reference'))
   assert eval_two['num_examples'] == 8
   assert eval_two['accuracy'] == eval_ref['accuracy']
 
 
 def test_only_process_0_writes_logs_and_metrics(runs):
-  two = os.path.join(runs['work'], 'two')
-  records = _train_records(two)
-  assert [r['step'] for r in records[:6]] == list(range(1, 7))  # once per step
-  files = runs['two_files']  # after the two-process run
+  # Once per step, in order, though both processes ran them.
+  assert [r['step'] for r in runs['killed_records']] == list(
+      range(1, runs['killed_logged'] + 1))
+  files = runs['killed_files']  # after the two-process run
   assert files[''] == ['adapters', 'checkpoints', 'eval', 'metrics.jsonl', 'run_config.json',
                        'train']
   for split in ('train', 'eval'):
     assert len(files[split]) == 1 and 'tfevents' in files[split][0]
-  # One result line on stdout: process 0's (process 1's output is prefixed, on stderr).
-  results = [line for line in (runs['two_stdout'] + runs['two_stderr']).splitlines()
-             if '"model_dir"' in line]
-  assert results == [runs['two_stdout'].splitlines()[-1]]
-
-
-def test_checkpoint_of_two_processes_resumes_in_one(runs):
-  work = runs['work']
-  resumed = runs['one_from_two']
-  assert resumed['start_step'] == 6 and resumed['step'] == 9
-  assert resumed['params'] < 1e-5 and resumed['opt_state'] < 1e-5
-  assert resumed['position'] == {'examples': 72}
-  reference = _losses(os.path.join(work, 'reference'))
-  records = _train_records(os.path.join(work, 'two'))
-  after = {r['step']: r['loss'] for r in records[6:]}
-  assert sorted(after) == [7, 8, 9]
-  np.testing.assert_allclose([after[s] for s in (7, 8, 9)],
-                             [reference[s] for s in (7, 8, 9)], rtol=0, atol=1e-5)
 
 
 def test_killed_process_stops_the_launch_and_a_relaunch_resumes(runs):
@@ -324,7 +288,7 @@ def test_preemption_notice_checkpoints_and_stops_every_process(runs):
   preempt = runs['preempt']
   stderr = preempt['stderr']
   assert preempt['rc'] == 143, (preempt['rc'], stderr[-3000:])
-  ckpt_dir = os.path.join(runs['work'], 'killed', 'checkpoints')
+  ckpt_dir = os.path.join(runs['work'], 'run', 'checkpoints')
   [line] = [l for l in stderr.splitlines() if l.startswith('coda-jax train: preempted')]
   step = int(line.split()[6])
   assert line == (f'coda-jax train: preempted: stopped at step {step} after saving checkpoint '
@@ -333,15 +297,15 @@ def test_preemption_notice_checkpoints_and_stops_every_process(runs):
   records = runs['relaunch_records']
   assert records[-1]['step'] == step < TOTAL
   assert runs['preempted_checkpoints'][-1] == step
-  # One process resumes from the preemption checkpoint and ends where the
-  # reference ends.
+  # One process resumes from the two processes' preemption checkpoint and
+  # ends where the reference ends.
   resumed = runs['one_from_preempted']
   assert resumed['start_step'] == step and resumed['step'] == TOTAL
   assert resumed['params'] < 1e-5 and resumed['opt_state'] < 1e-5
   assert resumed['position'] == {'examples': TOTAL * 8}
   work = runs['work']
   reference = _losses(os.path.join(work, 'reference'))
-  tail = _train_records(os.path.join(work, 'killed'))[-(TOTAL - step):]
+  tail = _train_records(os.path.join(work, 'run'))[-(TOTAL - step):]
   assert [r['step'] for r in tail] == list(range(step + 1, TOTAL + 1))
   np.testing.assert_allclose([r['loss'] for r in tail],
                              [reference[r['step']] for r in tail], rtol=0, atol=1e-5)

@@ -1,20 +1,18 @@
 """tools/router_ablation.py: its main path on a tiny budget, and its flags.
 
-The run is one subprocess (the tool's command line, XLA's CPU backend at
-optimisation level 0): a backbone of 3 steps, then soft top-k and truncation
-at r = 3 with one seed, 4 steps each. The tests read its stdout, JSON and PNG.
+The run is the tool's `main` in this process (XLA's CPU backend as the
+tests set it): a backbone of 3 steps, then soft top-k and truncation at r = 3
+with one seed, 4 steps each. The tests read its stdout, JSON and PNG.
 """
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-
-import fast_xla
 
 from coda_jax import config as config_lib
 from coda_jax.data import offline_tasks
@@ -37,16 +35,15 @@ def _tool():
 @pytest.fixture(scope='module')
 def ablation(tmp_path_factory):
   out_dir = str(tmp_path_factory.mktemp('ablation'))
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = fast_xla.with_flags(env.get('XLA_FLAGS', ''))
-  command = [sys.executable, TOOL, '--steps', '4', '--backbone_steps', '3', '--seeds', '1',
-             '--routers', ','.join(ROUTERS), '--reduction_factors', '3',
-             '--out_dir', out_dir, '--gin.K_ANNEAL_FRACTION=0',
-             '--gin.EVAL_NUM_EXAMPLES=16', '--gin.EVAL_BATCH_SIZE=16']
-  proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return out_dir, proc.stdout, proc.stderr
+  argv = ['--steps', '4', '--backbone_steps', '3', '--seeds', '1',
+          '--routers', ','.join(ROUTERS), '--reduction_factors', '3',
+          '--out_dir', out_dir, '--gin.K_ANNEAL_FRACTION=0',
+          '--gin.EVAL_NUM_EXAMPLES=16', '--gin.EVAL_BATCH_SIZE=16']
+  stdout, stderr = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    code = _tool().main(argv)
+  assert code == 0, stderr.getvalue()[-3000:]
+  return out_dir, stdout.getvalue(), stderr.getvalue()
 
 
 def _stdout_json(stdout):
@@ -228,13 +225,12 @@ def test_task_and_metric_are_checked_before_any_training(argv, message, tmp_path
   assert not (tmp_path / 'out').exists()  # nothing trained, nothing written
 
 
-def test_a_bad_metric_exits_2_naming_it(tmp_path):
-  proc = subprocess.run([sys.executable, TOOL, '--metric', 'bleu', '--out_dir',
-                         str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 2
+def test_a_bad_metric_exits_2_naming_it(tmp_path, capsys):
+  assert _tool().main(['--metric', 'bleu', '--out_dir', str(tmp_path)]) == 2
+  out, err = capsys.readouterr()
   assert ("python tools/router_ablation.py: error: --metric 'bleu' is not a metric of "
-          "'coda_routing_order_8'") in proc.stderr
-  assert proc.stdout == ''
+          "'coda_routing_order_8'") in err
+  assert out == ''
 
 
 def test_the_gin_lengths_fit_the_default_task():
