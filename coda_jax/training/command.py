@@ -160,20 +160,29 @@ def run_gin_command(command: str, args: argparse.Namespace, extra: Sequence[str]
     started = calls()
     return body(lead)
   except (gin_utils.GinError, train_lib.ConfigError, checkpoints.CheckpointError) as e:
-    print(f'coda-jax {command}: error: {gin_utils.own_message(e)}', file=sys.stderr)
+    _say(f'coda-jax {command}: error: {gin_utils.own_message(e)}')
     return 2
   except tuple(kind for kind, _ in errors) as e:  # pylint: disable=catching-non-exception
     code = next(code for kind, code in errors if isinstance(e, kind))
     prefix = 'error: ' if code != PREEMPTED_EXIT_CODE else ''
-    print(f'coda-jax {command}: {prefix}{gin_utils.own_message(e)}', file=sys.stderr)
+    _say(f'coda-jax {command}: {prefix}{gin_utils.own_message(e)}')
     return code
   except (ValueError, TypeError) as e:
     if started is None or calls() != started:
       raise  # not a configuration error: a bug, show the traceback
     # gin raised it while building the arguments (model, configs, ...).
-    print(f'coda-jax {command}: error: invalid configuration: '
-          f'{gin_utils.describe_gin_call_error(e)}', file=sys.stderr)
+    _say(f'coda-jax {command}: error: invalid configuration: '
+         f'{gin_utils.describe_gin_call_error(e)}')
     return 2
+
+
+def _say(line: str) -> None:
+  """Writes `line` and its end to stderr in one write. Every process of a
+  launch prints the same lines at once, and `print` writes a line's text and
+  its end in two parts on an unbuffered stream (PYTHONUNBUFFERED): another
+  process's line could land between them."""
+  sys.stderr.write(line + '\n')
+  sys.stderr.flush()
 
 
 def run(args: argparse.Namespace, extra: Sequence[str] = ()) -> int:
