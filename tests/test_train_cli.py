@@ -159,6 +159,42 @@ def test_the_module_prints_one_line_and_exits_2(tmp_path):
   assert proc.stdout == '' and not model_dir.exists()
 
 
+class _Writes:
+  """A stderr that keeps each `write` call's text."""
+
+  def __init__(self):
+    self.calls = []
+
+  def write(self, text):
+    self.calls.append(text)
+    return len(text)
+
+  def flush(self):
+    pass
+
+
+@pytest.mark.parametrize('error,code,line', [
+    (train_lib.PreemptedError('preempted: stopped at step 3 after saving checkpoint /x/3; run '
+                              'the same command again to resume'), 143,
+     'coda-jax train: preempted: stopped at step 3 after saving checkpoint /x/3; run the same '
+     'command again to resume'),
+    (train_lib.ConfigError('TRAIN_STEPS must be positive'), 2,
+     'coda-jax train: error: TRAIN_STEPS must be positive')])
+def test_a_stopping_line_is_one_write(monkeypatch, tmp_path, error, code, line):
+  """Every process of a launch prints its line at once (launch/local.sh
+  prefixes the others' with "[process i] "): a line written as its text and
+  then its end, as `print` does on an unbuffered stream, let another
+  process's line land between the two."""
+  def stop(*args):
+    raise error
+  monkeypatch.setattr(train_lib, 'check_options', stop)   # the first thing `train` does
+  writes = _Writes()
+  monkeypatch.setattr(sys, 'stderr', writes)
+  assert train_cli.main([f'--gin_file={RTE}', f'--gin.MODEL_DIR={tmp_path / "run"}',
+                         '--gin.INITIAL_CHECKPOINT_PATH=None']) == code
+  assert line + '\n' in writes.calls, writes.calls
+
+
 # ----------------------------------------------------------------------------
 # Packed inputs into a routed encoder.
 # ----------------------------------------------------------------------------
