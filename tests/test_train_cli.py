@@ -195,6 +195,15 @@ def test_a_stopping_line_is_one_write(monkeypatch, tmp_path, error, code, line):
   assert line + '\n' in writes.calls, writes.calls
 
 
+def test_an_unknown_flag_is_one_line_in_one_write(monkeypatch, tmp_path, no_compute):
+  writes = _Writes()
+  monkeypatch.setattr(sys, 'stderr', writes)
+  assert train_cli.main([f'--gin_file={RTE}', f'--gin.MODEL_DIR={tmp_path / "run"}',
+                         '--frobnicate']) == 2
+  assert writes.calls == ['coda-jax train: error: unrecognized arguments: --frobnicate\n']
+  assert not (tmp_path / 'run').exists()
+
+
 # ----------------------------------------------------------------------------
 # Packed inputs into a routed encoder.
 # ----------------------------------------------------------------------------

@@ -141,8 +141,7 @@ def run_gin_command(command: str, args: argparse.Namespace, extra: Sequence[str]
   overrides, rest = gin_utils.split_gin_overrides(list(extra))
   overrides = list(getattr(args, 'gin_overrides', None) or []) + overrides
   if rest:
-    print(f'coda-jax {command}: error: unrecognized arguments: {" ".join(rest)}',
-          file=sys.stderr)
+    _say(f'coda-jax {command}: error: unrecognized arguments: {" ".join(rest)}')
     return 2
   calls = calls or train_lib.train_calls
   started = None
