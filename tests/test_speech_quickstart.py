@@ -59,7 +59,7 @@ def test_prints_the_table_and_writes_the_json(quickstart):
   assert report['command'].startswith('python tools/speech_quickstart.py --backbone_steps 2')
   assert report['task'] == 'coda_quickstart_dtmf'
   assert report['input_frames'] == 160 and report['encoder_frames'] == 40
-  assert report['routing_examples'] == ROUTING_EXAMPLES
+  assert report['routing_examples'] == ROUTING_EXAMPLES and report['seed'] == 0
   assert report['machine']['cores'] >= 1 and report['machine']['jax']
   assert report['machine']['cpu'] and report['wall_seconds'] > 0
   backbone = report['backbone']
@@ -74,10 +74,11 @@ def test_prints_the_table_and_writes_the_json(quickstart):
     assert float(row.split('|')[4]) == pytest.approx(run['metrics']['wer'], abs=0.005)
   assert report['run_seconds_total'] == pytest.approx(
       backbone['seconds'] + sum(r['seconds'] for r in report['runs']), abs=0.2)
-  assert table.startswith('| run | r | k | WER (%) | seconds | tone ratio, layer 0 (max) |')
+  assert table.startswith('| run | r | k | WER (%) | seconds | kept tone : silence, layer 0 '
+                          '(tone ratio) |')
   checks = report['checks']
-  assert sorted(checks) == ['parallel_adapter_wer_at_most_10', 'r4_last_layer_tone_ratio_at_least_2',
-                            'r4_within_5_points']
+  assert sorted(checks) == ['parallel_adapter_wer_at_most_10',
+                            'r4_last_layer_kept_tone_to_silence_at_least_2', 'r4_within_5_points']
   assert all(c['ok'] in ('ok', 'miss') for c in checks.values())
   for name, check in checks.items():
     assert f'- {name}: ' in table
@@ -93,10 +94,19 @@ def test_routed_run_reports_the_tone_ratio_and_draws_it(quickstart):
     assert layer['tone_ratio'] == pytest.approx(layer['kept_tone_share'] / layer['tone_share'])
     assert 1 < layer['tone_ratio_max'] <= 1 / layer['tone_share'] + 1e-9
     assert layer['tone_ratio'] <= layer['tone_ratio_max'] + 1e-9
+    share = layer['tone_share']
+    assert layer['tone_to_silence'] == pytest.approx(share / (1 - share))
+    if layer['kept_tone_to_silence'] is not None:
+      kept = layer['kept_tone_share']
+      assert layer['kept_tone_to_silence'] == pytest.approx(kept / (1 - kept))
   last = coda['routing_tone']['encoder/layers_2']
-  check = report['checks']['r4_last_layer_tone_ratio_at_least_2']
-  assert check['value'] == pytest.approx(last['tone_ratio'], abs=1e-4)
-  assert check['ceiling'] == last['tone_ratio_max']
+  check = report['checks']['r4_last_layer_kept_tone_to_silence_at_least_2']
+  if last['kept_tone_to_silence'] is None:
+    assert check['value'] is None and check['ok'] == 'ok'
+  else:
+    assert check['value'] == pytest.approx(last['kept_tone_to_silence'], abs=1e-4)
+  assert check['deaf_router'] == pytest.approx(last['tone_to_silence'], abs=1e-4)
+  assert check['tone_ratio'] == pytest.approx(last['tone_ratio'], abs=1e-4)
   assert len(coda['figures']) == 2
   _assert_png(coda['figures'][0])
 
@@ -115,17 +125,23 @@ def test_tone_ratio_on_hand_made_routings(tool):
   tone = real & (rng.random((batch, n)) < 0.4)
   # Keeping exactly the tone frames: every kept frame is tone.
   exact = tool.tone_report(tone, tone, real)
-  assert exact['kept_tone_share'] == 1.0
+  assert exact['kept_tone_share'] == 1.0 and exact['kept_tone_to_silence'] is None
+  assert exact['tone_to_silence'] == pytest.approx(tone.sum() / (real & ~tone).sum())
   assert exact['tone_ratio'] == pytest.approx(real.sum() / tone.sum())
   assert exact['tone_ratio_max'] == pytest.approx(real.sum() / tone.sum())
   # Keeping only silence: 0; k random real frames: about 1.
-  assert tool.tone_report(real & ~tone, tone, real)['tone_ratio'] == 0.0
+  silence = tool.tone_report(real & ~tone, tone, real)
+  assert silence['tone_ratio'] == 0.0 and silence['kept_tone_to_silence'] == 0.0
   k = 10
   kept = np.zeros((batch, n), bool)
   for b in range(batch):
     kept[b, rng.choice(np.flatnonzero(real[b]), k, replace=False)] = True
   random = tool.tone_report(kept, tone, real)
   assert random['tone_ratio'] == pytest.approx(1.0, abs=0.05)
+  # A router deaf to the tones keeps them at about their odds over all frames.
+  assert random['kept_tone_to_silence'] == pytest.approx(random['tone_to_silence'], rel=0.08)
+  assert random['kept_tone_to_silence'] == pytest.approx(
+      (kept & tone).sum() / (kept & ~tone).sum())
   # The ceiling: each utterance's k kept frames tone as far as its tones go.
   best = np.minimum(tone.sum(-1), k).sum() / (batch * k)
   assert random['tone_ratio_max'] == pytest.approx(best / (tone.sum() / real.sum()))
@@ -134,6 +150,11 @@ def test_tone_ratio_on_hand_made_routings(tool):
   report = tool.tone_report(np.array([[True, False, True, True]]),
                             np.array([[True, False, False, False]]), one_real)
   assert report['kept_tone_share'] == 1.0 and report['tone_ratio'] == 2.0
+  assert report['kept_tone_to_silence'] is None and report['tone_to_silence'] == 1.0
+  # Two tone frames kept for one silence frame: 2.
+  assert tool.tone_report(np.array([[True, True, True, False]]),
+                          np.array([[True, True, False, False]]),
+                          np.array([[True] * 4]))['kept_tone_to_silence'] == 2.0
 
 
 def test_encoder_frames_read_four_input_frames(tool):
@@ -152,13 +173,14 @@ def test_encoder_frames_read_four_input_frames(tool):
   assert ((tone_enc & real).sum(-1) > 0).all() and ((~tone_enc & real).sum(-1) > 0).all()
 
 
-def _run(r, wer, ratios=None, ceiling=1.9):
+def _run(r, wer, odds=None, ceiling=1.9):
   run = {'variant': 'parallel_adapter' if r == 1 else f'coda_r{r:g}', 'reduction_factor': r,
          'k': math.ceil(40 / r), 'steps': 10, 'metrics': {'wer': wer}, 'seconds': 1.0}
-  if ratios is not None:
+  if odds is not None:
     run['routing_tone'] = {f'encoder/layers_{i}': {
-        'kept_tone_share': 0.9, 'tone_share': 0.5, 'tone_ratio': v,
-        'tone_ratio_max': ceiling} for i, v in enumerate(ratios)}
+        'kept_tone_to_silence': v, 'tone_to_silence': 1.0, 'kept_tone_share': 0.9,
+        'tone_share': 0.5, 'tone_ratio': 0.6 + i / 10, 'tone_ratio_max': ceiling}
+                           for i, v in enumerate(odds)}
   return run
 
 
@@ -166,26 +188,35 @@ def test_checks_and_table(tool):
   runs = [_run(1.0, 8.0), _run(2.0, 9.5, [1.2, 1.3, 1.3]), _run(4.0, 12.5, [1.5, 2.5, 2.1])]
   assert {k: v['ok'] for k, v in tool.checks(runs).items()} == {
       'parallel_adapter_wer_at_most_10': 'ok', 'r2_within_2_points': 'ok',
-      'r4_within_5_points': 'ok', 'r4_last_layer_tone_ratio_at_least_2': 'ok'}
+      'r4_within_5_points': 'ok', 'r4_last_layer_kept_tone_to_silence_at_least_2': 'ok'}
+  # No silence kept at all: the target holds.
+  assert tool.checks([_run(4.0, 9.0, [1.0, 1.0, None])])[
+      'r4_last_layer_kept_tone_to_silence_at_least_2'] == {
+          'value': None, 'target': 2.0, 'ok': 'ok', 'deaf_router': 1.0, 'tone_ratio': 0.8,
+          'tone_ratio_max': 1.9}
   runs = [_run(1.0, 10.5), _run(2.0, 12.6, [1.2, 1.3, 1.3]), _run(4.0, 15.4, [2.5, 2.1, 1.8])]
   checks = tool.checks(runs)
   assert {k: v['ok'] for k, v in checks.items()} == {
       'parallel_adapter_wer_at_most_10': 'miss', 'r2_within_2_points': 'miss',
-      'r4_within_5_points': 'ok', 'r4_last_layer_tone_ratio_at_least_2': 'miss'}
+      'r4_within_5_points': 'ok', 'r4_last_layer_kept_tone_to_silence_at_least_2': 'miss'}
   assert checks['r2_within_2_points']['value'] == pytest.approx(2.1)
-  assert checks['r4_last_layer_tone_ratio_at_least_2']['ceiling'] == 1.9
+  last = checks['r4_last_layer_kept_tone_to_silence_at_least_2']
+  assert (last['value'], last['deaf_router'], last['tone_ratio_max']) == (1.8, 1.0, 1.9)
   report = {'runs': runs, 'checks': checks, 'wall_seconds': 12.0,
             'machine': {'cores': 2}, 'backbone': {'steps': 100, 'seconds': 30.0}}
   lines = tool.table(report).splitlines()
   assert lines[2] == '| BEST-RQ backbone (100 steps, audio only) | - | - | - | 30 | - | - | - |'
   assert lines[3] == '| parallel_adapter | 1 | 40 | 10.50 | 1 | - | - | - |'
-  assert lines[5] == '| coda_r4 | 4 | 10 | 15.40 | 1 | 2.50 (1.90) | 2.10 (1.90) | 1.80 (1.90) |'
+  assert lines[5] == '| coda_r4 | 4 | 10 | 15.40 | 1 | 2.50 (0.60) | 2.10 (0.70) | 1.80 (0.80) |'
+  assert ('- r4_last_layer_kept_tone_to_silence_at_least_2: 1.8 (target 2): miss; a router '
+          'deaf to the tones keeps 1.00') in lines
 
 
 def test_flags(tool, capsys):
   args = tool.parse_args(['--reduction_factors', '4', '--gin.LEARNING_RATE=0.02'])
   assert list(args.reduction_factors) == [4.0]
   assert args.gin_overrides == [('LEARNING_RATE', '0.02')]
+  assert args.seed == 0 and tool.parse_args(['--seed', '3']).seed == 3
   for bad in (['--gin.REDUCTION_FACTOR=3'], ['--steps', '0'], ['--bogus']):
     with pytest.raises(SystemExit):
       tool.parse_args(bad)
@@ -206,5 +237,6 @@ def test_visualize_routing_draws_the_audio_figure(quickstart, tmp_path, capsys):
   with open(summary['numbers']) as f:
     numbers = json.load(f)
   assert [len(e['layers']['encoder/layers_2']['kept']) for e in numbers['examples']] == [10, 10]
-  assert sorted(numbers['tone']['encoder/layers_2']) == ['kept_tone_share', 'tone_ratio',
-                                                         'tone_ratio_max', 'tone_share']
+  assert sorted(numbers['tone']['encoder/layers_2']) == [
+      'kept_tone_share', 'kept_tone_to_silence', 'tone_ratio', 'tone_ratio_max', 'tone_share',
+      'tone_to_silence']

@@ -17,27 +17,31 @@ audio in minutes on a CPU, nothing to download:
    word), and for each routed layer how often its k kept encoder frames are
    tone against the tone's share of the real encoder frames (the paper's
    Figure 6 observation, for audio: routers skip silence):
-   ``tone_ratio`` = (tone frames kept / kept real frames) / (tone frames /
-   real frames), 1 for a router deaf to the tones. An encoder frame t (after
-   the 4x stem) is tone when any of the input frames 4t..4t+3 is
-   (`dtmf.tone_frames`). ``tone_ratio_max`` is the most any router could
-   reach with the same kept frames (every utterance's kept frames tone as far
-   as its tones go): at r = 4, k = 10 of the 40 encoder frames, but an
-   utterance has 26 real ones on average, half of them tone, so the ceiling
-   is well under n / k.
+   ``kept_tone_to_silence`` = kept tone frames / kept silence frames (the
+   target: at least 2 in the last routed layer at r = 4), beside
+   ``tone_to_silence``, the same over all real frames (about 1 here: what a
+   router deaf to the tones keeps), and ``tone_ratio`` = (tone frames kept /
+   kept real frames) / (tone frames / real frames), 1 for a router deaf to
+   the tones. An encoder frame t (after the 4x stem) is tone when any of the
+   input frames 4t..4t+3 is (`dtmf.tone_frames`). ``tone_ratio_max`` is the
+   most ``tone_ratio`` any router could reach with the same kept frames
+   (every utterance's kept frames tone as far as its tones go): at r = 4, k
+   = 10 of the 40 encoder frames, but an utterance has 26 real ones on
+   average, half of them tone, so that ceiling is well under n / k.
 
 Prints a markdown table and the JSON, which also goes to
 ``OUT_DIR/speech_quickstart.json`` with every run's seconds, the targets
 (ok / miss), the command and the machine.
 
   python tools/speech_quickstart.py [--backbone_steps N] [--steps N]
-      [--reduction_factors 2,4] [--out_dir DIR] [--gin.NAME=VALUE ...]
+      [--reduction_factors 2,4] [--seed N] [--out_dir DIR] [--gin.NAME=VALUE ...]
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import json
+import math
 import os
 import shlex
 import sys
@@ -70,10 +74,11 @@ ROUTING_EXAMPLES = 256
 # Each routed run draws its first utterances (`draw_utterance_routing`).
 FIGURES = 2
 # The targets: the Parallel Adapter's WER at most this; CoDA at r within the
-# points of it; the last routed layer's tone ratio at r = 4 at least this.
+# points of it; at r = 4 the last routed layer keeps at least this many tone
+# frames per silence frame.
 PARALLEL_ADAPTER_MAX_WER = 10.0
 WITHIN_POINTS = {2.0: 2.0, 4.0: 5.0}
-TONE_RATIO_TARGET = (4.0, 2.0)
+KEPT_TONE_TO_SILENCE_TARGET = (4.0, 2.0)
 # An encoder frame reads this many input frames (the 4x stem).
 STEM_FACTOR = 4
 
@@ -109,8 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help='comma-separated CoDA reduction factors (default '
                       f'{",".join(f"{r:g}" for r in REDUCTION_FACTORS)}); the Parallel '
                       'Adapter (r = 1) always runs')
+  parser.add_argument('--seed', type=int, default=SEED,
+                      help=f'RANDOM_SEED of every run: parameters and the order of the '
+                      f'training data (default {SEED})')
   parser.add_argument('--routing_examples', type=flags.at_least_one, default=ROUTING_EXAMPLES,
-                      help='validation utterances the tone ratio is measured on (default '
+                      help='validation utterances the routing is measured on (default '
                       f'{ROUTING_EXAMPLES})')
   parser.add_argument('--out_dir', default=DEFAULT_OUT_DIR,
                       help=f'where the JSON and the model directories go (default '
@@ -197,21 +205,32 @@ def routing_kept(model, params, rows: np.ndarray) -> Dict[str, Dict[str, np.ndar
   return out
 
 
-def tone_report(kept: np.ndarray, tone: np.ndarray, real: np.ndarray) -> Dict[str, float]:
+def tone_report(kept: np.ndarray, tone: np.ndarray, real: np.ndarray) -> Dict[str, Any]:
   """Over a batch of encoder frames `[batch, n'']` (kept by a router, tone,
-  real): the share of the kept real frames that are tone
-  (``kept_tone_share``), the tone's share of the real frames
-  (``tone_share``), their ratio (``tone_ratio``; 0 without tone) and the
-  ratio a router keeping tone first would reach with the same number of kept
-  real frames per utterance (``tone_ratio_max``)."""
+  real):
+
+  - ``kept_tone_to_silence``: the kept real frames that are tone against
+    those that are silence (the target's figure; None when no silence is
+    kept), and ``tone_to_silence``, the same over all real frames: what a
+    router deaf to the tones keeps on average;
+  - ``kept_tone_share``, the share of the kept real frames that are tone;
+    ``tone_share``, the tone's share of the real frames; ``tone_ratio``,
+    their ratio (1 for a router deaf to the tones; 0 without tone); and
+    ``tone_ratio_max``, the ratio a router keeping tone first would reach
+    with the same number of kept real frames per utterance."""
   kept, tone, real = (np.asarray(a, bool) for a in (kept, tone, real))
   tone = tone & real
   kept_real = kept & real
   kept_count = kept_real.sum(-1)
-  kept_share = float((kept_real & tone).sum() / max(int(kept_count.sum()), 1))
+  kept_tone = int((kept_real & tone).sum())
+  kept_silence = int(kept_count.sum()) - kept_tone
+  silence = int(real.sum()) - int(tone.sum())
+  kept_share = kept_tone / max(int(kept_count.sum()), 1)
   best = float(np.minimum(kept_count, tone.sum(-1)).sum() / max(int(kept_count.sum()), 1))
   share = float(tone.sum() / max(int(real.sum()), 1))
-  return {'kept_tone_share': kept_share, 'tone_share': share,
+  return {'kept_tone_to_silence': kept_tone / kept_silence if kept_silence else None,
+          'tone_to_silence': int(tone.sum()) / silence if silence else None,
+          'kept_tone_share': kept_share, 'tone_share': share,
           'tone_ratio': kept_share / share if share else 0.0,
           'tone_ratio_max': best / share if share else 0.0}
 
@@ -237,7 +256,7 @@ def utterance_routing(model, params, examples: Sequence[Dict[str, Any]], length:
   (`routing_kept`), ``captions``; for generated utterances (a `dtmf`
   description as ``audio``) also ``tone`` (tone encoder frames), ``reports``
   (`tone_report` per layer over all of them) and ``single`` (per layer, each
-  utterance's own tone ratio), else None, {} and {}.
+  utterance's own kept tone : silence), else None, {} and {}.
 
   Raises:
     ValueError: a model that routes nothing.
@@ -258,7 +277,8 @@ def utterance_routing(model, params, examples: Sequence[Dict[str, Any]], length:
     for name, layer in layers.items():
       reports[name] = tone_report(layer['kept'], tone, real)
       single[name] = [tone_report(layer['kept'][b:b + 1], tone[b:b + 1],
-                                  real[b:b + 1])['tone_ratio'] for b in range(len(rows))]
+                                  real[b:b + 1])['kept_tone_to_silence']
+                      for b in range(len(rows))]
   captions = [f'"{_text(ex.get("targets", ""))}"' if generated else audio_tasks.describe(ex)
               for ex in examples]
   return {'rows': rows, 'tone': tone, 'real': real, 'layers': layers, 'reports': reports,
@@ -277,7 +297,7 @@ def draw_utterance_routing(found: Mapping[str, Any], b: int, path: str, title: s
   """Utterance `b` of `utterance_routing`'s `found`: its log-mel
   spectrogram, its tone encoder frames (if known), then a strip per routed
   layer: kept frames blue (on tone) or orange (on silence), the others grey;
-  the layer's tone ratio (this utterance's, all of `found`'s) in the strip's
+  the layer's kept tone : silence (this utterance's, all of `found`'s) in the strip's
   title. A PNG at `path`."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
@@ -300,9 +320,10 @@ def draw_utterance_routing(found: Mapping[str, Any], b: int, path: str, title: s
     colours[marks] = TONE_RGBA
     if name is not None and tone is not None:
       colours[marks & ~tone[b]] = SILENCE_RGBA
-      label += (f'; tone ratio {single[name][b]:.2f} here, '
-                f'{found["reports"][name]["tone_ratio"]:.2f} over {len(rows)} utterances '
-                f'(of at most {found["reports"][name]["tone_ratio_max"]:.2f})')
+      report = found['reports'][name]
+      label += (f'; kept tone : silence {_odds(single[name][b])} here, '
+                f'{_odds(report["kept_tone_to_silence"])} over {len(rows)} utterances '
+                f'(all frames {_odds(report["tone_to_silence"])})')
     ax.imshow(colours[None], aspect='auto', interpolation='nearest',
               extent=(0, len(marks) * STEM_FACTOR, 0, 1))
     ax.set_title(label, fontsize=8, loc='left')
@@ -353,7 +374,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], started: float) -> Dict[s
   with ablation.compilation_cache(args.compilation_cache_dir):
     steps = args.backbone_steps or int(dense['TRAIN_STEPS'])
     result, seconds = ablation.train_run(
-        [('TRAIN_STEPS', str(steps)), ('RANDOM_SEED', str(SEED))] + overrides,
+        [('TRAIN_STEPS', str(steps)), ('RANDOM_SEED', str(args.seed))] + overrides,
         BACKBONE_GIN_FILE, os.path.join(out_dir, 'backbone'))
     backbone = {'steps': steps, 'train_loss': ablation._train_loss(result),  # pylint: disable=protected-access
                 'train_accuracy': _last_train(result, 'accuracy'),
@@ -366,7 +387,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], started: float) -> Dict[s
       model_dir = os.path.join(out_dir, 'runs', name)
       result, seconds = ablation.train_run(
           [('INITIAL_CHECKPOINT_PATH', repr(initial)), ('REDUCTION_FACTOR', repr(r)),
-           ('TRAIN_STEPS', str(steps)), ('RANDOM_SEED', str(SEED))] + overrides,
+           ('TRAIN_STEPS', str(steps)), ('RANDOM_SEED', str(args.seed))] + overrides,
           GIN_FILE, model_dir)
       entry = {'variant': name, 'reduction_factor': r, 'k': config_lib.coda_k(n, r),
                'steps': steps, 'metrics': ablation.eval_metrics(result),
@@ -386,7 +407,7 @@ def run(args: argparse.Namespace, argv: Sequence[str], started: float) -> Dict[s
           'command': 'python tools/speech_quickstart.py' + ''.join(
               f' {shlex.quote(a)}' for a in argv),
           'task': task, 'input_frames': length, 'encoder_frames': n,
-          'routing_examples': len(examples), 'settings': tuned,
+          'routing_examples': len(examples), 'seed': args.seed, 'settings': tuned,
           'gin_overrides': [f'--gin.{k}={v}' for k, v in overrides],
           'backbone': backbone, 'runs': runs, 'checks': checks(runs),
           'run_seconds_total': round(backbone['seconds'] + sum(r['seconds'] for r in runs), 1),
@@ -409,8 +430,9 @@ def _layer(path: str) -> int:
 def checks(runs: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
   """The targets, read off the numbers (not asserted), each {value, target,
   ok}: the Parallel Adapter's WER at most 10%; CoDA r = 2 within 2 points of
-  it, r = 4 within 5; at r = 4 the last routed layer's tone ratio at least 2
-  (with its ceiling, ``tone_ratio_max``, beside it)."""
+  it, r = 4 within 5; at r = 4 the last routed layer's kept tone frames at
+  least twice its kept silence frames (``deaf_router``: what a router deaf
+  to the tones keeps, ``tone_ratio`` and its ceiling beside it)."""
   by_r = {run['reduction_factor']: run for run in runs}
   out: Dict[str, Dict[str, Any]] = {}
   if 1.0 in by_r:
@@ -421,26 +443,37 @@ def checks(runs: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
       if r in by_r:
         gap = by_r[r]['metrics'][METRIC] - base
         out[f'r{r:g}_within_{points:g}_points'] = _check(gap, points, gap <= points)
-  r, target = TONE_RATIO_TARGET
+  r, target = KEPT_TONE_TO_SILENCE_TARGET
   if r in by_r and by_r[r].get('routing_tone'):
     last = sorted(by_r[r]['routing_tone'].items(), key=lambda kv: _layer(kv[0]))[-1][1]
-    out[f'r{r:g}_last_layer_tone_ratio_at_least_{target:g}'] = dict(
-        _check(last['tone_ratio'], target, last['tone_ratio'] >= target),
-        ceiling=last['tone_ratio_max'])
+    odds = last['kept_tone_to_silence']
+    out[f'r{r:g}_last_layer_kept_tone_to_silence_at_least_{target:g}'] = dict(
+        _check(math.inf if odds is None else odds, target, odds is None or odds >= target),
+        deaf_router=_round(last['tone_to_silence']), tone_ratio=_round(last['tone_ratio']),
+        tone_ratio_max=_round(last['tone_ratio_max']))
   return out
 
 
+def _round(value: Optional[float]) -> Optional[float]:
+  return None if value is None else round(float(value), 4)
+
+
 def _check(value: float, target: float, ok: bool) -> Dict[str, Any]:
-  return {'value': round(float(value), 4), 'target': target, 'ok': 'ok' if ok else 'miss'}
+  return {'value': None if math.isinf(value) else round(float(value), 4), 'target': target,
+          'ok': 'ok' if ok else 'miss'}
+
+
+def _odds(value: Optional[float]) -> str:
+  return 'all tone' if value is None else f'{value:.2f}'
 
 
 def table(report: Dict[str, Any]) -> str:
   """Markdown: each run's r, k, WER and seconds and, per routed layer, its
-  tone ratio (its ceiling in brackets); then the targets."""
+  kept tone : silence frames (its tone ratio in brackets); then the targets."""
   runs = report['runs']
   layers = sorted({l for run in runs for l in run.get('routing_tone', {})}, key=_layer)
   head = ['run', 'r', 'k', 'WER (%)', 'seconds'] + [
-      f'tone ratio, layer {_layer(l)} (max)' for l in layers]
+      f'kept tone : silence, layer {_layer(l)} (tone ratio)' for l in layers]
   lines = ['| ' + ' | '.join(head) + ' |', '|' + ' --- |' * len(head)]
   backbone = report['backbone']
   lines.append(f'| BEST-RQ backbone ({backbone["steps"]} steps, audio only) | - | - | - | '
@@ -449,12 +482,14 @@ def table(report: Dict[str, Any]) -> str:
     tone = run.get('routing_tone', {})
     lines.append(f'| {run["variant"]} | {run["reduction_factor"]:g} | {run["k"]} | '
                  f'{run["metrics"][METRIC]:.2f} | {run["seconds"]:.0f} | ' + ' | '.join(
-                     f'{tone[l]["tone_ratio"]:.2f} ({tone[l]["tone_ratio_max"]:.2f})'
+                     f'{_odds(tone[l]["kept_tone_to_silence"])} ({tone[l]["tone_ratio"]:.2f})'
                      if l in tone else '-' for l in layers) + ' |')
   lines.append('')
   for name, check in report['checks'].items():
-    lines.append(f'- {name}: {check["value"]:g} (target {check["target"]:g}): {check["ok"]}'
-                 + (f', ceiling {check["ceiling"]:.2f}' if 'ceiling' in check else ''))
+    value = 'all tone' if check['value'] is None else f'{check["value"]:g}'
+    lines.append(f'- {name}: {value} (target {check["target"]:g}): {check["ok"]}' + (
+        f'; a router deaf to the tones keeps {_odds(check["deaf_router"])}'
+        if 'deaf_router' in check else ''))
   lines.append(f'- wall time {report["wall_seconds"]:.0f} s on {report["machine"]["cores"]} '
                f'CPU core(s)')
   return '\n'.join(lines)

@@ -35,8 +35,10 @@ A speech model (log-mels, `coda_jax.model.speech_network`; --inputs_file then
 a JSONL of {"audio": ..}) is drawn per utterance as its log-mel spectrogram,
 a strip of its tone frames (a generated DTMF utterance) and a strip per routed
 layer marking its k kept encoder frames (4 input frames each); the titles and
-the summary give each layer's ``tone_ratio`` (tools/speech_quickstart.py
-measures and draws it, `tone_report`: the routers skip silence when it is > 1).
+the summary give each layer's kept tone frames per kept silence frame,
+``kept_tone_to_silence``, beside ``tone_to_silence`` over all frames, and
+``tone_ratio`` (tools/speech_quickstart.py measures and draws them,
+`tone_report`: the routers skip silence when ``tone_ratio`` > 1).
 """
 from __future__ import annotations
 
