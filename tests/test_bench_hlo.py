@@ -219,6 +219,54 @@ ENTRY %main (cache: bf16[64,1024], new: bf16[64,1], i: s32[], w: bf16[256,128], 
 '''
 
 
+# A decoding step's key projection fused with its write into the cache (as
+# the TPU compiler fuses Whisper's at a cache of 109 positions): the fusion's
+# root is a dynamic-update-slice (through a bitcast) into its parameter 0.
+_FUSED_UPDATE = '''HloModule m, entry_computation_layout={(bf16[64,1024]{1,0}, bf16[64,256]{1,0}, bf16[256,1]{1,0}, s32[])->bf16[64,1024]{1,0}}
+
+%fused_update (param_0: bf16[64,1024], param_1: bf16[64,256], param_2: bf16[256,1], param_3: s32[]) -> bf16[64,1024] {
+  %param_1 = bf16[64,256]{1,0:T(8,128)(2,1)} parameter(1)
+  %param_2 = bf16[256,1]{1,0:T(8,128)(2,1)} parameter(2)
+  %dot.1 = bf16[64,1]{1,0:T(8,128)(2,1)} dot(%param_1, %param_2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %bitcast.1 = bf16[64,1]{1,0:T(8,128)(2,1)} bitcast(%dot.1)
+  %param_0 = bf16[64,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %zero.1 = s32[]{:T(128)} constant(0)
+  %param_3 = s32[]{:T(128)} parameter(3)
+  %dus.1 = bf16[64,1024]{1,0:T(8,128)(2,1)} dynamic-update-slice(%param_0, %bitcast.1, %zero.1, %param_3)
+  ROOT %bitcast.2 = bf16[64,1024]{1,0:T(8,128)(2,1)} bitcast(%dus.1)
+}
+
+ENTRY %main (cache: bf16[64,1024], x: bf16[64,256], w: bf16[256,1], i: s32[]) -> bf16[64,1024] {
+  %cache = bf16[64,1024]{1,0:T(8,128)(2,1)} parameter(0)
+  %x = bf16[64,256]{1,0:T(8,128)(2,1)} parameter(1)
+  %w = bf16[256,1]{1,0:T(8,128)(2,1)} parameter(2)
+  %i = s32[]{:T(128)} parameter(3)
+  ROOT %fusion = bf16[64,1024]{1,0:T(8,128)(2,1)} fusion(%cache, %x, %w, %i), kind=kOutput, calls=%fused_update
+}
+'''
+
+
+def test_a_fusion_that_writes_its_update_into_the_cache_runs_in_place():
+  """The fusion reads x, w and the index and writes the update ([64, 1],
+  tiled as the cache: 64 x 128 lanes), not the whole cache read and written; where its
+  body also reads the cache, it is not in place and counts it whole."""
+  from coda_jax.measure import hlo_costs
+  x, w, update, cache = 64 * 256 * 2, 256 * 128 * 2, 64 * 128 * 2, 64 * 1024 * 2
+  index = 128 * 4                          # the s32 index, a (128) tile
+  assert hlo_costs.hbm_bytes(_FUSED_UPDATE) == x + w + index + update
+  read_too = _FUSED_UPDATE.replace(
+      '%dot.1 = bf16[64,1]{1,0:T(8,128)(2,1)} dot(%param_1, %param_2)',
+      '%slice.1 = bf16[64,256]{1,0:T(8,128)(2,1)} slice(%param_0), slice={[0:64], [0:256]}\n'
+      '  %dot.1 = bf16[64,1]{1,0:T(8,128)(2,1)} dot(%slice.1, %param_2)')
+  assert hlo_costs.hbm_bytes(read_too) == cache + x + w + index + cache
+  # A fusion whose root is no update: its operands and result, whole.
+  no_update = _FUSED_UPDATE.replace('ROOT %bitcast.2 = bf16[64,1024]{1,0:T(8,128)(2,1)} '
+                                    'bitcast(%dus.1)',
+                                    'ROOT %add.1 = bf16[64,1024]{1,0:T(8,128)(2,1)} '
+                                    'add(%dus.1, %param_0)')
+  assert hlo_costs.hbm_bytes(no_update) == cache + x + w + index + cache
+
+
 def test_hbm_traffic_of_an_in_place_update_and_a_prefetch_for_the_next_run():
   """A dynamic-update-slice runs in place: the update read and written
   (tiled: [64, 1] fills 64 x 128 lanes), not the whole cache. The weight is

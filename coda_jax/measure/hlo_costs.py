@@ -341,6 +341,34 @@ def _operand_reads(text: str, instructions: Mapping[str, str],
   return sizes
 
 
+def _in_place_update(text: str, instructions: Mapping[str, str],
+                     computations: Optional[Mapping[str, List[str]]]
+                     ) -> Optional[Tuple[int, int]]:
+  """For a fusion whose root is a dynamic-update-slice (or a bitcast of one)
+  into one of its parameters that nothing else in the body reads (a decoding
+  step's projection fused with its write into the cache): (that operand's
+  index, the bytes of the update, tiled as the result). XLA runs it in place,
+  the result sharing the operand's buffer: the fusion reads its other
+  operands and writes the update, as a dynamic-update-slice on its own.
+  None for any other op."""
+  m = re.search(r'calls=%?([\w.\-]+)', text)
+  if hlo_lib.opcode(text) != 'fusion' or not m or computations is None:
+    return None
+  body = computations.get(m.group(1), [])
+  if not body:
+    return None
+  root = instructions[body[-1]]            # XLA prints a computation's root last
+  while hlo_lib.opcode(root) == 'bitcast':
+    root = instructions.get(_operands(root)[0], '')
+  if hlo_lib.opcode(root) != 'dynamic-update-slice':
+    return None
+  target, update = _operands(root)[:2]
+  p = re.search(r'\sparameter\((\d+)\)', instructions.get(target, ''))
+  if not p or sum(target in _operands(instructions[i]) for i in body) != 1:
+    return None
+  return int(p.group(1)), array_bytes(_result_type(instructions[update]))
+
+
 def op_hbm_bytes(text: str, instructions: Mapping[str, str],
                  computations: Optional[Mapping[str, List[str]]] = None) -> int:
   """Bytes an op moves to or from HBM: its operands and results that are in
@@ -367,8 +395,15 @@ def op_hbm_bytes(text: str, instructions: Mapping[str, str],
     moved = array_bytes(destination)
     ends = [source, destination]
     return sum(moved for a in ends if in_hbm(a[a.find('{') + 1:]))
-  hbm = (sum(_operand_reads(text, instructions, computations))
-         + array_bytes(_result_type(text), hbm_only=True))
+  reads = _operand_reads(text, instructions, computations)
+  written = array_bytes(_result_type(text), hbm_only=True)
+  in_place = _in_place_update(text, instructions, computations) if written else None
+  if in_place is not None:
+    # The fusion computes an update and writes it into operand `index`'s
+    # buffer, in place, as a dynamic-update-slice does.
+    index, update = in_place
+    reads[index], written = 0, update
+  hbm = sum(reads) + written
   declared = re.search(r'"cost_estimate":\{[^}]*"bytes_accessed":"(\d+)"', text)
   if op == 'custom-call' and declared:
     # A Pallas kernel declares what it reads and writes (its `pl.CostEstimate`,
