@@ -17,6 +17,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -54,6 +55,10 @@ def _compile(capsys, *flags):
     ('v6e-8', 'v6e', 8, '2x4', 1),
     ('v6e-256', 'v6e', 256, '16x16', 64),
     ('v5e:4x8', 'v5e', 32, '4x8', 8),
+    ('tpu7x-8', 'tpu7x', 4, '2x2x1', 1),
+    ('tpu7x-16', 'tpu7x', 8, '2x2x2', 2),
+    ('ironwood-128', 'tpu7x', 64, '4x4x4', 16),
+    ('v7:2x2x4', 'tpu7x', 16, '2x2x4', 4),
 ])
 def test_pods_by_the_names_users_type(name, generation, chips_, topology, hosts):
   pod = chips.parse_pod(name)
@@ -69,7 +74,10 @@ def test_one_chip_pods_compile_on_one_chip_of_the_smallest_slice():
 
 
 @pytest.mark.parametrize('name,message', [
-    ('v7-8', 'unknown TPU topology'),
+    ('v9-8', 'unknown TPU topology'),
+    ('tpu7x-2', 'no tpu7x slice has 1 chips'),
+    ('tpu7x-7', 'count TensorCores'),
+    ('tpu7x:2x2', '3-D'),
     ('v4-6', 'no v4 slice has 3 chips'),
     ('v4-7', 'count TensorCores'),
     ('v5e-3', 'no v5e slice has 3 chips'),
@@ -81,10 +89,29 @@ def test_unknown_pods_are_refused_naming_what_is_known(name, message):
     chips.parse_pod(name)
 
 
+def test_a_tpu7x_chip_is_two_devices_of_half_its_hbm():
+  """Ironwood: the accelerator type counts TensorCores, JAX a device per
+  TensorCore; a program is held against one device's share of the chip."""
+  pod = chips.parse_pod('tpu7x-16')
+  assert (pod.chips, pod.devices, pod.hosts, pod.devices_per_host) == (8, 16, 2, 8)
+  assert pod.per == 'device' and pod.accelerator_type == 'tpu7x-16'
+  assert pod.describe() == 'tpu7x-16 (tpu7x 2x2x2, 8 chips, 16 devices, 2 hosts)'
+  device = pod.device
+  assert device.hbm_bytes == 96 * chips.GIB and device.name == 'tpu7x TensorCore (2 a chip)'
+  assert device.peak_flops == pytest.approx(2307e12 / 2)
+  assert device.hbm_bandwidth == pytest.approx(7380e9 / 2)
+  # A chip driven as one device is its own device.
+  for name in ('v4-8', 'v5e-4', 'v5p-8', 'v6e-4'):
+    one = chips.parse_pod(name)
+    assert one.device is one.chip and one.devices == one.chips and one.per == 'chip'
+  assert chips.by_device_kind('TPU7x') is chips.CHIPS['tpu7x']
+  assert chips.mesh_product((-1, 2), pod.devices) == (8, 2)
+
+
 def test_mesh_shapes_must_cover_the_pod():
   assert chips.mesh_product((-1, 2), 16) == (8, 2)
   assert chips.mesh_product((4, 4), 16) == (4, 4)
-  with pytest.raises(chips.TopologyError, match='has 8 devices but the pod has 16 chips'):
+  with pytest.raises(chips.TopologyError, match='has 8 devices but the pod has 16 devices'):
     chips.mesh_product((4, 2), 16)
   with pytest.raises(chips.TopologyError, match='does not divide'):
     chips.mesh_product((-1, 3), 16)
@@ -94,6 +121,7 @@ def test_chip_facts_have_sources_and_sane_values():
   for chip in chips.CHIPS.values():
     assert chip.source.startswith('https://cloud.google.com/tpu/docs/')
     assert chip.hbm_bytes >= 16 * chips.GIB
+    assert chip.devices_per_chip in (1, chip.cores_per_chip)
     # Peak FLOP/s over HBM bandwidth, the ridge point: 166 (v5p) to 560 (v6e),
     # so a unit slip (GB vs GiB, TFLOP vs FLOP) cannot pass.
     assert 150 < chip.peak_flops / chip.hbm_bandwidth < 600
@@ -474,10 +502,78 @@ def test_a_run_that_cannot_fit_exits_1_with_one_line(capsys):
   assert 'DOES NOT FIT' in out
 
 
+@needs_libtpu
+def test_a_tpu7x_slice_is_checked_per_device(capsys, tmp_path):
+  """On a tpu7x-8 (4 chips, 8 devices) the data axis spans the 8 devices;
+  each program is compiled and held against one device's 96 GiB. A batch
+  whose shards alone exceed a device is refused before compiling."""
+  from coda_jax.measure.compile import command, topology
+  devices = topology.devices(chips.parse_pod('tpu7x-8'))
+  assert len(devices) == 8 and {d.device_kind for d in devices} == {'TPU7x'}
+  # A chip's two TensorCores are next to each other.
+  assert [d.coords for d in devices[:2]] == [devices[0].coords] * 2
+  assert len(topology.devices(chips.parse_pod('tpu7x:1x1x1'))) == 2
+  out_file = tmp_path / 'report.json'
+  code = command.main(['--gin_file', QUICKSTART, '--topology', 'tpu7x-8',
+                       '--gin.MESH_SHAPE=(8, 1)', '--programs=parts', f'--out={out_file}'])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  assert out.startswith('tpu7x-8 (tpu7x 2x2x1, 4 chips, 8 devices, 1 host), per device '
+                        '(tpu7x TensorCore (2 a chip): 1154 TFLOP/s bf16, 3690 GB/s HBM')
+  assert 'of 96.00 GiB per device' in err
+  report = json.loads(out_file.read_text())
+  assert report['topology']['accelerator_type'] == 'tpu7x-8'
+  for program in report['programs']:
+    assert program['fits'] and program['hbm_bytes'] == 96 * chips.GIB
+    assert program['plan'][0]['target'] == 'tpu tpu7x'
+  code = command.main(['--gin_file', QUICKSTART, '--topology', 'tpu7x-8',
+                       '--gin.MESH_SHAPE=(8, 1)', f'--gin.BATCH_SIZE={2 ** 33}',
+                       '--programs=train', '--rungs=first'])
+  out, err = capsys.readouterr()
+  assert code == 1
+  [line] = [line for line in err.splitlines() if 'does not fit' in line]
+  assert ('needs at least 576.00 GiB of HBM per device for its parameters (0.00 GiB), '
+          'optimizer state (0.00 GiB) and batch (576.00 GiB) alone, a tpu7x TensorCore '
+          '(2 a chip) has 96.00 GiB') in line
+  assert 'a smaller batch (--gin.BATCH_SIZE=1073741824)' in line
+  assert 'a bigger topology (tpu7x-64)' in line
+  assert 'lowered in' not in err
+
+
+@needs_libtpu
+def test_a_tpu7x_tensorcore_has_the_vmem_the_chip_facts_say():
+  """A Pallas kernel whose blocks fill `Chip.vmem_bytes` of a TPU7x
+  TensorCore compiles; 8 MiB more is refused by the compiler."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import tpu as pltpu
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from coda_jax.measure.compile import topology
+  device = topology.devices(chips.parse_pod('tpu7x:1x1x1'))[0]
+  mesh = Mesh(np.array([device]), ('x',))
+
+  def compile_blocks(vmem):
+    rows = vmem // (2 * 4 * 1024)       # the input and output blocks, float32
+    call = pl.pallas_call(
+        lambda x, o: o.__setitem__(Ellipsis, x[...] * 2),
+        out_shape=jax.ShapeDtypeStruct((rows, 1024), jnp.float32),
+        in_specs=[pl.BlockSpec((rows, 1024), lambda: (0, 0))],
+        out_specs=pl.BlockSpec((rows, 1024), lambda: (0, 0)),
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=4 * vmem))
+    x = jax.ShapeDtypeStruct((rows, 1024), jnp.float32, sharding=NamedSharding(mesh, P()))
+    return jax.jit(call).lower(x).compile()
+
+  vmem = chips.CHIPS['tpu7x'].vmem_bytes
+  compile_blocks(vmem)
+  with pytest.raises(Exception, match=f'of {vmem // chips.MIB}.00M vmem'):
+    compile_blocks(vmem + 8 * chips.MIB)
+
+
 @pytest.mark.parametrize('flags,message', [
     (['--topology=v9-8'], 'unknown TPU topology'),
     (['--topology=v5e-4', '--gin.MESH_SHAPE=(8, 1)'],
-     'MESH_SHAPE (8, 1) has 8 devices but the pod has 4 chips'),
+     'MESH_SHAPE (8, 1) has 8 devices but the pod has 4 devices'),
+    (['--topology=tpu7x-8', '--gin.MESH_SHAPE=(4, 1)'],
+     'MESH_SHAPE (4, 1) has 4 devices but the pod has 8 devices'),
     (['--topology=v5e-4', '--programs=train,serve'], '--programs'),
     (['--topology=v5e-4', '--num_slices=0'], '--num_slices'),
 ])

@@ -2,14 +2,20 @@
 
 `CHIPS` holds, per TPU generation, what one chip has (HBM, peak bf16 FLOP/s,
 HBM and inter-chip interconnect bandwidth, chips per host, a TensorCore's
-VMEM) with the public page each number comes from: the one table of chip
-facts that ``coda-jax compile``, the plan (`coda_jax.plan`) and the TPU
-kernels read. `by_device_kind` finds a chip by the `device_kind` JAX gives
-its devices. `parse_pod` reads a pod as Cloud TPU names it in
-``--accelerator_type`` (`v4-32`, `v5litepod-16` / `v5e-16`, `v5p-64`, `v6e-8`:
-v4 and v5p count TensorCores, two per chip; v5e and v6e count chips) or as a
-topology (`v5e:4x4`, `v4:2x2x4`), and says which topology the TPU compiler
-is given for it.
+VMEM, the JAX devices it is) with the public page each number comes from:
+the one table of chip facts that ``coda-jax compile``, the plan
+(`coda_jax.plan`) and the TPU kernels read. `by_device_kind` finds a chip by
+the `device_kind` JAX gives its devices. `parse_pod` reads a pod as Cloud TPU
+names it in ``--accelerator_type`` (`v4-32`, `v5litepod-16` / `v5e-16`,
+`v5p-64`, `v6e-8`, `tpu7x-8`: v4, v5p and TPU7x count TensorCores, two per
+chip; v5e and v6e count chips) or as a topology (`v5e:4x4`, `v4:2x2x4`,
+`tpu7x:2x2x2`), and says which topology the TPU compiler is given for it.
+
+JAX drives a v4 or v5p chip as one device (its two TensorCores as one
+"megacore"), and a TPU7x (Ironwood) chip as two: each TensorCore is a device
+with half the chip's HBM. A compiled program's memory, flops and bytes are
+one device's, so what a program is held against is `Chip.per_device` (the
+chip itself where the chip is one device).
 
 No JAX here: this module only names things (`coda_jax.measure.compile.topology` asks
 libtpu for the devices).
@@ -36,7 +42,7 @@ class Chip:
   """One TPU chip, as Google documents it.
 
   Attributes:
-    generation: 'v4', 'v5e', 'v5p', 'v6e'.
+    generation: 'v4', 'v5e', 'v5p', 'v6e', 'tpu7x'.
     libtpu_name: the generation's name in a TPU compiler topology ('v5e:4x4').
     hbm_bytes: HBM per chip.
     peak_flops: peak dense bf16 FLOP/s per chip.
@@ -48,6 +54,9 @@ class Chip:
     chips_per_host: TPU chips per host (one JAX process) of a multi-host slice.
     single_host_chips: the largest slice that is one host.
     cores_per_chip: TensorCores per chip (2: the accelerator type counts cores).
+    devices_per_chip: JAX devices per chip: 1 where JAX drives the chip as one
+      device (v5e, v6e; v4 and v5p as a megacore), 2 on TPU7x (a device per
+      TensorCore).
     dims: 2 (a 2-D torus: v5e, v6e) or 3 (v4, v5p).
     source: the public page of the numbers.
     device_kind: `jax.Device.device_kind` of its devices ('TPU v5 lite').
@@ -55,6 +64,9 @@ class Chip:
       a kernel asks for more ("would exceed memory (size=16777216)" on v4;
       libtpu 0.0.42.1): what a Pallas kernel's blocks and resident weights
       must fit.
+    accelerator_prefix: the accelerator type's prefix ('v5litepod' for v5e),
+      the generation where empty.
+    unit: what the numbers are of, where not one chip (`per_device`).
   """
   generation: str
   libtpu_name: str
@@ -70,11 +82,36 @@ class Chip:
   source: str
   device_kind: str = ''
   vmem_bytes: int = 0
+  devices_per_chip: int = 1
+  accelerator_prefix: str = ''
+  unit: str = ''
 
   @property
   def counts_cores(self) -> bool:
     """Whether the accelerator type's number counts TensorCores (v4, v5p)."""
     return self.cores_per_chip > 1
+
+  @property
+  def per_device(self) -> 'Chip':
+    """What one JAX device of the chip has: the chip itself where JAX drives
+    it as one device; on TPU7x one TensorCore's share, half the chip's HBM,
+    peak FLOP/s and HBM bandwidth, and half its ICI and data-center network
+    links (a device's collectives are priced as if it had the chip's links
+    to itself half the time)."""
+    share = self.devices_per_chip
+    if share == 1:
+      return self
+    return dataclasses.replace(
+        self, hbm_bytes=self.hbm_bytes // share, peak_flops=self.peak_flops / share,
+        hbm_bandwidth=self.hbm_bandwidth / share, ici_bandwidth=self.ici_bandwidth / share,
+        dcn_bandwidth=None if self.dcn_bandwidth is None else self.dcn_bandwidth / share,
+        devices_per_chip=1, unit=f'{self.generation} TensorCore ({share} a chip)')
+
+  @property
+  def name(self) -> str:
+    """What a program's numbers are per, in messages: 'v5e chip', or on a
+    chip of two devices 'tpu7x TensorCore (2 a chip)'."""
+    return self.unit or f'{self.generation} chip'
 
   def as_dict(self) -> Dict[str, object]:
     return dataclasses.asdict(self)
@@ -93,7 +130,7 @@ CHIPS: Dict[str, Chip] = {
     # per 256-chip pod (25 Gb/s per chip): cloud.google.com/tpu/docs/v5e.
     'v5e': Chip('v5e', 'v5e', 16 * GIB, 197e12, 819e9, 400e9, 3.125e9, 4, 8, 1, 2,
                 'https://cloud.google.com/tpu/docs/v5e',
-                device_kind='TPU v5 lite', vmem_bytes=128 * MIB),
+                device_kind='TPU v5 lite', vmem_bytes=128 * MIB, accelerator_prefix='v5litepod'),
     # 459 TFLOP/s bf16, 95 GiB HBM at 2765 GB/s, bidirectional ICI 1200 GB/s per
     # chip, data-center network 50 Gb/s per chip, 4 chips per VM:
     # cloud.google.com/tpu/docs/v5p.
@@ -106,6 +143,20 @@ CHIPS: Dict[str, Chip] = {
     'v6e': Chip('v6e', 'v6e', 32 * GIB, 918e12, 1640e9, 800e9, 12.5e9, 4, 8, 1, 2,
                 'https://cloud.google.com/tpu/docs/v6e',
                 device_kind='TPU v6 lite', vmem_bytes=128 * MIB),
+    # TPU7x (Ironwood): 2,307 TFLOP/s bf16 (4,614 FP8), 192 GiB HBM at 7,380
+    # GB/s, bidirectional ICI 1,200 GB/s and data-center network 100 Gb/s per
+    # chip, two TensorCores a chip, 4 chips per VM (a 2x2x1 slice is one
+    # host, 2x2x2 two): cloud.google.com/tpu/docs/tpu7x. Each TensorCore is
+    # a JAX device ("two TPU devices instead of a single logical core",
+    # cloud.google.com/compute/docs/tpus/tpu-machines; the TPU compiler's
+    # tpu7x:2x2x1 has 8 devices of kind 'TPU7x', libtpu 0.0.42.1). VMEM per
+    # TensorCore: 64 MiB, as jax's jax/_src/tpu_info.py records it (no Cloud
+    # page gives it) and as the compiler says of a kernel that asks for more
+    # ("Used 72.00M of 64.00M vmem", tests/test_compile.py).
+    'tpu7x': Chip('tpu7x', 'tpu7x', 192 * GIB, 2307e12, 7380e9, 1200e9, 12.5e9, 4, 4, 2, 3,
+                  'https://cloud.google.com/tpu/docs/tpu7x; devices: '
+                  'https://cloud.google.com/compute/docs/tpus/tpu-machines',
+                  device_kind='TPU7x', vmem_bytes=64 * MIB, devices_per_chip=2),
 }
 
 
@@ -119,7 +170,8 @@ def by_device_kind(kind: Optional[str]) -> Optional[Chip]:
 
 # Prefixes of the accelerator types users type, by generation.
 _ALIASES = {'v4': 'v4', 'v5e': 'v5e', 'v5litepod': 'v5e', 'v5lite': 'v5e', 'v5p': 'v5p',
-            'v6e': 'v6e', 'trillium': 'v6e'}
+            'v6e': 'v6e', 'trillium': 'v6e', 'tpu7x': 'tpu7x', 'v7x': 'tpu7x', 'v7': 'tpu7x',
+            'tpu7': 'tpu7x', 'ironwood': 'tpu7x'}
 _ACCELERATOR_TYPE = re.compile(r'^([a-z0-9]+)-(\d+)$')
 _TOPOLOGY = re.compile(r'^([a-z0-9]+):(\d+(?:x\d+){1,2})$')
 
@@ -150,6 +202,23 @@ class Pod:
     return self.chips * self.num_slices
 
   @property
+  def devices(self) -> int:
+    """JAX devices of the whole pod: a mesh's product (two a chip on TPU7x)."""
+    return self.total_chips * self.chip.devices_per_chip
+
+  @property
+  def per(self) -> str:
+    """What a program's figures are per, in messages: 'chip', or 'device'
+    where a chip is more than one."""
+    return 'chip' if self.chip.devices_per_chip == 1 else 'device'
+
+  @property
+  def device(self) -> Chip:
+    """What one of the pod's JAX devices has (`Chip.per_device`): what each
+    compiled program is held against."""
+    return self.chip.per_device
+
+  @property
   def hosts(self) -> int:
     """Hosts (JAX processes) of the whole pod."""
     return self.num_slices * max(1, math.ceil(self.chips / self.chips_per_host))
@@ -163,15 +232,27 @@ class Pod:
     return self.chip.chips_per_host
 
   @property
+  def devices_per_host(self) -> int:
+    """JAX devices one host drives."""
+    return self.chips_per_host * self.chip.devices_per_chip
+
+  @property
   def accelerator_type(self) -> str:
     """The Cloud TPU accelerator type of one slice ('v4-32', 'v5litepod-16')."""
-    prefix = 'v5litepod' if self.chip.generation == 'v5e' else self.chip.generation
-    return f'{prefix}-{self.chips * self.chip.cores_per_chip}'
+    return accelerator_type(self.chip, self.chips)
 
   def describe(self) -> str:
     slices = f' x {self.num_slices} slices' if self.num_slices > 1 else ''
+    devices = (f', {self.devices} devices' if self.chip.devices_per_chip > 1 else '')
     return (f'{self.accelerator_type} ({self.chip.generation} {self.topology}, '
-            f'{self.chips} chips{slices}, {self.hosts} host{"s" * (self.hosts > 1)})')
+            f'{self.chips} chips{slices}{devices}, {self.hosts} '
+            f'host{"s" * (self.hosts > 1)})')
+
+
+def accelerator_type(chip: Chip, chips: int) -> str:
+  """The Cloud TPU accelerator type of a slice of `chips` chips ('v4-32',
+  'v5litepod-16', 'tpu7x-8')."""
+  return f'{chip.accelerator_prefix or chip.generation}-{chips * chip.cores_per_chip}'
 
 
 def _topology_of(chips: int, dims: int) -> Optional[str]:
@@ -191,7 +272,7 @@ def _topology_of(chips: int, dims: int) -> Optional[str]:
 
 def known_names() -> str:
   return ('an accelerator type such as v4-32, v5litepod-16 (or v5e-16), v5p-64, v6e-8, '
-          'or a topology such as v5e:4x4, v4:2x2x4')
+          'tpu7x-8, or a topology such as v5e:4x4, v4:2x2x4, tpu7x:2x2x2')
 
 
 def parse_pod(name: str, num_slices: int = 1) -> Pod:
@@ -252,8 +333,8 @@ def _pod(name: str, chip: Chip, chips: int, topology: str, num_slices: int) -> P
 
 
 def mesh_product(mesh_shape: Tuple[int, ...], devices: int) -> Tuple[int, ...]:
-  """`MESH_SHAPE` with its -1 resolved against `devices`, checked to cover
-  them exactly.
+  """`MESH_SHAPE` with its -1 resolved against the pod's `devices` (JAX
+  devices: a chip each, two a chip on TPU7x), checked to cover them exactly.
 
   Raises:
     TopologyError: a shape whose product is not `devices`.
@@ -266,9 +347,9 @@ def mesh_product(mesh_shape: Tuple[int, ...], devices: int) -> Tuple[int, ...]:
   if -1 in shape:
     if devices % known:
       raise TopologyError(f'MESH_SHAPE {tuple(mesh_shape)} does not divide the pod\'s '
-                          f'{devices} chips')
+                          f'{devices} devices')
     shape[shape.index(-1)] = devices // known
   if math.prod(shape) != devices:
     raise TopologyError(f'MESH_SHAPE {tuple(shape)} has {math.prod(shape)} devices but the '
-                        f'pod has {devices} chips: make its product {devices}')
+                        f'pod has {devices} devices: make its product {devices}')
   return tuple(shape)

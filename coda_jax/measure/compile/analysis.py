@@ -188,8 +188,9 @@ def check_arguments(name: str, arguments: ArgumentBytes, chip: Chip) -> None:
   if arguments.total > chip.hbm_bytes:
     raise DoesNotFitError(
         f'its {arguments.describe()} alone take {arguments.total / GIB:.2f} GiB per '
-        f'chip, more than a {chip.generation} chip\'s {chip.hbm_bytes / GIB:.2f} GiB of '
-        'HBM', program=name, needed=arguments.total, arguments=arguments)
+        f'{"chip" if not chip.unit else "device"}, more than a {chip.name}\'s '
+        f'{chip.hbm_bytes / GIB:.2f} GiB of HBM', program=name, needed=arguments.total,
+        arguments=arguments)
 
 
 def roofline_seconds(flops: float, hbm_bytes: float, chip: Chip) -> float:

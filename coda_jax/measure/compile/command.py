@@ -76,7 +76,8 @@ UNNEEDED_MACROS = ('MODEL_DIR', 'INITIAL_CHECKPOINT_PATH')
 def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument('--topology', required=True,
                       help='the pod: an accelerator type (v4-32, v5litepod-16 or v5e-16, '
-                      'v5p-64, v6e-8) or a topology (v5e:4x4, v4:2x2x4)')
+                      'v5p-64, v6e-8, tpu7x-8) or a topology (v5e:4x4, v4:2x2x4, '
+                      'tpu7x:2x2x2); on TPU7x a chip is two devices, a mesh counts both')
   parser.add_argument('--num_slices', type=int, default=1,
                       help='slices joined by the data-center network (Multislice)')
   parser.add_argument('--programs', default=','.join(PROGRAM_KINDS),
@@ -160,7 +161,7 @@ def suggestion(needed: Optional[int], pod, mesh_shape: Sequence[int], batch: int
   """
   from coda_jax.plan import chips as chips_lib  # pylint: disable=g-import-not-at-top
   data, model = (int(d) for d in mesh_shape)
-  hbm = pod.chip.hbm_bytes
+  hbm = pod.device.hbm_bytes
   options = []
   factor = (needed or 2 * hbm) / hbm
   # The model axis grown by the power of 2 that covers what is missing (as
@@ -184,8 +185,7 @@ def suggestion(needed: Optional[int], pod, mesh_shape: Sequence[int], batch: int
       options.append(f'a smaller batch (--gin.{batch_macro}={smaller})')
   more = 2 ** max(1, math.ceil(math.log2(max(factor, 1.0))))
   try:
-    name = chips_lib.parse_pod(
-        f'{pod.chip.generation}-{pod.chips * more * pod.chip.cores_per_chip}')
+    name = chips_lib.parse_pod(chips_lib.accelerator_type(pod.chip, pod.chips * more))
     # More chips as more data replicas leave each chip's parameters as they
     # are: where those alone do not fit, the new chips widen the model axis.
     mesh = '' if state_fits else f' with --gin.MESH_SHAPE="({data}, {model * more})"'
@@ -201,13 +201,13 @@ def does_not_fit_line(name: str, needed: Optional[int], pod, advice: str,
   its `arguments`, an `analysis.ArgumentBytes`, alone where the verdict
   comes from them, before compiling), what the chip has, what to change."""
   if arguments is not None:
-    needs = (f'needs at least {gib(needed)} GiB of HBM per chip for its '
+    needs = (f'needs at least {gib(needed)} GiB of HBM per {pod.per} for its '
              f'{arguments.describe()} alone')
   else:
     needs = (f'needs {gib(needed)} GiB of HBM' if needed else 'does not fit in the HBM'
-             ) + ' per chip'
-  return (f'{name} does not fit: it {needs}, a {pod.chip.generation} chip has '
-          f'{gib(pod.chip.hbm_bytes)} GiB; use {advice}')
+             ) + f' per {pod.per}'
+  return (f'{name} does not fit: it {needs}, a {pod.device.name} has '
+          f'{gib(pod.device.hbm_bytes)} GiB; use {advice}')
 
 
 def table(reports: Sequence[Dict[str, Any]], pod) -> str:
@@ -216,10 +216,10 @@ def table(reports: Sequence[Dict[str, Any]], pod) -> str:
           f'{"TFLOP":>8} {"traffic GB":>10} {"XLA GB":>8} {"roofline ms":>11} {"bound":>6} '
           f'{"MFU":>6} '
           f'{"collectives (kind@axes: count, MB sent)":<44} {"coll. ms":>8}')
-  lines = [f'{pod.describe()}, per chip ({pod.chip.generation}: '
-           f'{pod.chip.peak_flops / 1e12:.0f} TFLOP/s bf16, '
-           f'{pod.chip.hbm_bandwidth / 1e9:.0f} GB/s HBM, '
-           f'{pod.chip.ici_bandwidth / 1e9:.0f} GB/s ICI); the TPU compiler\'s model of the '
+  lines = [f'{pod.describe()}, per {pod.per} ({pod.device.name}: '
+           f'{pod.device.peak_flops / 1e12:.0f} TFLOP/s bf16, '
+           f'{pod.device.hbm_bandwidth / 1e9:.0f} GB/s HBM, '
+           f'{pod.device.ici_bandwidth / 1e9:.0f} GB/s ICI); the TPU compiler\'s model of the '
            'chip, not a measurement; roofline on HBM traffic (traffic GB), XLA\'s '
            'bytes accessed (XLA GB) beside it', head, '-' * len(head)]
   for r in reports:
@@ -265,13 +265,13 @@ def _check_arguments(run, pod, log) -> Tuple[List[Any], Optional[List[Any]]]:
     arguments = programs_lib.argument_bytes(program)
     sizes.append(arguments)
     try:
-      analysis.check_arguments(program.name, arguments, pod.chip)
+      analysis.check_arguments(program.name, arguments, pod.device)
     except analysis.DoesNotFitError as e:
       failed.append((program, None, e, None))
   if not failed:
     return sizes, None
   log(f'compiling nothing: the arguments of {len(failed)} of {len(run.programs)} programs '
-      f'alone exceed a {pod.chip.generation} chip\'s {gib(pod.chip.hbm_bytes)} GiB of HBM')
+      f'alone exceed a {pod.device.name}\'s {gib(pod.device.hbm_bytes)} GiB of HBM')
   return sizes, failed
 
 
@@ -306,7 +306,7 @@ def _compile_all(run, pod, devices, log, jobs: int = 1) -> List[Any]:
       lowered, plans[i] = programs_lib.lower_with_plans(program)
       log(f'{tag(i, program)}: lowered in {time.perf_counter() - start:.1f} s; compiling '
           f'for {pod.accelerator_type}')
-      pending[pool.submit(analysis.compile_program, program.name, lowered, pod.chip)] = i
+      pending[pool.submit(analysis.compile_program, program.name, lowered, pod.device)] = i
     done = {}
     for future in futures.as_completed(pending):
       i = pending[future]
@@ -319,10 +319,10 @@ def _compile_all(run, pod, devices, log, jobs: int = 1) -> List[Any]:
         continue
       slice_order = None if slices is None else [
           slices[devices.index(d)] for d in program.mesh.devices.flat]
-      report = analysis.analyze(program.name, compiled, seconds, pod.chip, program.mesh,
+      report = analysis.analyze(program.name, compiled, seconds, pod.device, program.mesh,
                                 program.model_flops, slice_order)
       log(f'{tag(i, program)}: compiled in {seconds:.1f} s; needs '
-          f'{gib(report.memory.needed)} of {gib(report.hbm_bytes)} GiB per chip')
+          f'{gib(report.memory.needed)} of {gib(report.hbm_bytes)} GiB per {pod.per}')
       done[i] = (program, report, None, plans[i])
   return [done[i] for i in sorted(done)]
 
@@ -391,7 +391,7 @@ def _failed_row(program, error, pod) -> Dict[str, Any]:
   return {'name': program.name, 'kind': program.kind, 'details': program.details,
           'fits': False, 'compiler_error': None if by_arguments else str(error),
           'not_compiled': str(error) if by_arguments else None,
-          'hbm_bytes': pod.chip.hbm_bytes,
+          'hbm_bytes': pod.device.hbm_bytes,
           'memory': {'needed': error.needed, 'arguments': arguments, 'temporaries': None},
           'flops': None, 'bytes_accessed': None, 'hbm_traffic': None,
           'roofline_seconds': None, 'traffic_roofline_seconds': None, 'bound': '-',
@@ -451,7 +451,7 @@ def _report(run_, pod, results, arguments, args: argparse.Namespace, log) -> int
                                         None if error is None else error.arguments))
   infer = next((r for r in rows if r['kind'] == 'infer'), None)
   if infer is not None:
-    _decoding_roofline(rows, infer['details']['lengths']['targets'], pod.chip.peak_flops)
+    _decoding_roofline(rows, infer['details']['lengths']['targets'], pod.device.peak_flops)
   print(table(rows, pod))
   lines = plan_lines(named_plans)
   if lines:

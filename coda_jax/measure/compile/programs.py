@@ -320,17 +320,17 @@ def resolved_decoder_plan(model, mesh, rules, length: int, batch: int, beams: in
 def check_mesh(name: str, mesh_shape: Sequence[int], pod: Pod) -> tuple:
   """`mesh_shape` resolved for the pod, or `ConfigError` naming the macro."""
   try:
-    return chips_lib.mesh_product(tuple(mesh_shape), pod.total_chips)
+    return chips_lib.mesh_product(tuple(mesh_shape), pod.devices)
   except chips_lib.TopologyError as e:
     raise ConfigError(f'{name}: {e}') from e
 
 
 def _mesh_warnings(mesh_shape: Sequence[int], pod: Pod) -> List[str]:
   model_axis = int(mesh_shape[1])
-  if model_axis > pod.chips_per_host:
+  if model_axis > pod.devices_per_host:
     return [f'MESH_SHAPE {tuple(mesh_shape)}: the model axis ({model_axis}) is wider than one '
-            f'host\'s {pod.chips_per_host} chips of {pod.accelerator_type}: its collectives '
-            'cross hosts']
+            f'host\'s {pod.devices_per_host} devices of {pod.accelerator_type}: its '
+            'collectives cross hosts']
   return []
 
 
@@ -414,7 +414,7 @@ def _train_programs(model, args: Dict[str, Any], train_cfg, lengths, devices,
                         args['trainable_params'] == 'all')
     out.append(Program(
         name, TRAIN, lambda r=rung: trainer.lower_step(r, batch), mesh,
-        None if total is None else total / pod.total_chips,
+        None if total is None else total / pod.devices,
         {'batch_size': train_cfg.batch_size, 'lengths': dict(lengths), 'k': k,
          'rung': rung, 'rungs': rungs},
         lambda: (trainer.abstract_state(), trainer.abstract_batch(batch)),
@@ -438,7 +438,7 @@ def _infer_programs(model, args: Dict[str, Any], devices, pod: Pod) -> List[Prog
   rows = batch * beams
   costs = decode_flops(model, n, steps, batch, beams)
   per_chip = lambda key: None if costs is None else (
-      costs[key] * (batch if key == 'encoder' else 1) / pod.total_chips)
+      costs[key] * (batch if key == 'encoder' else 1) / pod.devices)
   details = {'batch_size': batch, 'lengths': dict(lengths), 'decoding': args['decoding'],
              'num_beams': args['num_beams'] if args['decoding'] == 'beam' else 1}
   inputs = params_lib.encoder_input_spec(model.config, batch, n)

@@ -7,7 +7,9 @@ TPU compiler. This module is the only one in coda_jax that loads libtpu
 (installed by the `tpu` extra: ``pip install -e ".[tpu]"``).
 
 * v4 and v5p chips have two TensorCores; they are asked for as one device
-  per chip (megacore), as JAX runs them on a pod.
+  per chip (megacore), as JAX runs them on a pod. A TPU7x chip's two
+  TensorCores are two devices (no megacore), next to each other in the
+  compiler's list.
 * libtpu takes a lock file while it is loaded; a second process that loads
   it at the same time (e.g. parallel test workers) needs
   ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``, which `devices` sets unless the
@@ -56,8 +58,8 @@ def check_compiler() -> None:
 
 
 def devices(pod: Pod) -> List[jax.Device]:
-  """The compile-only devices of `pod`, one per chip, slice after slice in
-  the order JAX lists a pod's devices.
+  """The compile-only devices of `pod` (`Pod.devices`: one per chip, two on
+  TPU7x), slice after slice in the order JAX lists a pod's devices.
 
   A one-chip pod is the first chip of the smallest slice.
   """
@@ -77,10 +79,10 @@ def devices(pod: Pod) -> List[jax.Device]:
     raise TopologyError(f'the TPU compiler does not know the topology {name}: {first}') from e
   found = list(described.devices)
   if pod.chips == 1:
-    return found[:1]
-  if len(found) != pod.total_chips:
+    return found[:pod.chip.devices_per_chip]
+  if len(found) != pod.devices:
     raise TopologyError(f'the TPU compiler gave {len(found)} devices for {pod.describe()}, '
-                        f'expected {pod.total_chips}')
+                        f'expected {pod.devices}')
   return found
 
 
