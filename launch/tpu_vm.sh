@@ -25,8 +25,9 @@
 #      compile command's status; --skip_compile_check skips this step.
 #      PYTHON is the interpreter (default python3);
 #   1. reuse the TPU VM NAME, or create it when it does not exist and
-#      --accelerator_type is given (--version, default tpu-ubuntu2204-base;
-#      --spot for a Spot VM);
+#      --accelerator_type is given (--version, default tpu-ubuntu2204-base,
+#      or v2-alpha-tpu7-ubuntu2404 for a TPU7x type such as tpu7x-8; --spot
+#      for a Spot VM);
 #   2. pack this repository (git's tracked and untracked-but-not-ignored
 #      files), copy it to every worker as ~/coda_jax and install it there with
 #      pip (`-e ~/coda_jax[data,tpu]`: the `tpu` extra pins jax[tpu] to the
@@ -65,7 +66,7 @@ die() {
   exit 2
 }
 
-tpu="" zone="" project="" accelerator_type="" version="tpu-ubuntu2204-base"
+tpu="" zone="" project="" accelerator_type="" version=""
 spot=0 logs="" skip_setup=0 skip_compile_check=0 skip_selftest=0 dry_run=0
 train_flags=()
 while [ $# -gt 0 ]; do
@@ -149,6 +150,13 @@ fi
 
 # 1. The TPU VM.
 describe="$(words "${tpu_vm[@]}" describe "$tpu" "${where[@]}") >/dev/null"
+if [ -z "$version" ]; then
+  # The TPU7x (Ironwood) VMs' runtime differs from the older chips'.
+  case "$accelerator_type" in
+    tpu7x-*) version="v2-alpha-tpu7-ubuntu2404" ;;
+    *) version="tpu-ubuntu2204-base" ;;
+  esac
+fi
 if [ -n "$accelerator_type" ]; then
   create=("${tpu_vm[@]}" create "$tpu" "${where[@]}" --accelerator-type="$accelerator_type"
           --version="$version")

@@ -109,6 +109,21 @@ def test_tpu_vm_dry_run_golden(fake_tools, tmp_path):
     assert subprocess.run(['bash', '-n', '-c', line]).returncode == 0, line
 
 
+def test_tpu_vm_creates_a_tpu7x_slice_with_its_runtime(fake_tools):
+  """A TPU7x (Ironwood) VM runs its own runtime; the compile check is for
+  the same accelerator type."""
+  env, _ = fake_tools
+  proc = _run([TPU_VM, '--dry-run', '--tpu=coda-v7', '--zone=us-central1-c',
+               '--accelerator_type=tpu7x-16', *FLAGS], env)
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert 'coda_jax.cli compile --topology=tpu7x-16 ' in lines[0]
+  assert ' --accelerator-type=tpu7x-16 --version=v2-alpha-tpu7-ubuntu2404' in lines[1]
+  proc = _run([TPU_VM, '--dry-run', '--tpu=coda-v7', '--zone=us-central1-c',
+               '--accelerator_type=tpu7x-16', '--version=my-runtime', *FLAGS], env)
+  assert ' --version=my-runtime' in proc.stdout.splitlines()[1]
+
+
 def test_tpu_vm_installs_the_tested_jax(fake_tools):
   """The workers install the `tpu` extra, whose jax[tpu] pyproject.toml pins
   (tests/test_dependencies.py), and no jax[tpu] of the day; then train."""
