@@ -57,7 +57,7 @@ class Chip:
     devices_per_chip: JAX devices per chip: 1 where JAX drives the chip as one
       device (v5e, v6e; v4 and v5p as a megacore), 2 on TPU7x (a device per
       TensorCore).
-    dims: 2 (a 2-D torus: v5e, v6e) or 3 (v4, v5p).
+    dims: 2 (a 2-D torus: v5e, v6e) or 3 (v4, v5p, TPU7x).
     source: the public page of the numbers.
     device_kind: `jax.Device.device_kind` of its devices ('TPU v5 lite').
     vmem_bytes: VMEM of one TensorCore, as the TPU compiler reports it when
