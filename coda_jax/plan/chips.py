@@ -108,6 +108,12 @@ class Chip:
         devices_per_chip=1, unit=f'{self.generation} TensorCore ({share} a chip)')
 
   @property
+  def per(self) -> str:
+    """What the figures are per, in messages: 'chip', or 'device' for one
+    device's share (`per_device` of a chip of two devices)."""
+    return 'device' if self.unit else 'chip'
+
+  @property
   def name(self) -> str:
     """What a program's numbers are per, in messages: 'v5e chip', or on a
     chip of two devices 'tpu7x TensorCore (2 a chip)'."""
@@ -210,7 +216,7 @@ class Pod:
   def per(self) -> str:
     """What a program's figures are per, in messages: 'chip', or 'device'
     where a chip is more than one."""
-    return 'chip' if self.chip.devices_per_chip == 1 else 'device'
+    return self.device.per
 
   @property
   def device(self) -> Chip:

@@ -188,7 +188,7 @@ def check_arguments(name: str, arguments: ArgumentBytes, chip: Chip) -> None:
   if arguments.total > chip.hbm_bytes:
     raise DoesNotFitError(
         f'its {arguments.describe()} alone take {arguments.total / GIB:.2f} GiB per '
-        f'{"chip" if not chip.unit else "device"}, more than a {chip.name}\'s '
+        f'{chip.per}, more than a {chip.name}\'s '
         f'{chip.hbm_bytes / GIB:.2f} GiB of HBM', program=name, needed=arguments.total,
         arguments=arguments)
 
