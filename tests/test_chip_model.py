@@ -182,6 +182,49 @@ def test_decode_steps_goes_with_chip(capsys):
   assert '--decode_steps goes with --chip' in capsys.readouterr().err
 
 
+
+def test_a_tpu7x_chip_runs_half_the_batch_on_each_tensorcore(run, tmp_path):
+  """--chip tpu7x: a chip of two TensorCores (two JAX devices). Each program
+  is compiled for one of them at half the chip's batch and priced at its
+  half of the chip's peak and bandwidth, so the times are the chip's; the
+  bytes, flops and the step's byte floor are one TensorCore's."""
+  out = tmp_path / 'tpu7x.json'
+  argv = [{'v5e': 'tpu7x', 'k_to_all,k_to_k': 'k_to_all'}.get(a, a) for a in ARGV]
+  assert decoding_latency.main([*argv, '--out', str(out)]) == 0
+  result = json.loads(out.read_text())
+  meta = result['meta']
+  assert (meta['chip'], meta['batch_size'], meta['device_batch'],
+          meta['devices_per_chip']) == ('tpu7x', BATCH, BATCH // 2, 2)
+  [task] = result['tasks']
+  assert (task['batch_size'], task['device_batch']) == (BATCH, BATCH // 2)
+  core = chips.CHIPS['tpu7x'].per_device
+  assert core.peak_flops == chips.CHIPS['tpu7x'].peak_flops / 2
+  *encoders, prefill, step = task['programs']
+  for row, enc in zip(task['variants'], encoders):
+    for stage, program in (('encoder', enc), ('prefill', prefill), ('step', step)):
+      assert program['generation'] == 'tpu7x'
+      assert row['roofline_ms'][stage] == pytest.approx(1e3 * max(
+          program['flops'] / core.peak_flops, program['hbm_traffic'] / core.hbm_bandwidth))
+  # One TensorCore's step: the floor of half the rows, its analytic flops too.
+  config = models.make_config('tiny', 'bfloat16')
+  kv_row = 2 * config.num_decoder_layers * config.kv_heads * config.head_dim * 2
+  assert task['step_floor']['self_cache'] == (BATCH // 2) * (T + 1) * kv_row
+  [v5e] = run[1]['tasks']
+  assert task['step_floor']['self_cache'] == v5e['step_floor']['self_cache'] / 2
+  assert step['model_flops'] == v5e['programs'][-1]['model_flops'] / 2
+  assert encoders[0]['model_flops'] == v5e['programs'][0]['model_flops'] / 2
+  assert step['loops'] == 0 and 1.0 <= task['step_over_floor']
+  from coda_jax.measure.bench import chip_model  # pylint: disable=g-import-not-at-top
+  assert '(2 on each of its 2 TensorCores; GB and flops per TensorCore)' in (
+      chip_model.format_table(result).splitlines()[0])
+
+
+def test_a_tpu7x_batch_must_split_over_its_two_tensorcores(capsys):
+  argv = [{'v5e': 'tpu7x', str(BATCH): '3'}.get(a, a) for a in ARGV]
+  assert decoding_latency.main([*argv, '--out', '']) == 2
+  assert ('--batch_size: batch 3 does not split over the 2 TensorCores (JAX devices) of a '
+          'tpu7x chip; give a multiple of 2') in capsys.readouterr().err
+
 # A small model of the paper's §6 shape (multi-query attention: one key/value
 # head; half as many decoder as encoder layers; heads of 128) on BoolQ's
 # decoding (8 steps), one v4 chip: CoDA k-to-all r = 3 end to end against

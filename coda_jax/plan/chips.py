@@ -281,6 +281,18 @@ def known_names() -> str:
           'tpu7x-8, or a topology such as v5e:4x4, v4:2x2x4, tpu7x:2x2x2')
 
 
+def device_batch(generation: str, batch_size: int) -> int:
+  """The rows one JAX device of a `generation` chip runs when the chip runs
+  `batch_size`: all of them, or on TPU7x half of them on each TensorCore
+  (data parallel: inference needs no collective between them). Raises
+  ValueError where the batch does not split."""
+  share = CHIPS[generation].devices_per_chip
+  if batch_size % share:
+    raise ValueError(f'batch {batch_size} does not split over the {share} TensorCores '
+                     f'(JAX devices) of a {generation} chip; give a multiple of {share}')
+  return batch_size // share
+
+
 def parse_pod(name: str, num_slices: int = 1) -> Pod:
   """The pod `name` (an accelerator type or `generation:topology`).
 

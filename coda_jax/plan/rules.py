@@ -197,6 +197,9 @@ _XLA_ATTENTION = 'benchmarks/plan/attention/{}_{}.json'
 # were measured at n = 768 and 1664 by the roofline at the HBM traffic
 # (`--flips dispatch --measure traffic_roofline_seconds`).
 _MEASURED = (0.0, 0.34)
+# A dense layer (every token: k / n = 1).
+_DENSE = (0.99, 1.0)
+_TPU7X = 'benchmarks/plan/base_b64_n384_tpu7x.json'
 RULES: Tuple[Rule, ...] = (
     # v4: the attention and MLP kernels; one-hot dispatch, but row gathers
     # above n = 384 for k-to-all, and for k-to-k up to n = 768 at k / n
@@ -253,6 +256,21 @@ RULES: Tuple[Rule, ...] = (
     # shape, the others tied.
     Rule(DECODE_MLP, 'v6e', PALLAS, tokens=(0, 128), evidence=_DECODE_MLP.format('v6e')),
     Rule(LM_HEAD, 'v6e', PALLAS, fractions=(0.15, 1.0), evidence=_LM_HEAD.format('v6e')),
+    # TPU7x (one TensorCore, batch 64: half a chip's 128; measured by the
+    # roofline at the HBM traffic, `tools/plan_evidence.py --chip tpu7x
+    # --batch_size 64 --attentions k_to_all --measure traffic_roofline_seconds`):
+    # the attention and MLP kernels in dense layers and k-to-all routed ones,
+    # one-hot dispatch and the output kernel for k-to-all; k-to-k unmeasured
+    # (XLA's default).
+    Rule(DISPATCH, 'tpu7x', ONE_HOT, attention='k_to_all', fractions=_MEASURED,
+         evidence=_TPU7X),
+    Rule(ATTENTION, 'tpu7x', PALLAS, fractions=_DENSE, evidence=_TPU7X),
+    Rule(ATTENTION, 'tpu7x', PALLAS, attention='k_to_all', fractions=_MEASURED,
+         evidence=_TPU7X),
+    Rule(MLP, 'tpu7x', PALLAS, fractions=_DENSE, evidence=_TPU7X),
+    Rule(MLP, 'tpu7x', PALLAS, attention='k_to_all', fractions=_MEASURED, evidence=_TPU7X),
+    Rule(OUTPUT, 'tpu7x', PALLAS, attention='k_to_all', fractions=_MEASURED,
+         evidence=_TPU7X),
     # The cross-attention cache padded to whole 128-lane tiles (_KEYS).
     Rule(DECODE_KEYS, 'v4', LANE_PADDED, lengths=(128, ANY_LENGTH),
          evidence=_KEYS.format('v4')),

@@ -4,7 +4,7 @@ model of one chip, instead of this machine's clock.
 The same variants and shapes as the timed benchmark (the Parallel Adapter
 model, CoDA at each r and attention variant; `--model`, `--tasks`,
 `--batch_size`, `--dtype`), each program compiled by libtpu for one chip of
-`CHIP` (v4, v5e, v5p, v6e) on this machine, no TPU needed
+`CHIP` (v4, v5e, v5p, v6e, tpu7x) on this machine, no TPU needed
 (`compile.variant_costs`, the programs `coda-jax infer` runs):
 
   encoder   the variant's `Transformer.encode` on [batch, n] tokens;
@@ -44,6 +44,11 @@ tiled sizes, those that memory-space assignment keeps in on-chip memory left
 out, a prefetch counted once). The compiler's own `bytes accessed` counts a
 prefetched weight in the prefetch's read and write and again in the matmul
 that reads it from VMEM; the JSON keeps it beside ('compiler_gigabytes').
+
+A TPU7x chip is two JAX devices (TensorCores): each runs half the batch, so
+each program is compiled for one TensorCore at half the batch and priced at
+its half of the chip's figures; the times are the chip's, the bytes and
+flops one TensorCore's (`chips.device_batch`).
 
 A model of the chip, not a timing: it assumes peak throughput and no overlap
 of compute with memory traffic, and counts a Pallas kernel's operands as it
@@ -155,7 +160,8 @@ def measure_speech_task(config: T5Config, coda_template: CodaConfig,
           'num_beams': 1, 'speech': record, 'notes': [record['decoding']],
           'variants': variant_rows(encoders, prefill, step, config, steps,
                                    coda_template.adapter_dim,
-                                   chips.CHIPS[chip].hbm_bandwidth, flop_bounds=bounds),
+                                   chips.CHIPS[chip].per_device.hbm_bandwidth,
+                                   flop_bounds=bounds),
           'step_floor': step.floor_bytes,
           'step_over_floor': step.hbm_traffic / step.floor_bytes['total'],
           'step_compiler_bytes_over_floor': step.bytes_accessed / step.floor_bytes['total'],
@@ -187,7 +193,7 @@ def measure_task(config: T5Config, coda_template: CodaConfig, chip: str, batch_s
   return {'input_length': n, 'decode_steps': decode_steps, 'batch_size': batch_size,
           'num_beams': num_beams,
           'variants': variant_rows(encoders, prefill, step, config, decode_steps,
-                                   coda_template.adapter_dim, pod.chip.hbm_bandwidth,
+                                   coda_template.adapter_dim, pod.device.hbm_bandwidth,
                                    num_beams),
           'step_floor': step.floor_bytes,
           'step_over_floor': step.hbm_traffic / step.floor_bytes['total'],
@@ -231,7 +237,7 @@ def measure_whisper_tasks(config: T5Config, coda_template: CodaConfig, chip: str
     task = {'task': name, 'input_length': frames, 'decode_steps': steps,
             'batch_size': batch_size, 'num_beams': 1,
             'variants': variant_rows(encoders, prefill, step, config, steps,
-                                     coda_template.adapter_dim, pod.chip.hbm_bandwidth,
+                                     coda_template.adapter_dim, pod.device.hbm_bandwidth,
                                      flop_bounds=bounds),
             'step_floor': step.floor_bytes,
             'step_over_floor': step.hbm_traffic / step.floor_bytes['total'],
@@ -275,6 +281,9 @@ def format_table(result: Dict[str, Any]) -> str:
   lines = [f'model {meta["model"]}  chip {meta["chip"]} (TPU compiler cost model, not a '
            f'timing)  dtype {meta["dtype"]}  batch {meta["batch_size"]}  decoding '
            f'{_decoding(meta)}  '
+           + (f'({meta["device_batch"]} on each of its {meta["devices_per_chip"]} '
+              'TensorCores; GB and flops per TensorCore)  '
+              if meta.get('devices_per_chip', 1) > 1 else '')
            + (f'dispatch {meta["dispatch"]}  ' if meta.get('dispatch', 'auto') != 'auto' else '') +
            f'libtpu {meta["versions"].get("libtpu")}  jax {meta["versions"]["jax"]}']
   head = (f'{"variant":22} {"k":>4} {"enc ms":>8} {"pre ms":>7} {"step ms":>7} '
@@ -326,17 +335,24 @@ def format_table(result: Dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaConfig,
         batch: int, log) -> Dict[str, Any]:
-  """The `--chip` benchmark of `batch` sequences: `tasks` [(name, n, decoded
-  tokens)]; the JSON."""
+  """The `--chip` benchmark of `batch` sequences a chip: `tasks` [(name, n,
+  decoded tokens)]; the JSON. On TPU7x each of the chip's two TensorCores
+  runs half of them (`chips.device_batch`): every program is compiled
+  for one TensorCore at its half of the batch and priced at its half of the
+  chip's figures, so the times are the chip's; the bytes, flops and byte
+  floors are one TensorCore's."""
   topology.check_compiler()
   dtype = jnp.dtype(config.dtype)
+  chip_batch, batch = batch, chips.device_batch(args.chip, batch)
   beams = args.num_beams if args.decoding == 'beam' else 1
   result = {'meta': {
       'tool': 'coda_jax.measure.bench.chip_model', 'command': getattr(args, 'command_line', None),
       'date': datetime.datetime.now().isoformat(timespec='seconds'),
       'device': WHAT.format(chip=args.chip), 'chip': args.chip,
       'versions': topology.versions(), 'model': args.model, 'dtype': dtype.name,
-      'batch_size': batch, 'decoding': args.decoding, 'num_beams': beams,
+      'batch_size': chip_batch, 'device_batch': batch,
+      'devices_per_chip': chips.CHIPS[args.chip].devices_per_chip,
+      'decoding': args.decoding, 'num_beams': beams,
       'dispatch': coda_template.dispatch, 'adapter_dim': coda_template.adapter_dim,
       'encoder_input': config.encoder_input,
       'reduction_factors': args.reduction_factors, 'attention': args.attention},
@@ -351,6 +367,8 @@ def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaCo
     result['tasks'] = measure_whisper_tasks(config, coda_template, args.chip, batch,
                                             args.reduction_factors, args.attention, dtype,
                                             log, args.decode_steps)
+    for task in result['tasks']:
+      task['batch_size'], task['device_batch'] = chip_batch, batch
     tasks = []
   for name, n, decoded in tasks:
     steps = args.decode_steps or decoded
@@ -366,6 +384,7 @@ def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaCo
     if profile is not None:
       task['acm'] = chip_acm.measure_task(config, profile, template, budgets, args.chip,
                                           batch, n, steps, dtype, log, beams)
+    task['batch_size'], task['device_batch'] = chip_batch, batch
     result['tasks'].append({'task': name, **task, 'paper': paper_record(name)})
   result['checks'] = checks(result)
   return result

@@ -236,6 +236,10 @@ def _check_chip_args(args: argparse.Namespace) -> None:
   if refused:
     raise ValueError(f'--chip models the variants with random weights of --model; not with '
                      f'{", ".join(refused)}')
+  try:
+    chips_lib.device_batch(args.chip, args.batch_size or ACCELERATOR_BATCH)
+  except ValueError as e:
+    raise ValueError(f'--batch_size: {e}') from e
 
 
 def _variant_defaults(args: argparse.Namespace) -> None:
@@ -567,7 +571,8 @@ def _add_shape_arguments(parser: argparse.ArgumentParser) -> None:
                  help='compile every program for one chip of this TPU generation with '
                  'the TPU compiler (the tpu extra; no TPU needed) and report its roofline '
                  'times: encoder, cross-attention prefill, decoding steps with their cache '
-                 'donated, end to end; a model of the chip, not a timing')
+                 'donated, end to end; a model of the chip, not a timing (tpu7x: each of '
+                 'its two TensorCores runs half the batch)')
 
 
 def _add_cross_kv_arguments(parser: argparse.ArgumentParser) -> None:

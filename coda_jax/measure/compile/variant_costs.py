@@ -28,6 +28,11 @@ first two (`efficiency`) says how much of the work a routed layer skips turns
 into time on a chip that runs at its roofline: 1 when bytes fall as fast as
 flops.
 
+On TPU7x, whose chip is two JAX devices, each program is one TensorCore's,
+priced at half the chip's peak and bandwidth; `coda-jax benchmark --chip
+tpu7x` gives each TensorCore half the chip's batch (`chips.device_batch`), so its
+times are the chip's.
+
 This is a model of the chip, not a timing: it assumes peak throughput and
 full overlap of compute with memory traffic, and a Pallas kernel counts only
 its declared `pl.CostEstimate` (in the share of its operands in HBM).
@@ -75,8 +80,14 @@ STAGES = (
 OTHER = 'other'
 
 # One chip of each generation (the compiler models slices of 4 or more: the
-# program runs on one chip of the smallest, `topology.devices`).
-ONE_CHIP = {'v4': 'v4:1x1x1', 'v5e': 'v5e:1x1', 'v5p': 'v5p:1x1x1', 'v6e': 'v6e:1x1'}
+# program runs on one chip of the smallest, `topology.devices`). A TPU7x chip
+# is two JAX devices (its TensorCores, no megacore): a program here runs on
+# one of them and is priced at its half of the chip's figures (`Pod.device`);
+# the chip runs two such programs side by side, each on half the chip's batch
+# (`chips.device_batch`).
+ONE_CHIP = {'v4': 'v4:1x1x1', 'v5e': 'v5e:1x1', 'v5p': 'v5p:1x1x1', 'v6e': 'v6e:1x1',
+            'tpu7x': 'tpu7x:1x1x1'}
+
 
 
 @dataclasses.dataclass
@@ -143,10 +154,11 @@ def compiled_row(name: str, lowered, mesh, pod: chips.Pod, variant: models.Varia
                  length: int, model_flops: float, plan: Optional[plan_lib.Plan] = None
                  ) -> Row:
   """`lowered` (program `name` of `variant` on `length` inputs) compiled for
-  `pod`'s chip and read back (module docstring), `model_flops` its analytic
-  FLOPs."""
-  compiled, seconds = analysis.compile_program(name, lowered, pod.chip)
-  report = analysis.analyze(name, compiled, seconds, pod.chip, mesh)
+  one device of `pod` and read back at that device's figures (module
+  docstring; the chip's, or on TPU7x one TensorCore's), `model_flops` its
+  analytic FLOPs."""
+  compiled, seconds = analysis.compile_program(name, lowered, pod.device)
+  report = analysis.analyze(name, compiled, seconds, pod.device, mesh)
   text = compiled.as_text()
   return Row(
       generation=pod.chip.generation, variant=variant.name,
