@@ -89,7 +89,6 @@ ONE_CHIP = {'v4': 'v4:1x1x1', 'v5e': 'v5e:1x1', 'v5p': 'v5p:1x1x1', 'v6e': 'v6e:
             'tpu7x': 'tpu7x:1x1x1'}
 
 
-
 @dataclasses.dataclass
 class Row:
   """One compiled program of one variant on one chip."""
