@@ -367,8 +367,6 @@ def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaCo
     result['tasks'] = measure_whisper_tasks(config, coda_template, args.chip, batch,
                                             args.reduction_factors, args.attention, dtype,
                                             log, args.decode_steps)
-    for task in result['tasks']:
-      task['batch_size'], task['device_batch'] = chip_batch, batch
     tasks = []
   for name, n, decoded in tasks:
     steps = args.decode_steps or decoded
@@ -384,7 +382,8 @@ def run(args: argparse.Namespace, tasks, config: T5Config, coda_template: CodaCo
     if profile is not None:
       task['acm'] = chip_acm.measure_task(config, profile, template, budgets, args.chip,
                                           batch, n, steps, dtype, log, beams)
-    task['batch_size'], task['device_batch'] = chip_batch, batch
     result['tasks'].append({'task': name, **task, 'paper': paper_record(name)})
+  for task in result['tasks']:   # the chip's batch; each program ran `batch` of it
+    task['batch_size'], task['device_batch'] = chip_batch, batch
   result['checks'] = checks(result)
   return result
