@@ -3,7 +3,6 @@ committed JSON files (the CPU run of `coda-jax benchmark`, `tools/routed_cost.py
 TPU encoders on HBM traffic, the H100 run): a number changed in either fails
 here. Reads files only: no compile, no timing."""
 import importlib.util
-import json
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,12 +45,13 @@ def test_the_tpu_columns_are_the_roofline_on_hbm_traffic():
   HBM traffic / bandwidth), not at XLA's bytes accessed."""
   tool = _tool()
   from coda_jax.plan import chips  # pylint: disable=g-import-not-at-top
-  with open(os.path.join(REPO, tool.TPU_JSON), encoding='utf-8') as f:
-    run = json.load(f)
+  run = tool.load_tpu()
   encoders = [r for r in run['rows'] if r['program'] == 'encoder']
   assert {r['generation'] for r in encoders} == set(tool.GENERATIONS)
+  # TPU7x: one TensorCore's program on half the chip's batch, at its figures.
+  assert run['device_batch'] == {'v5e': 128, 'v4': 128, 'v5p': 128, 'v6e': 128, 'tpu7x': 64}
   for r in encoders:
-    chip = chips.CHIPS[r['generation']]
+    chip = chips.CHIPS[r['generation']].per_device
     assert r['roofline_seconds'] == max(r['flops'] / chip.peak_flops,
                                         r['hbm_traffic'] / chip.hbm_bandwidth)
   cells = tool.tpu_cells(run)
@@ -59,3 +59,18 @@ def test_the_tpu_columns_are_the_roofline_on_hbm_traffic():
     if r['variant'] != tool.BASELINE:
       assert cells[r['generation']][r['variant']] == (
           f'{r["roofline_speedup"]:.2f} ({r["bound_speedup"]:.2f})')
+
+
+def test_tpu_runs_of_another_model_batch_or_length_are_refused(tmp_path):
+  """The TPU columns come from several runs; one at another chip batch would
+  put incomparable cells side by side: refused, naming the file."""
+  import json  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  tool = _tool()
+  first, second = (os.path.join(REPO, path) for path in tool.TPU_JSONS)
+  with open(second, encoding='utf-8') as f:
+    run = json.load(f)
+  other = tmp_path / 'tpu7x_b64.json'
+  other.write_text(json.dumps(dict(run, batch_size=64)), encoding='utf-8')
+  with pytest.raises(ValueError, match=r'tpu7x_b64.json: \[.base., 64, \[384\]\]'):
+    tool.load_tpu([first, str(other)])

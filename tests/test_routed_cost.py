@@ -193,17 +193,23 @@ def test_the_kernel_moves_fewer_bytes_than_xla(rows, xla_rows):
   assert kernel['parallel_adapter'].stages.get('position_bias', 0) == 0
 
 
-def test_the_tool_prints_each_encoder_s_plan_and_keeps_it_in_the_json(tmp_path, capsys):
-  """tools/routed_cost.py: under the table a line per chip and variant, the
-  plan its encoder resolved while compiled for a v5e (`coda_jax.plan.RULES`:
-  the attention and MLP kernels, one-hot dispatch; at k / n = 0.2 for
-  k-to-k the output kernel instead of the route's); the JSON rows hold it."""
+def _tool():
+  """tools/routed_cost.py as a module."""
   import importlib.util  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
   path = pathlib.Path(__file__).resolve().parent.parent / 'tools' / 'routed_cost.py'
   spec = importlib.util.spec_from_file_location('routed_cost', path)
   tool = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(tool)
+  return tool
+
+
+def test_the_tool_prints_each_encoder_s_plan_and_keeps_it_in_the_json(tmp_path, capsys):
+  """tools/routed_cost.py: under the table a line per chip and variant, the
+  plan its encoder resolved while compiled for a v5e (`coda_jax.plan.RULES`:
+  the attention and MLP kernels, one-hot dispatch; at k / n = 0.2 for
+  k-to-k the output kernel instead of the route's); the JSON rows hold it."""
+  tool = _tool()
   out = tmp_path / 'costs.json'
   assert tool.main(['--model', 'small', '--layers', '1', '--batch_size', '8', '--lengths',
                     '128', '--generations', 'v5e', '--reduction_factors', '5',
@@ -243,3 +249,30 @@ def test_the_tool_prints_each_encoder_s_plan_and_keeps_it_in_the_json(tmp_path, 
   assert step['plan']['kernels'] == ['mlp', 'decode_attention']
   assert step['plan']['length'] == 128
   assert step['floor_bytes']['total'] > 0 and prefill['floor_bytes'] is None
+
+
+def test_a_tpu7x_row_is_one_tensorcore_s_program_on_half_the_chip_s_batch(capsys):
+  """On TPU7x each program runs on one TensorCore (a JAX device) with half the
+  chip's rows (`chips.device_batch`): a chip batch of 8 compiles the program
+  a v5e chip compiles at 4 (the same flops), priced at one TensorCore's
+  figures; an odd chip batch is refused naming its TensorCores."""
+  config = dataclasses.replace(CONFIG, num_encoder_layers=1, num_decoder_layers=1,
+                               attention_kernel='xla', mlp_kernel='xla')
+  measure = lambda generation, batch: variant_costs.measure(
+      batch_size=batch, lengths=(64,), generations=(generation,), reduction_factors=(1,),
+      attentions=('k_to_all',), config=config,
+      coda=CodaConfig(unroute_kernel='xla', route_kernel='xla'), only=())
+  [v7], [v5e] = measure('tpu7x', 8), measure('v5e', 4)
+  assert v7.model_flops == v5e.model_flops
+  assert v7.flops == pytest.approx(v5e.flops, rel=0.01)
+  device = chips.parse_pod(variant_costs.ONE_CHIP['tpu7x']).device
+  assert device.peak_flops == chips.CHIPS['tpu7x'].peak_flops / 2
+  assert v7.roofline_seconds == pytest.approx(
+      max(v7.flops / device.peak_flops, v7.hbm_traffic / device.hbm_bandwidth))
+  with pytest.raises(ValueError, match='batch 7 does not split over the 2 TensorCores'):
+    measure('tpu7x', 7)
+  with pytest.raises(SystemExit) as exit_:
+    _tool().main(['--generations', 'v5e,tpu7x', '--batch_size', '7'])
+  assert exit_.value.code == 2
+  assert ('--batch_size: batch 7 does not split over the 2 TensorCores (JAX devices) of a '
+          'tpu7x chip' in capsys.readouterr().err)

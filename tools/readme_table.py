@@ -5,9 +5,11 @@ per CoDA variant, one column per machine:
 
 - CPU: `coda-jax benchmark` on its defaults (T5 v1.1-small, the boolq shape,
   batch 4), end to end: `benchmarks/cpu/benchmark_decoding_small.json`;
-- TPU v5e, v4, v5p, v6e: `tools/routed_cost.py`'s encoder rows (T5 v1.1 base,
-  batch 128, 384 tokens), the roofline speed-up on HBM traffic and
-  `flops.py`'s bound: `benchmarks/routed_cost/base_b128_n384.json`;
+- TPU v5e, v4, v5p, v6e, TPU7x: `tools/routed_cost.py`'s encoder rows (T5
+  v1.1 base, batch 128 a chip, 384 tokens), the roofline speed-up on HBM
+  traffic and `flops.py`'s bound: `benchmarks/routed_cost/base_b128_n384.json`
+  and, for TPU7x (one TensorCore's program on half the batch, at its half of
+  the chip), `benchmarks/routed_cost/base_b128_n384_tpu7x.json`;
 - GPU: `coda-jax benchmark --model base --strict` on one H100, end to end
   (and the encoder where r > 1):
   `benchmarks/gpu_nvidia_h100_80gb_hbm3/decoding_base_boolq.json`.
@@ -34,9 +36,12 @@ from typing import Any, Dict, List, Optional, Sequence
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAPTION = 'Speed-up over the Parallel Adapter model (FLOP bound in brackets):'
 CPU_JSON = 'benchmarks/cpu/benchmark_decoding_small.json'
-TPU_JSON = 'benchmarks/routed_cost/base_b128_n384.json'
+# The TPU runs: their rows together make the TPU columns (the same model,
+# chip batch and lengths in each).
+TPU_JSONS = ('benchmarks/routed_cost/base_b128_n384.json',
+             'benchmarks/routed_cost/base_b128_n384_tpu7x.json')
 GPU_JSON = 'benchmarks/gpu_nvidia_h100_80gb_hbm3/decoding_base_boolq.json'
-GENERATIONS = ('v5e', 'v4', 'v5p', 'v6e')
+GENERATIONS = ('v5e', 'v4', 'v5p', 'v6e', 'tpu7x')
 BASELINE = 'parallel_adapter'
 NOT_MEASURED = 'not measured'
 
@@ -44,6 +49,24 @@ NOT_MEASURED = 'not measured'
 def _load(path: str) -> Dict[str, Any]:
   with open(os.path.join(REPO, path), encoding='utf-8') as f:
     return json.load(f)
+
+
+def load_tpu(paths: Sequence[str] = TPU_JSONS) -> Dict[str, Any]:
+  """The TPU runs as one: the first's fields, every run's rows and
+  per-generation device batch. Raises ValueError where the runs' model,
+  chip batch or lengths differ."""
+  runs = [_load(path) for path in paths]
+  same = ('model', 'batch_size', 'lengths')
+  for path, run in zip(paths[1:], runs[1:]):
+    if any(run[key] != runs[0][key] for key in same):
+      raise ValueError(f'{path}: {[run[k] for k in same]} (model, batch, lengths) where '
+                       f'{paths[0]} has {[runs[0][k] for k in same]}')
+  merged = dict(runs[0], rows=[r for run in runs for r in run['rows']], device_batch={})
+  for run in runs:
+    merged['device_batch'].update(
+        run.get('device_batch') or {g: run['batch_size'] for g in
+                                    {r['generation'] for r in run['rows']}})
+  return merged
 
 
 def cell(speedup: float, bound: float) -> str:
@@ -60,7 +83,7 @@ def tpu_cells(run: Dict[str, Any]) -> Dict[str, Dict[str, str]]:
   """{generation: {variant: cell}}: each encoder's roofline speed-up (on HBM
   traffic) and its FLOP bound."""
   if not all('hbm_traffic' in r for r in run['rows']):
-    raise ValueError(f'{TPU_JSON}: rows without hbm_traffic, priced on XLA\'s bytes '
+    raise ValueError(f'{TPU_JSONS}: rows without hbm_traffic, priced on XLA\'s bytes '
                      'accessed; run the command it records again')
   out: Dict[str, Dict[str, str]] = {}
   for r in run['rows']:
@@ -88,9 +111,11 @@ def _headers(cpu: Dict[str, Any], tpu: Dict[str, Any], gpu: Dict[str, Any]) -> L
   cpu_task, gpu_task = cpu['tasks'][0], gpu['tasks'][0]
   [length] = tpu['lengths']
   gpu_name = gpu['meta']['device_kind'].replace('NVIDIA ', '').split()[0]
-  tpu_heads = [f'TPU {GENERATIONS[0]}, cost model (HBM traffic): encoder, {tpu["model"]}, '
-               f'batch {tpu["batch_size"]}, {length} tokens', f'TPU {GENERATIONS[1]}, cost '
-               'model: same'] + [f'TPU {g}: same' for g in GENERATIONS[2:]]
+  per_core = tpu['device_batch']['tpu7x']
+  tpu_heads = ([f'TPU {GENERATIONS[0]}, cost model (HBM traffic): encoder, {tpu["model"]}, '
+                f'batch {tpu["batch_size"]}, {length} tokens', f'TPU {GENERATIONS[1]}, cost '
+                'model: same'] + [f'TPU {g}: same' for g in GENERATIONS[2:-1]]
+               + [f'TPU7x: same, {per_core} a TensorCore'])
   return (['variant', f'CPU, measured: end to end, {cpu["meta"]["model"]}, batch '
            f'{cpu_task["batch_size"]}'] + tpu_heads +
           [f'GPU {gpu_name}, measured: end to end, {gpu["meta"]["model"]}, batch '
@@ -102,7 +127,7 @@ def table(cpu: Optional[Dict[str, Any]] = None, tpu: Optional[Dict[str, Any]] = 
   """The markdown table (module docstring), from the three runs (default: the
   committed files)."""
   cpu = _load(CPU_JSON) if cpu is None else cpu
-  tpu = _load(TPU_JSON) if tpu is None else tpu
+  tpu = load_tpu() if tpu is None else tpu
   gpu = _load(GPU_JSON) if gpu is None else gpu
   by_chip = tpu_cells(tpu)
   cpu_cells, gpu_cells = measured_cells(cpu, False), measured_cells(gpu, True)

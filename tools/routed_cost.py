@@ -50,6 +50,7 @@ from coda_jax import plan as plan_lib
 from coda_jax import validation as flags
 from coda_jax.measure import models
 from coda_jax.measure.compile import topology, variant_costs
+from coda_jax.plan import chips
 from coda_jax.config import ATTENTION_KERNELS, ATTENTION_VARIANTS, PRESETS, CodaConfig
 
 MODELS = PRESETS  # T5 v1.1 sizes and the paper's §6 text models
@@ -102,6 +103,11 @@ def parse_args(argv):
   args = p.parse_args(argv)
   if args.decode_steps < 0:
     p.error(f'--decode_steps must be >= 0, got {args.decode_steps}')
+  for generation in args.generations:
+    try:
+      chips.device_batch(generation, args.batch_size)
+    except ValueError as e:
+      p.error(f'--batch_size: {e}')
   if args.out:
     flags.check_writable_file('--out', args.out)
   return args
@@ -194,6 +200,9 @@ def main(argv=None) -> int:
           sys.argv[1:] if argv is None else argv),
       'device': 'the TPU compiler\'s cost model (compile only, no TPU)',
       'versions': topology.versions(), 'model': args.model, 'batch_size': args.batch_size,
+      # The rows each compiled program runs: a chip's, or on TPU7x one
+      # TensorCore's half of them.
+      'device_batch': {g: chips.device_batch(g, args.batch_size) for g in args.generations},
       'lengths': [int(n) for n in args.lengths], 'layers': config.num_encoder_layers,
       'decode_steps': args.decode_steps, 'dtype': args.dtype,
       'kernels': args.kernels, 'rows': [r.as_dict() for r in rows]}

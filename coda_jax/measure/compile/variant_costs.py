@@ -247,8 +247,9 @@ def measure(model: str = 'base', batch_size: int = 128, lengths: Sequence[int] =
   """Compiles every variant's encoder at every input length (and, with
   `decode_steps`, the cross-attention prefill and one decoding step of a
   `decode_steps`-token decode; every variant decodes with the baseline's
-  decoder, CoDA routes only in the encoder) for one chip of each generation.
-  `config` overrides the `model` preset's `T5Config`; `only` names the
+  decoder, CoDA routes only in the encoder) for one chip of each generation,
+  `batch_size` rows a chip (on TPU7x each program is one TensorCore's, on
+  half of them: `chips.device_batch`). `config` overrides the `model` preset's `T5Config`; `only` names the
   variants to compile (default: all; the baseline always)."""
   cfg = config if config is not None else models.make_config(model, dtype)
   variants = models.make_variants(cfg, coda or CodaConfig(), reduction_factors, attentions)
@@ -264,16 +265,17 @@ def measure(model: str = 'base', batch_size: int = 128, lengths: Sequence[int] =
       raise chips.TopologyError(f'unknown TPU generation {generation!r}; known: '
                                 f'{sorted(ONE_CHIP)}')
     pod = chips.parse_pod(ONE_CHIP[generation])
+    batch = chips.device_batch(generation, batch_size)   # a TPU7x TensorCore's half
     for length in lengths:
       for variant in variants:
         start = time.perf_counter()
-        rows.append(encoder_row(variant, pod, batch_size, length, dtype))
+        rows.append(encoder_row(variant, pod, batch, length, dtype))
         log(f'{generation} n={length} {variant.name} encoder: compiled in '
             f'{time.perf_counter() - start:.1f} s')
       if decode_steps:
         for row in (prefill_row, decode_step_row):
           start = time.perf_counter()
-          rows.append(row(variants[0], pod, batch_size, length, decode_steps, dtype))
+          rows.append(row(variants[0], pod, batch, length, decode_steps, dtype))
           log(f'{generation} n={length} {rows[-1].program}: compiled in '
               f'{time.perf_counter() - start:.1f} s')
   add_speedups(rows)
