@@ -521,9 +521,20 @@ def test_a_tpu7x_slice_is_checked_per_device(capsys, tmp_path):
   assert 'of 96.00 GiB per device' in err
   report = json.loads(out_file.read_text())
   assert report['topology']['accelerator_type'] == 'tpu7x-8'
+  # What each program is held against, beside the chip.
+  assert report['topology']['device']['hbm_bytes'] == 96 * chips.GIB
+  assert report['topology']['chip']['hbm_bytes'] == 192 * chips.GIB
   for program in report['programs']:
     assert program['fits'] and program['hbm_bytes'] == 96 * chips.GIB
     assert program['plan'][0]['target'] == 'tpu tpu7x'
+  # tools/will_it_fit.py's table: HBM per device, against the device's.
+  spec = importlib.util.spec_from_file_location(
+      'will_it_fit', os.path.join(REPO, 'tools', 'will_it_fit.py'))
+  will_it_fit = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(will_it_fit)
+  head, _, *rows = will_it_fit.table([dict(report, size='quickstart')]).splitlines()
+  assert '| HBM per device (GiB) |' in head and len(rows) == len(report['programs'])
+  assert all(' of 96 | yes |' in row and '| tpu7x-8 | (8, 1) |' in row for row in rows)
   code = command.main(['--gin_file', QUICKSTART, '--topology', 'tpu7x-8',
                        '--gin.MESH_SHAPE=(8, 1)', f'--gin.BATCH_SIZE={2 ** 33}',
                        '--programs=train', '--rungs=first'])

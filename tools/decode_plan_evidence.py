@@ -87,7 +87,10 @@ def parse_args(argv):
                  help='N:STEPS, comma-separated: encoder positions (Whisper reads 2N frames) '
                       'and decoding steps (the self-attention cache\'s length); default '
                       'BoolQ\'s, SQuAD\'s and XSum\'s')
-  p.add_argument('--batch_size', type=flags.at_least_one, default=128)
+  p.add_argument('--batch_size', type=flags.at_least_one, default=128,
+                 help='the rows of the one device each program is compiled for: a chip, '
+                 'or on TPU7x one TensorCore, which runs half a chip\'s batch (64 for '
+                 'a chip at 128)')
   p.add_argument('--num_beams', type=lambda s: [flags.at_least_one(x) for x in s.split(',')],
                  default=[1], help='comma-separated; > 1: a step of beam search (with '
                  '--choice attention: its self-attention in both formulations)')

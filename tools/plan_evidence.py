@@ -71,7 +71,10 @@ def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--chip', required=True, choices=sorted(variant_costs.ONE_CHIP))
   p.add_argument('--model', default='base', choices=models.MODEL_PRESETS)
-  p.add_argument('--batch_size', type=flags.at_least_one, default=128)
+  p.add_argument('--batch_size', type=flags.at_least_one, default=128,
+                 help='the rows of the one device each program is compiled for: a chip, '
+                 'or on TPU7x one TensorCore, which runs half a chip\'s batch (64 for '
+                 'a chip at 128)')
   p.add_argument('--length', type=flags.at_least_one, default=384)
   p.add_argument('--layers', type=flags.at_least_one, default=12,
                  help='encoder layers (default: base\'s 12; fewer compile faster, but the '

@@ -7,10 +7,11 @@ and as its Parallel Adapter baseline (REDUCTION_FACTOR = 1), with
 (k = n, the most memory) and of the last (the k the run ends at), and the
 decoding program of `coda-jax infer`. Each run's JSON goes to `--out_dir`
 (`<size>_r<r>_<pod>.json`, with the command that made it); the table of all
-of them (HBM per chip against the chip's, roofline time per step, what does
-not fit) goes to stdout as Markdown.
+of them (HBM per device against the device's: a chip, or on TPU7x one of
+its two TensorCores; roofline time per step; what does not fit) goes to
+stdout as Markdown.
 
-  python tools/will_it_fit.py --sizes base,xl,xxl --pods v4-32,v5e-16,v6e-8 \\
+  python tools/will_it_fit.py --sizes base,xl,text_base --pods v4-32,tpu7x-8 \\
       [--reduction_factor 3] [--mesh_shape "(-1, 1)"] [--out_dir DIR] [--table_only]
 
 The compiler's model of the chips, not a measurement. A run that does not fit
@@ -28,8 +29,11 @@ import time
 from typing import Any, Dict, List
 
 from coda_jax import validation as flags
+from coda_jax.config import presets
 
 DEFAULT_GIN = 'gin_configs/runs/finetune_boolq.gin'
+# The text models the recipes' MODEL_SIZE names (`config.preset`).
+SIZES = tuple(presets.T5_1_1_SIZES) + tuple(presets.CODA_TEXT_SIZES)
 GIB = 2 ** 30
 
 
@@ -71,14 +75,16 @@ def _gib(n) -> str:
 
 def table(reports: List[Dict[str, Any]]) -> str:
   """One Markdown row per compiled program of every report."""
-  lines = ['| model | variant | pod | mesh (data, model) | program | HBM per chip (GiB) '
+  lines = ['| model | variant | pod | mesh (data, model) | program | HBM per device (GiB) '
            '| fits | roofline per step (ms) | bound |',
            '|---|---|---|---|---|---|---|---|---|']
   for rep in reports:
     coda = rep['model']['coda'] or {}
     r = coda.get('reduction_factor', 1)
     variant = 'Parallel Adapter' if r == 1 else f"CoDA r = {_fmt_r(r)} {coda.get('attention')}"
-    chip_gib = rep['topology']['chip']['hbm_bytes'] / GIB
+    # A device: the chip, or on TPU7x one of its two TensorCores.
+    topo = rep['topology']
+    chip_gib = topo.get('device', topo['chip'])['hbm_bytes'] / GIB
     for p in rep['programs']:
       needed = p['memory']['needed']
       fits = 'yes' if p['fits'] else f"**no** (> {chip_gib:.0f})"
@@ -98,7 +104,8 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--gin_file', default=DEFAULT_GIN)
   p.add_argument('--sizes', type=flags.required(flags.distinct(flags.one_of_each(
-      ('small', 'base', 'large', 'xl', 'xxl'), False), 'size'), 'size'), default=['base'])
+      SIZES, False), 'size'), 'size'), default=['base'],
+                 help=f'T5 v1.1 sizes or the paper\'s §6 text models: {", ".join(SIZES)}')
   p.add_argument('--pods', type=flags.required(flags.distinct(flags.items, 'pod'), 'pod'),
                  default=['v5e-16'])
   p.add_argument('--reduction_factor', type=flags.positive_float, default=3.0)

@@ -467,9 +467,12 @@ def _report(run_, pod, results, arguments, args: argparse.Namespace, log) -> int
 def _write_json(args, pod, run_, rows, failures, versions) -> None:
   directory = os.path.dirname(os.path.abspath(args.out))
   os.makedirs(directory, exist_ok=True)
-  out = {'command': shlex.join(['coda-jax', 'compile', *args.argv]), 'topology': {**pod.__dict__, 'chip': pod.chip.as_dict(),
-                                       'accelerator_type': pod.accelerator_type,
-                                       'hosts': pod.hosts},
+  # 'device': what each program is held against (the chip, or on TPU7x one
+  # TensorCore's half of it).
+  out = {'command': shlex.join(['coda-jax', 'compile', *args.argv]),
+         'topology': {**pod.__dict__, 'chip': pod.chip.as_dict(),
+                      'device': pod.device.as_dict(),
+                      'accelerator_type': pod.accelerator_type, 'hosts': pod.hosts},
          'versions': versions, 'model': {'config': _config(run_.model.config),
                                          'coda': _config(run_.model.coda)},
          'programs': rows, 'does_not_fit': failures,
