@@ -84,10 +84,10 @@ def table(reports: List[Dict[str, Any]]) -> str:
     variant = 'Parallel Adapter' if r == 1 else f"CoDA r = {_fmt_r(r)} {coda.get('attention')}"
     # A device: the chip, or on TPU7x one of its two TensorCores.
     topo = rep['topology']
-    chip_gib = topo.get('device', topo['chip'])['hbm_bytes'] / GIB
+    device_gib = topo.get('device', topo['chip'])['hbm_bytes'] / GIB
     for p in rep['programs']:
       needed = p['memory']['needed']
-      fits = 'yes' if p['fits'] else f"**no** (> {chip_gib:.0f})"
+      fits = 'yes' if p['fits'] else f"**no** (> {device_gib:.0f})"
       # The decoding program's loop body counts once unless its parts were
       # compiled (`--programs=...,parts`): no time for it then.
       whole = p['kind'] != 'infer' or any('decode steps' in n for n in p.get('notes', []))
@@ -96,7 +96,7 @@ def table(reports: List[Dict[str, Any]]) -> str:
       lines.append(
           f"| {rep['size']} | {variant} | "
           f"{rep['topology']['accelerator_type']} | {tuple(p['mesh_shape'])} | {p['name']} | "
-          f"{_gib(needed)} of {chip_gib:.0f} | {fits} | {ms} | {p['bound']} |")
+          f"{_gib(needed)} of {device_gib:.0f} | {fits} | {ms} | {p['bound']} |")
   return '\n'.join(lines)
 
 

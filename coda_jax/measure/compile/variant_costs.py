@@ -249,8 +249,9 @@ def measure(model: str = 'base', batch_size: int = 128, lengths: Sequence[int] =
   `decode_steps`-token decode; every variant decodes with the baseline's
   decoder, CoDA routes only in the encoder) for one chip of each generation,
   `batch_size` rows a chip (on TPU7x each program is one TensorCore's, on
-  half of them: `chips.device_batch`). `config` overrides the `model` preset's `T5Config`; `only` names the
-  variants to compile (default: all; the baseline always)."""
+  half of them: `chips.device_batch`). `config` overrides the `model`
+  preset's `T5Config`; `only` names the variants to compile (default: all;
+  the baseline always)."""
   cfg = config if config is not None else models.make_config(model, dtype)
   variants = models.make_variants(cfg, coda or CodaConfig(), reduction_factors, attentions)
   if only is not None:
