@@ -182,7 +182,6 @@ def test_decode_steps_goes_with_chip(capsys):
   assert '--decode_steps goes with --chip' in capsys.readouterr().err
 
 
-
 def test_a_tpu7x_chip_runs_half_the_batch_on_each_tensorcore(run, tmp_path):
   """--chip tpu7x: a chip of two TensorCores (two JAX devices). Each program
   is compiled for one of them at half the chip's batch and priced at its
