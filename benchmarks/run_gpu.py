@@ -20,9 +20,17 @@ README's targets are stated for):
                        and 49152 (an encoder at batch 64 and 128, n = 384): the
                        evidence for the plan's ACM rows on a GPU
   attention_plan       tools/bench_attention.py: XLA's attention in both forms
-                       (batch-major, einsums), T5 v1.1-base heads, bfloat16, batch
-                       128, at an encoder's, a routed layer's and a decoding step's
-                       shapes: the evidence for a GPU row of the plan's XLA attention
+                       (batch-major, einsums) and cuDNN's fused attention, the §6
+                       Text Base's multi-query heads (12 x 128, one key/value
+                       head), bfloat16, batch 128, at BoolQ's and XSum's encoder
+                       and routed (r = 3) shapes and a decoding step's: the
+                       evidence for a GPU row of the plan's attention
+  encoder_text_base    tools/bench_encoder.py --profile: the §6 Text Base encoder,
+                       batch 128, n = 384 (BoolQ), k-to-all r = 1, 3, 5, each with
+                       the gather and the one-hot token dispatch, the executed ops
+                       attributed to the model code: the evidence for a GPU row of
+                       the plan's dispatch, and where the routed encoder's time goes
+  encoder_text_base_xsum  the same at n = 1664 (XSum), r = 1, 3
   decoding_text_base   coda-jax benchmark --model text_base: the paper's own Text
                        Base (multi-query attention, 6 decoder layers), boolq and
                        xsum shapes, k-to-all r = 1, 3, 5 against the Parallel Adapter
@@ -39,7 +47,8 @@ README's targets are stated for):
                        with the default variants, k-to-k and the ACM block too,
                        compiling alone takes longer)
 
-Each step writes its JSON (the tool's own, with the device, the jax version
+The steps share one persistent compilation cache (JAX_COMPILATION_CACHE_DIR,
+default a folder under the system's temporary directory). Each step writes its JSON (the tool's own, with the device, the jax version
 and its command inside; the decoding benchmark a PNG too) into --out_dir
 (default: benchmarks/gpu_<device>), its output into <step>.log there, and the
 run as a whole goes into run_gpu.json (this command, the device, the jax
@@ -70,6 +79,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -104,13 +114,31 @@ STEPS = (
          ['tools/acm_plan_evidence.py', '--model', 'base', '--tokens', '128,512,24576,49152'],
          ['tools/acm_plan_evidence.py', '--model', 'tiny', '--tokens', '4,64', '--repeats',
           '1']),
-    Step('attention_plan', "XLA's attention batch-major and as einsums at an encoder's, a "
-         "routed layer's and a decoding step's shapes, T5 v1.1-base heads, bfloat16, batch "
-         "128: the evidence a GPU row of the plan's XLA attention needs",
-         ['tools/bench_attention.py', '--batch_size', '128', '--heads', '12', '--head_dim',
-          '64', '--dtype', 'bfloat16', '--shapes', '384:384,128:384,128:128,1:384:cache,1:8'],
-         ['tools/bench_attention.py', '--batch_size', '2', '--heads', '4', '--head_dim', '8',
-          '--shapes', '16:16,1:16:cache', '--repeats', '2']),
+    Step('attention_plan', "XLA's attention batch-major and as einsums, and cuDNN's fused "
+         "attention, at the §6 Text Base's encoder, routed-layer (r = 3) and decoding-step "
+         "shapes, multi-query heads, bfloat16, batch 128: the evidence a GPU row of the "
+         "plan's attention needs",
+         ['tools/bench_attention.py', '--batch_size', '128', '--heads', '12', '--kv_heads',
+          '1', '--head_dim', '128', '--dtype', 'bfloat16', '--fused', 'cudnn', '--shapes',
+          '384:384,128:384,1664:1664,555:1664,1:384:cache,1:8'],
+         ['tools/bench_attention.py', '--batch_size', '2', '--heads', '4', '--kv_heads', '1',
+          '--head_dim', '8', '--shapes', '16:16,1:16:cache', '--repeats', '2']),
+    Step('encoder_text_base', "the §6 Text Base encoder, BoolQ's n = 384, batch 128, "
+         'k-to-all r = 1, 3, 5, gather and one-hot dispatch, profiled',
+         ['tools/bench_encoder.py', '--model', 'text_base', '--batch_size', '128',
+          '--length', '384', '--reduction_factors', '1,3,5', '--attention', 'k_to_all',
+          '--dispatch', 'gather,one_hot', '--repeats', '20', '--profile', '--no_progress'],
+         ['tools/bench_encoder.py', '--model', 'small', '--batch_size', '2', '--length', '64',
+          '--reduction_factors', '1,3', '--attention', 'k_to_all', '--dispatch',
+          'gather,one_hot', '--repeats', '1', '--profile', '--no_progress']),
+    Step('encoder_text_base_xsum', "the §6 Text Base encoder, XSum's n = 1664, batch 128, "
+         'k-to-all r = 1, 3, gather and one-hot dispatch, profiled',
+         ['tools/bench_encoder.py', '--model', 'text_base', '--batch_size', '128',
+          '--length', '1664', '--reduction_factors', '1,3', '--attention', 'k_to_all',
+          '--dispatch', 'gather,one_hot', '--repeats', '10', '--profile', '--no_progress'],
+         ['tools/bench_encoder.py', '--model', 'small', '--batch_size', '2', '--length', '96',
+          '--reduction_factors', '1,3', '--attention', 'k_to_all', '--dispatch',
+          'gather,one_hot', '--repeats', '1', '--no_progress']),
     Step('decoding_text_base', "decoding latency, the paper's Text Base (Table 7), boolq and "
          'xsum shapes, batch 128, k-to-all',
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'text_base', '--tasks', 'boolq,xsum',
@@ -145,6 +173,8 @@ STEP_NAMES = tuple(step.name for step in STEPS)
 # `coda-jax benchmark --strict`'s status when a target line is a MISS.
 MISS_EXIT_CODE = 1
 XL_DECODING_TARGET_S = 300.0
+# Where the steps share compiled programs, unless JAX_COMPILATION_CACHE_DIR is set.
+COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), 'coda_jax_run_gpu_cache')
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -208,6 +238,9 @@ def run_step(step: Step, command: List[str], log_path: str,
   env['PYTHONPATH'] = os.pathsep.join(
       [REPO] + ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
   env.setdefault('PYTHONUNBUFFERED', '1')
+  # One persistent compilation cache for every step (a program another step
+  # compiled, e.g. a baseline encoder, is read back rather than compiled again).
+  env.setdefault('JAX_COMPILATION_CACHE_DIR', COMPILATION_CACHE)
   start = time.perf_counter()
   with open(log_path, 'w') as log:
     try:
@@ -257,6 +290,10 @@ def headline(record: Dict[str, object], out_file: str) -> str:
     one, other = forms[record['name']]
     parts.append(f"'{one}' faster at {faster.count(one)} of {len(faster)} points, "
                  f"'{other}' at {faster.count(other)}")
+  if record['name'].startswith('encoder_text_base') and isinstance(result, dict):
+    parts.append('; '.join(
+        f'{row["name"]} {row["speedup"]:.2f}x ({row["fraction_of_bound"]:.2f} of its bound)'
+        for row in result.get('rows', [])[1:]))
   checks = result.get('checks') if isinstance(result, dict) else None
   if isinstance(checks, list) and checks:
     parts.append(f'{sum(bool(c.get("ok")) for c in checks)} of {len(checks)} target lines ok')

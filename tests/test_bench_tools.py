@@ -107,7 +107,7 @@ def test_bench_attention_times_both_forms_and_they_agree(tmp_path):
   layout)."""
   tool = _tool('bench_attention')
   report = tool.main(['--batch_size', '2', '--shapes', '16:16,4:16,1:16:cache', '--heads', '4',
-                      '--kv_heads', '1', '--head_dim', '8', '--repeats', '2',
+                      '--kv_heads', '1', '--head_dim', '8', '--repeats', '2', '--fused', 'xla',
                       '--out', str(tmp_path / 'a.json')])
   assert json.loads((tmp_path / 'a.json').read_text()) == report
   assert report['program'] == 'xla_attention' and report['chip'] == 'cpu'
@@ -121,7 +121,36 @@ def test_bench_attention_times_both_forms_and_they_agree(tmp_path):
     assert point['forms']['einsums']['speedup'] == 1.0
     assert point['faster'] == min(point['forms'], key=lambda f: point['forms'][f]['median_ms'])
     assert point['plan'] == 'batch_major' and 'measured on cpu' in point['why']
+  # jax.nn.dot_product_attention (its own XLA formulation) computes the same
+  # attention, timed in the same rounds; not at the cache's layout.
+  assert report['fused'] == ['xla']
+  for point in report['points'][:2]:
+    fused = point['fused']['xla']
+    assert fused['max_abs_difference'] < 1e-5 and len(fused['times_s']) == 2
+    assert fused['speedup'] > 0 and fused['compile_s'] > 0
+  assert 'fused' not in report['points'][2]
   for bad in (['--heads', '4', '--kv_heads', '3'], ['--shapes', '16'], ['--shapes', '4:16:x'],
-              ['--shapes', '0:16']):
+              ['--shapes', '0:16'], ['--fused', 'flash'], ['--fused', 'xla,xla'],
+              ['--fused', 'cudnn', '--dtype', 'bfloat16']):
     with pytest.raises(SystemExit):
       tool.main(bad)
+
+
+def test_bench_encoder_times_each_variant_once_per_dispatch(tmp_path, capsys):
+  """--dispatch gather,one_hot: every CoDA variant twice, the two token
+  dispatches of `routing.route`/`unroute` (the evidence of a chip's dispatch
+  row), beside one baseline."""
+  tool = _tool('bench_encoder')
+  out = tmp_path / 'e.json'
+  assert tool.main(['--model', 'tiny', '--batch_size', '2', '--length', '16',
+                    '--reduction_factors', '2', '--attention', 'k_to_all', '--repeats', '2',
+                    '--dispatch', 'gather,one_hot', '--no_progress', '--out', str(out)]) == 0
+  rows = json.loads(out.read_text())['rows']
+  assert [(r['name'], r['dispatch']) for r in rows] == [
+      ('parallel_adapter', None), ('coda_k_to_all_r2_gather', 'gather'),
+      ('coda_k_to_all_r2_one_hot', 'one_hot')]
+  assert all(r['k'] == 8 and r['median_ms'] > 0 for r in rows[1:])
+  assert 'coda_k_to_all_r2_one_hot' in capsys.readouterr().err
+  for bad in ('flash', 'gather,gather', ''):
+    with pytest.raises(SystemExit):
+      tool.main(['--model', 'tiny', '--dispatch', bad])

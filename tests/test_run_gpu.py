@@ -32,6 +32,8 @@ def test_dry_run_prints_each_tool_of_the_readme(run_gpu, capsys):
       ['tools/bench_routing.py', '--out', '/tmp/x/routing.json'],
       ['tools/acm_plan_evidence.py', '--model', 'base'],
       ['tools/bench_attention.py', '--batch_size', '128'],
+      ['tools/bench_encoder.py', '--model', 'text_base'],
+      ['tools/bench_encoder.py', '--model', 'text_base'],
       ['-m', 'coda_jax.cli', 'benchmark'], ['-m', 'coda_jax.cli', 'benchmark'],
       ['tools/bench_encoder.py', '--model', 'xl'],
       ['tools/bench_acm.py', '--model', 'base'], ['-m', 'coda_jax.cli', 'benchmark']]
@@ -153,3 +155,17 @@ def test_the_attention_plan_step_times_both_forms_and_names_the_faster(run_gpu, 
   assert len(faster) == 2 and result['program'] == 'xla_attention'
   assert headline == (f"'batch_major' faster at {faster.count('batch_major')} of 2 points, "
                       f"'einsums' at {faster.count('einsums')}")
+
+
+def test_the_encoder_text_base_step_times_both_dispatches_against_the_bound(run_gpu, tmp_path):
+  """The encoder_text_base step's smoke flags run tools/bench_encoder.py with
+  both token dispatches and the profile; its headline gives each CoDA row's
+  speed-up and fraction of its FLOP bound."""
+  out = tmp_path / 'encoder_text_base.json'
+  assert _run_smoke_step(run_gpu, 'encoder_text_base', out)[0] == 0  # the tool's exit status
+  rows = json.loads(out.read_text())['rows']
+  headline = run_gpu.headline({'name': 'encoder_text_base', 'status': 'ok'}, str(out))
+  assert [r['dispatch'] for r in rows] == [None, 'gather', 'one_hot', 'gather', 'one_hot']
+  assert all('groups' in r['profile'] for r in rows)
+  assert headline == '; '.join(f'{r["name"]} {r["speedup"]:.2f}x ({r["fraction_of_bound"]:.2f} '
+                               'of its bound)' for r in rows[1:])

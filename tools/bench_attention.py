@@ -15,9 +15,18 @@ plan's rows to a committed file (the plan's form at most
 `plan.XLA_ATTENTION_TIE` slower than the faster, at every shape). Prints
 JSON (and writes it to --out).
 
+`--fused cudnn` also times `jax.nn.dot_product_attention` with that
+implementation (cuDNN's fused attention on a GPU; 'xla' is jax's own
+formulation, which runs anywhere) on the same operands in the same rounds, at
+the `Q:N` shapes (the cache's layout is not its operand layout): its time,
+its speed-up over the einsums and its largest difference from them, under
+the point's `fused` (or the error of an implementation that refused the
+shape). The evidence a GPU row for a fused attention would
+need; the plan has no such formulation yet.
+
   python tools/bench_attention.py [--batch_size 4] [--shapes 384:384,128:384]
       [--heads 6] [--kv_heads 6] [--head_dim 64] [--dtype float32]
-      [--repeats 15] [--out FILE]
+      [--fused cudnn,xla] [--repeats 15] [--out FILE]
 
 The defaults are T5 v1.1-small's encoder attention on the `coda-jax
 benchmark` default shape. The committed evidence
@@ -45,6 +54,8 @@ from coda_jax.measure import report as bench_report
 from coda_jax.measure import timing
 
 FORMS = (plan.BATCH_MAJOR, plan.EINSUMS)
+# `jax.nn.dot_product_attention`'s implementations --fused may time.
+FUSED = ('cudnn', 'xla')
 # `Q:N:cache`: the decoding cross-attention cache's layout.
 CACHE = 'cache'
 
@@ -74,10 +85,21 @@ def parse_args(argv):
                       'multi-query attention)')
   parser.add_argument('--head_dim', type=flags.at_least_one, default=64)
   parser.add_argument('--dtype', default='float32', choices=('float32', 'bfloat16'))
+  parser.add_argument('--fused', default='',
+                      help='comma-separated implementations of jax.nn.dot_product_attention '
+                      f'to time beside the two forms, of {", ".join(FUSED)} (cudnn: a GPU '
+                      'with bfloat16 or float16)')
   parser.add_argument('--repeats', type=flags.at_least_one, default=15)
   parser.add_argument('--out', default=None)
   args = parser.parse_args(argv)
   args.kv_heads = args.kv_heads or args.heads
+  args.fused = list(flags.items(args.fused))
+  unknown = [f for f in args.fused if f not in FUSED]
+  if unknown or len(set(args.fused)) != len(args.fused):
+    parser.error(f'--fused: give distinct names of {", ".join(FUSED)}; got {unknown or args.fused}')
+  if 'cudnn' in args.fused and (jax.default_backend() != 'gpu' or args.dtype == 'float32'):
+    parser.error(f'--fused cudnn needs a GPU and --dtype bfloat16 (this is '
+                 f'{jax.default_backend()}, --dtype {args.dtype})')
   if args.heads % args.kv_heads:
     parser.error(f'--kv_heads {args.kv_heads} does not divide --heads {args.heads}')
   return args
@@ -93,8 +115,19 @@ def _operands(args, q: int, n: int, kv_layout: str, rng: np.random.RandomState):
   return normal(b, q, args.heads, d), key, value, normal(1, args.heads, q, n)
 
 
+def _fused_attention(implementation: str):
+  """`jax.nn.dot_product_attention` as the project's attention computes it:
+  no 1/sqrt(d) scaling, the bias added to the logits, float32 softmax."""
+  def attend(query, key, value, bias):
+    out = jax.nn.dot_product_attention(query, key, value, bias=bias.astype(query.dtype),
+                                       scale=1.0, implementation=implementation)
+    return out.astype(query.dtype)
+  return attend
+
+
 def measure_point(args, q: int, n: int, kv_layout: str, here: target.Target) -> dict:
-  """Both forms at one shape: their times, the faster, the plan's form."""
+  """Both forms at one shape: their times, the faster, the plan's form (and
+  each --fused implementation's time beside them, at the `Q:N` shapes)."""
   operands = _operands(args, q, n, kv_layout, np.random.RandomState(0))
   timed, outputs = {}, {}
   for form in FORMS:
@@ -103,14 +136,31 @@ def measure_point(args, q: int, n: int, kv_layout: str, here: target.Target) -> 
             query, key, value, bias=bias, deterministic=True, dtype=jnp.dtype(args.dtype),
             kv_layout=kv_layout, form=form)), *operands)
     outputs[form] = np.asarray(timed[form].call(), np.float32)
+  fused, refused = (args.fused if kv_layout == 'bskd' else []), {}
+  for implementation in fused:
+    try:
+      timed[implementation] = timing.compile_call(
+          jax.jit(_fused_attention(implementation)), *operands)
+    except Exception as e:  # pylint: disable=broad-except
+      # e.g. cuDNN refusing a shape: a result at this point, not the end of the run.
+      refused[implementation] = {'error': f'{type(e).__name__}: {str(e)[:500]}'}
+      continue
+    outputs[implementation] = np.asarray(timed[implementation].call(), np.float32)
   times = timing.time_round_robin({f: t.call for f, t in timed.items()}, args.repeats)
   rows = {form: {'compile_s': timed[form].compile_s,
                  **timing.summary(times[form], times[plan.EINSUMS])} for form in FORMS}
   choice, why = plan.resolve_xla_attention(here)
-  return {'q_length': q, 'kv_length': n, 'kv_layout': kv_layout,
-          'max_abs_difference': float(np.max(np.abs(outputs[FORMS[0]] - outputs[FORMS[1]]))),
-          'forms': rows, 'faster': min(FORMS, key=lambda f: rows[f]['median_ms']),
-          'plan': choice, 'why': why}
+  point = {'q_length': q, 'kv_length': n, 'kv_layout': kv_layout,
+           'max_abs_difference': float(np.max(np.abs(outputs[FORMS[0]] - outputs[FORMS[1]]))),
+           'forms': rows, 'faster': min(FORMS, key=lambda f: rows[f]['median_ms']),
+           'plan': choice, 'why': why}
+  if fused:
+    point['fused'] = {
+        name: refused.get(name) or {
+            'compile_s': timed[name].compile_s,
+            'max_abs_difference': float(np.max(np.abs(outputs[name] - outputs[plan.EINSUMS]))),
+            **timing.summary(times[name], times[plan.EINSUMS])} for name in fused}
+  return point
 
 
 def main(argv=None) -> dict:
@@ -122,6 +172,7 @@ def main(argv=None) -> dict:
             **timing.environment(), 'chip': here.name or here.platform,
             'batch_size': args.batch_size, 'heads': args.heads, 'kv_heads': args.kv_heads,
             'head_dim': args.head_dim, 'dtype': args.dtype, 'repeats': args.repeats,
+            'fused': args.fused,
             'measure': 'median_ms', 'points': points}
   print(bench_report.write_json(report, args.out))
   return report

@@ -23,14 +23,20 @@ layers, plus coarse groups (projection matmuls, attention score/value matmuls,
 softmax/bias/mask element-wise work, relative position bias, router and soft
 top-k, gather/scatter, other).
 
+--dispatch gather,one_hot times each CoDA variant once per token dispatch
+(`CodaConfig.dispatch`: the gather or the one-hot matmul of `routing.route`
+and `unroute`; default 'auto', the plan's for the chip), its rows named
+`coda_k_to_all_r3_one_hot` and so on: the evidence a chip's dispatch row needs.
+
   python tools/bench_encoder.py [--model small] [--batch_size 4] [--length 1024]
       [--reduction_factors 1,3,5] [--attention k_to_all,k_to_k] [--repeats 5]
-      [--profile] [--out FILE]
+      [--dispatch auto] [--profile] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -38,7 +44,7 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -131,8 +137,15 @@ def profile_call(timed: timing.Timed, workdir: str, top: int = 20) -> Dict[str, 
   events = trace['traceEvents'] if isinstance(trace, dict) else trace
   by_label: Dict[str, float] = collections.defaultdict(float)
   for e in events:
-    if e.get('ph') == 'X' and e.get('name') in instructions:
-      by_label[op_label(e['name'], instructions, computations)] += e.get('dur', 0.0) / 1e3
+    if e.get('ph') != 'X':
+      continue
+    # A CPU's or TPU's op events are named by the HLO instruction; a GPU's
+    # kernel events name the kernel and carry the instruction in their args.
+    name = e.get('name')
+    if name not in instructions:
+      name = (e.get('args') or {}).get('hlo_op')
+    if name in instructions:
+      by_label[op_label(name, instructions, computations)] += e.get('dur', 0.0) / 1e3
   total = sum(by_label.values())
   by_group: Dict[str, float] = collections.defaultdict(float)
   for label, ms in by_label.items():
@@ -155,17 +168,34 @@ def profile_call(timed: timing.Timed, workdir: str, top: int = 20) -> Dict[str, 
 # ------------------------------------------------------------------------------
 
 
+def with_dispatches(variants: List[models.Variant], dispatches: Sequence[str]
+                    ) -> List[models.Variant]:
+  """Each CoDA variant once per token dispatch (`CodaConfig.dispatch`),
+  named with it when more than one is given; the baseline routes nothing."""
+  if list(dispatches) == ['auto']:
+    return variants
+  out = [variants[0]]
+  for v in variants[1:]:
+    for dispatch in dispatches:
+      coda = dataclasses.replace(v.coda, dispatch=dispatch)
+      name = v.name if len(dispatches) == 1 else f'{v.name}_{dispatch}'
+      out.append(dataclasses.replace(v, name=name, coda=coda,
+                                     model=models.make_model(v.model.config, coda)))
+  return out
+
+
 def bench(model: str = 'small', batch_size: int = 4, length: int = 1024,
           reduction_factors=(1, 3, 5), attentions=('k_to_all', 'k_to_k'),
           repeats: int = 5, dtype: Optional[str] = None, seed: int = 0,
           profile: bool = False, profile_top: int = 20,
-          progress: bool = True) -> Dict[str, Any]:
+          progress: bool = True, dispatches: Sequence[str] = ('auto',)) -> Dict[str, Any]:
   dtype = dtype or timing.default_dtype()
   config = models.make_config(model, jnp.dtype(dtype))
   template = CodaConfig()
   params, params_info = models.coda_params(config, template, seed=seed)
   tokens = models.random_tokens(batch_size, length, config.vocab_size, seed)
-  variants = models.make_variants(config, template, reduction_factors, attentions)
+  variants = with_dispatches(
+      models.make_variants(config, template, reduction_factors, attentions), dispatches)
   bar = timing.progress_bar(len(variants) * ((2 if profile else 1) + repeats),
                             enabled=None if progress else False)
   with timing.CompileCounter() as compiles:
@@ -189,6 +219,7 @@ def bench(model: str = 'small', batch_size: int = 4, length: int = 1024,
         config, length, v.reduction_factor, v.attention, v.coda.adapter_dim))
     row = {'name': v.name, 'reduction_factor': v.reduction_factor,
            'attention': v.attention, 'k': v.k(length),
+           'dispatch': None if v.attention is None else v.coda.dispatch,
            'compile_s': timed[v.name].compile_s,
            **timing.summary(times[v.name], times[models.BASELINE]),
            'flop_bound': bound}
@@ -250,18 +281,26 @@ def main(argv: Optional[List[str]] = None) -> int:
   parser.add_argument('--dtype', default=None,
                       help='activation dtype (default: float32 on CPU, bfloat16 otherwise)')
   parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--dispatch', default='auto',
+                      help='comma-separated token dispatches to time each CoDA variant with, '
+                      'of auto (the plan\'s), gather, one_hot')
   parser.add_argument('--profile', action='store_true',
                       help='attribute per-op time of one call of each variant to the code')
   parser.add_argument('--profile_top', type=int, default=20)
   parser.add_argument('--out', default=None, help='also write the JSON here')
   parser.add_argument('--no_progress', action='store_true')
   args = parser.parse_args(argv)
+  dispatches = [x for x in args.dispatch.split(',') if x]
+  if (not dispatches or len(set(dispatches)) != len(dispatches)
+      or not set(dispatches) <= {'auto', 'gather', 'one_hot'}):
+    parser.error(f'--dispatch: give distinct names of auto, gather, one_hot; got '
+                 f'{args.dispatch!r}')
   result = bench(model=args.model, batch_size=args.batch_size, length=args.length,
                  reduction_factors=[float(x) for x in args.reduction_factors.split(',') if x],
                  attentions=[x for x in args.attention.split(',') if x],
                  repeats=args.repeats, dtype=args.dtype, seed=args.seed,
                  profile=args.profile, profile_top=args.profile_top,
-                 progress=not args.no_progress)
+                 progress=not args.no_progress, dispatches=dispatches)
   print(format_table(result), file=sys.stderr)
   print(bench_report.write_json(result, args.out))
   return 0
