@@ -128,7 +128,7 @@ STEPS = (
          ['tools/bench_encoder.py', '--model', 'text_base', '--batch_size', '128',
           '--length', '384', '--reduction_factors', '1,3,5', '--attention', 'k_to_all',
           '--dispatch', 'gather,one_hot', '--repeats', '20', '--profile', '--no_progress'],
-         ['tools/bench_encoder.py', '--model', 'small', '--batch_size', '2', '--length', '64',
+         ['tools/bench_encoder.py', '--model', 'tiny', '--batch_size', '2', '--length', '32',
           '--reduction_factors', '1,3', '--attention', 'k_to_all', '--dispatch',
           'gather,one_hot', '--repeats', '1', '--profile', '--no_progress']),
     Step('encoder_text_base_xsum', "the §6 Text Base encoder, XSum's n = 1664, batch 128, "
@@ -136,7 +136,7 @@ STEPS = (
          ['tools/bench_encoder.py', '--model', 'text_base', '--batch_size', '128',
           '--length', '1664', '--reduction_factors', '1,3', '--attention', 'k_to_all',
           '--dispatch', 'gather,one_hot', '--repeats', '10', '--profile', '--no_progress'],
-         ['tools/bench_encoder.py', '--model', 'small', '--batch_size', '2', '--length', '96',
+         ['tools/bench_encoder.py', '--model', 'tiny', '--batch_size', '2', '--length', '48',
           '--reduction_factors', '1,3', '--attention', 'k_to_all', '--dispatch',
           'gather,one_hot', '--repeats', '1', '--no_progress']),
     Step('decoding_text_base', "decoding latency, the paper's Text Base (Table 7), boolq and "
