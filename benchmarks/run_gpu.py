@@ -48,8 +48,9 @@ README's targets are stated for):
                        compiling alone takes longer)
 
 The steps share one persistent compilation cache (JAX_COMPILATION_CACHE_DIR,
-default a folder under the system's temporary directory). Each step writes its JSON (the tool's own, with the device, the jax version
-and its command inside; the decoding benchmark a PNG too) into --out_dir
+default a folder under the system's temporary directory). Each step writes
+its JSON (the tool's own, with the device, the jax version and its command
+inside; the decoding benchmark a PNG too) into --out_dir
 (default: benchmarks/gpu_<device>), its output into <step>.log there, and the
 run as a whole goes into run_gpu.json (this command, the device, the jax
 version, per step the command, exit status and wall seconds). The command

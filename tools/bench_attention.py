@@ -21,8 +21,8 @@ formulation, which runs anywhere) on the same operands in the same rounds, at
 the `Q:N` shapes (the cache's layout is not its operand layout): its time,
 its speed-up over the einsums and its largest difference from them, under
 the point's `fused` (or the error of an implementation that refused the
-shape). The evidence a GPU row for a fused attention would
-need; the plan has no such formulation yet.
+shape). The evidence a GPU row for a fused attention would need; the plan
+has no such formulation yet.
 
   python tools/bench_attention.py [--batch_size 4] [--shapes 384:384,128:384]
       [--heads 6] [--kv_heads 6] [--head_dim 64] [--dtype float32]
@@ -96,7 +96,8 @@ def parse_args(argv):
   args.fused = list(flags.items(args.fused))
   unknown = [f for f in args.fused if f not in FUSED]
   if unknown or len(set(args.fused)) != len(args.fused):
-    parser.error(f'--fused: give distinct names of {", ".join(FUSED)}; got {unknown or args.fused}')
+    parser.error(f'--fused: give distinct names of {", ".join(FUSED)}; got '
+                 f'{unknown or args.fused}')
   if 'cudnn' in args.fused and (jax.default_backend() != 'gpu' or args.dtype == 'float32'):
     parser.error(f'--fused cudnn needs a GPU and --dtype bfloat16 (this is '
                  f'{jax.default_backend()}, --dtype {args.dtype})')
