@@ -159,3 +159,16 @@ def test_bench_encoder_times_each_variant_once_per_dispatch(tmp_path, capsys):
   for bad in ('flash', 'gather,gather', ''):
     with pytest.raises(SystemExit):
       tool.main(['--model', 'tiny', '--dispatch', bad])
+
+
+def test_bench_encoder_groups_both_attention_forms_matmuls_as_attention():
+  """The profile's groups: the score and value matmuls of XLA's attention in
+  either form (einsums, batch-major) are attention, not projections."""
+  tool = _tool('bench_encoder')
+  attention = 'attention score/value matmuls'
+  for label in ('_update/attention/bqkgd,bskd->bkgqs/dot_general',
+                '_update/attention/bkgqs,bskd->bqkgd/dot_general',
+                '_update/attention/bkgqd,bkds->bkgqs/dot_general',
+                '_update/attention/bkgqs,bksd->bkgqd/dot_general'):
+    assert tool.group_of(label) == attention, label
+  assert tool.group_of('_update/mlp/wi_0/dot_general') == 'projection + MLP + adapter matmuls'

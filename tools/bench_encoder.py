@@ -107,8 +107,11 @@ GROUPS = (
      or '_routed_update/router' in l),
     ('gather / scatter (routing)', lambda l: ('take_along_axis' in l or 'scatter' in l)
      and 'token_embedder' not in l),
-    ('attention score/value matmuls', lambda l: 'bqkgd,bskd->bkgqs/dot_general' in l
-     or 'bkgqs,bskd->bqkgd/dot_general' in l),
+    # The score and value matmuls of both forms of XLA's attention (einsums,
+    # batch-major: `model.attention.dot_product`).
+    ('attention score/value matmuls', lambda l: any(
+        f'{e}/dot_general' in l for e in ('bqkgd,bskd->bkgqs', 'bkgqs,bskd->bqkgd',
+                                          'bkgqd,bkds->bkgqs', 'bkgqs,bksd->bkgqd'))),
     ('projection + MLP + adapter matmuls', lambda l: 'dot_general' in l),
     ('attention element-wise (softmax, bias/mask add, transposes)',
      lambda l: '/attention/' in l or l.startswith('attention/')),
