@@ -97,6 +97,22 @@ class Step:
   smoke: Sequence[str]
 
 
+def _text_base_encoder_step(name: str, task: str, length: int, reduction_factors: str,
+                            repeats: int, smoke_length: int, smoke_profile: bool) -> Step:
+  """tools/bench_encoder.py on the §6 Text Base encoder (batch 128, k-to-all,
+  both token dispatches, profiled) at one task's input length."""
+  both = ['--attention', 'k_to_all', '--dispatch', 'gather,one_hot']
+  return Step(
+      name, f"the §6 Text Base encoder, {task} n = {length}, batch 128, k-to-all "
+      f"r = {reduction_factors.replace(',', ', ')}, gather and one-hot dispatch, profiled",
+      ['tools/bench_encoder.py', '--model', 'text_base', '--batch_size', '128', '--length',
+       str(length), '--reduction_factors', reduction_factors, *both, '--repeats', str(repeats),
+       '--profile', '--no_progress'],
+      ['tools/bench_encoder.py', '--model', 'tiny', '--batch_size', '2', '--length',
+       str(smoke_length), '--reduction_factors', '1,3', *both, '--repeats', '1',
+       *(['--profile'] if smoke_profile else []), '--no_progress'])
+
+
 STEPS = (
     Step('selftest', 'coda-jax selftest: the soft top-k kernel against XLA',
          ['-m', 'coda_jax.cli', 'selftest', '--kernels', 'soft_topk', '--model', 'base',
@@ -124,22 +140,8 @@ STEPS = (
           '384:384,128:384,1664:1664,555:1664,1:384:cache,1:8'],
          ['tools/bench_attention.py', '--batch_size', '2', '--heads', '4', '--kv_heads', '1',
           '--head_dim', '8', '--shapes', '16:16,1:16:cache', '--repeats', '2']),
-    Step('encoder_text_base', "the §6 Text Base encoder, BoolQ's n = 384, batch 128, "
-         'k-to-all r = 1, 3, 5, gather and one-hot dispatch, profiled',
-         ['tools/bench_encoder.py', '--model', 'text_base', '--batch_size', '128',
-          '--length', '384', '--reduction_factors', '1,3,5', '--attention', 'k_to_all',
-          '--dispatch', 'gather,one_hot', '--repeats', '20', '--profile', '--no_progress'],
-         ['tools/bench_encoder.py', '--model', 'tiny', '--batch_size', '2', '--length', '32',
-          '--reduction_factors', '1,3', '--attention', 'k_to_all', '--dispatch',
-          'gather,one_hot', '--repeats', '1', '--profile', '--no_progress']),
-    Step('encoder_text_base_xsum', "the §6 Text Base encoder, XSum's n = 1664, batch 128, "
-         'k-to-all r = 1, 3, gather and one-hot dispatch, profiled',
-         ['tools/bench_encoder.py', '--model', 'text_base', '--batch_size', '128',
-          '--length', '1664', '--reduction_factors', '1,3', '--attention', 'k_to_all',
-          '--dispatch', 'gather,one_hot', '--repeats', '10', '--profile', '--no_progress'],
-         ['tools/bench_encoder.py', '--model', 'tiny', '--batch_size', '2', '--length', '48',
-          '--reduction_factors', '1,3', '--attention', 'k_to_all', '--dispatch',
-          'gather,one_hot', '--repeats', '1', '--no_progress']),
+    _text_base_encoder_step('encoder_text_base', "BoolQ's", 384, '1,3,5', 20, 32, True),
+    _text_base_encoder_step('encoder_text_base_xsum', "XSum's", 1664, '1,3', 10, 48, False),
     Step('decoding_text_base', "decoding latency, the paper's Text Base (Table 7), boolq and "
          'xsum shapes, batch 128, k-to-all',
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'text_base', '--tasks', 'boolq,xsum',
