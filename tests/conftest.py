@@ -80,7 +80,8 @@ def pytest_xdist_auto_num_workers(config):
   workers wait at times with a core idle (on the processes a test starts,
   a launch's polling, a checkpoint's writes): a third worker on a 2-core
   machine fills those waits. The suite took 1002 s with 3 workers against
-  1040 s with 2, the same day on the same 2-core AMD EPYC (jax 0.10.2).
+  1040 s with 2 and 1004 s with 4, the same day on the same 2-core AMD EPYC
+  (jax 0.10.2).
   PYTEST_XDIST_AUTO_NUM_WORKERS, where set, is xdist's to read."""
   del config
   if os.environ.get('PYTEST_XDIST_AUTO_NUM_WORKERS'):
