@@ -7,9 +7,10 @@ Runs each step below as its own process, one after the other, on the GPU JAX
 sees (the repository's tools and `coda-jax benchmark`, with the settings the
 README's targets are stated for):
 
-  selftest             coda-jax selftest --kernels soft_topk: the Pallas (Triton)
-                       soft top-k kernel against its XLA formulation, forward and
-                       gradients, float32 and bfloat16, base shapes and edges
+  selftest             coda-jax selftest --kernels soft_topk,fused_attention: the
+                       Pallas (Triton) soft top-k kernel and cuDNN's fused
+                       attention (bfloat16) against their XLA formulations,
+                       forward and gradients, base shapes and edges
   pallas_soft_topk     tools/bench_soft_topk.py --pallas_vs_xla: the fused Pallas
                        soft top-k kernel against the XLA path (agreement, ms)
   routing              tools/bench_routing.py: each routing primitive next to one
@@ -31,6 +32,12 @@ README's targets are stated for):
                        attributed to the model code: the evidence for a GPU row of
                        the plan's dispatch, and where the routed encoder's time goes
   encoder_text_base_xsum  the same at n = 1664 (XSum), r = 1, 3
+  fused_attention_text_base  tools/bench_encoder.py --fused_attention xla,cudnn:
+                       the §6 Text Base encoder, batch 128, n = 384, the Parallel
+                       Adapter model and k-to-all r = 3, each with XLA's attention
+                       and with cuDNN's fused attention (the padding as sequence
+                       lengths): the evidence for a GPU row of the plan's fused
+                       attention
   decoding_text_base   coda-jax benchmark --model text_base: the paper's own Text
                        Base (multi-query attention, 6 decoder layers), boolq and
                        xsum shapes, k-to-all r = 1, 3, 5 against the Parallel Adapter
@@ -114,10 +121,10 @@ def _text_base_encoder_step(name: str, task: str, length: int, reduction_factors
 
 
 STEPS = (
-    Step('selftest', 'coda-jax selftest: the soft top-k kernel against XLA',
-         ['-m', 'coda_jax.cli', 'selftest', '--kernels', 'soft_topk', '--model', 'base',
+    Step('selftest', "coda-jax selftest: the soft top-k kernel and cuDNN's attention against XLA",
+         ['-m', 'coda_jax.cli', 'selftest', '--kernels', 'soft_topk,fused_attention', '--model', 'base',
           '--length', '384', '--reduction_factors', '3,5', '--batch_size', '128'],
-         ['-m', 'coda_jax.cli', 'selftest', '--kernels', 'soft_topk', '--model', 'small',
+         ['-m', 'coda_jax.cli', 'selftest', '--kernels', 'soft_topk,fused_attention', '--model', 'small',
           '--length', '64', '--reduction_factors', '3', '--no_edges']),
     Step('pallas_soft_topk', 'Pallas soft top-k kernel vs the XLA path',
          ['tools/bench_soft_topk.py', '--pallas_vs_xla', '128x384,128x512,4096x512'],
@@ -142,6 +149,14 @@ STEPS = (
           '--head_dim', '8', '--shapes', '16:16,1:16:cache', '--repeats', '2']),
     _text_base_encoder_step('encoder_text_base', "BoolQ's", 384, '1,3,5', 20, 32, True),
     _text_base_encoder_step('encoder_text_base_xsum', "XSum's", 1664, '1,3', 10, 48, False),
+    Step('fused_attention_text_base', "the §6 Text Base encoder, BoolQ's n = 384, batch 128, "
+         "the Parallel Adapter model and k-to-all r = 3, XLA's attention and cuDNN's",
+         ['tools/bench_encoder.py', '--model', 'text_base', '--batch_size', '128', '--length',
+          '384', '--reduction_factors', '3', '--attention', 'k_to_all', '--fused_attention',
+          'xla,cudnn', '--repeats', '20', '--no_progress'],
+         ['tools/bench_encoder.py', '--model', 'tiny', '--batch_size', '2', '--length', '32',
+          '--reduction_factors', '3', '--attention', 'k_to_all', '--fused_attention',
+          'xla,cudnn', '--repeats', '1', '--no_progress']),
     Step('decoding_text_base', "decoding latency, the paper's Text Base (Table 7), boolq and "
          'xsum shapes, batch 128, k-to-all',
          ['-m', 'coda_jax.cli', 'benchmark', '--model', 'text_base', '--tasks', 'boolq,xsum',
@@ -297,6 +312,15 @@ def headline(record: Dict[str, object], out_file: str) -> str:
     parts.append('; '.join(
         f'{row["name"]} {row["speedup"]:.2f}x ({row["fraction_of_bound"]:.2f} of its bound)'
         for row in result.get('rows', [])[1:]))
+  if record['name'] == 'fused_attention_text_base' and isinstance(result, dict):
+    rows = {row['name']: row for row in result.get('rows', [])}
+    parts.append('; '.join(
+        f'{name[:-len("_cudnn")]} cuDNN {row["median_ms"]:.1f} ms, XLA '
+        f'{rows[name[:-len("_cudnn")] + "_xla"]["median_ms"]:.1f} ms'
+        + ('' if row['attention'] is None else
+           f' ({row["speedup"]:.2f}x with cuDNN, {row["fraction_of_bound"]:.2f} of its bound)')
+        for name, row in rows.items()
+        if name.endswith('_cudnn') and name[:-len('_cudnn')] + '_xla' in rows))
   checks = result.get('checks') if isinstance(result, dict) else None
   if isinstance(checks, list) and checks:
     parts.append(f'{sum(bool(c.get("ok")) for c in checks)} of {len(checks)} target lines ok')

@@ -3,6 +3,7 @@ import importlib.util
 import json
 import os
 import shlex
+import statistics
 import sys
 
 import pytest
@@ -32,6 +33,7 @@ def test_dry_run_prints_each_tool_of_the_readme(run_gpu, capsys):
       ['tools/bench_routing.py', '--out', '/tmp/x/routing.json'],
       ['tools/acm_plan_evidence.py', '--model', 'base'],
       ['tools/bench_attention.py', '--batch_size', '128'],
+      ['tools/bench_encoder.py', '--model', 'text_base'],
       ['tools/bench_encoder.py', '--model', 'text_base'],
       ['tools/bench_encoder.py', '--model', 'text_base'],
       ['-m', 'coda_jax.cli', 'benchmark'], ['-m', 'coda_jax.cli', 'benchmark'],
@@ -169,3 +171,26 @@ def test_the_encoder_text_base_step_times_both_dispatches_against_the_bound(run_
   assert all('groups' in r['profile'] for r in rows)
   assert headline == '; '.join(f'{r["name"]} {r["speedup"]:.2f}x ({r["fraction_of_bound"]:.2f} '
                                'of its bound)' for r in rows[1:])
+
+
+def test_the_fused_attention_step_times_xla_s_and_cudnn_s_attention(run_gpu, tmp_path):
+  """The fused_attention_text_base step's smoke flags run tools/bench_encoder.py
+  with both formulations of the encoder's attention (cuDNN's as jax's XLA
+  implementation of the same call, on the CPU); each speed-up is against the
+  Parallel Adapter model with the same attention."""
+  out = tmp_path / 'fused_attention_text_base.json'
+  assert _run_smoke_step(run_gpu, 'fused_attention_text_base', out)[0] == 0
+  rows = {r['name']: r for r in json.loads(out.read_text())['rows']}
+  assert list(rows) == ['parallel_adapter_xla', 'coda_k_to_all_r3_xla',
+                        'parallel_adapter_cudnn', 'coda_k_to_all_r3_cudnn']
+  assert [r['fused_attention'] for r in rows.values()] == ['xla', 'xla', 'cudnn', 'cudnn']
+  for setting in ('xla', 'cudnn'):
+    routed, base = rows[f'coda_k_to_all_r3_{setting}'], rows[f'parallel_adapter_{setting}']
+    assert routed['speedup'] == pytest.approx(
+        statistics.median(base['times_s']) / statistics.median(routed['times_s']), rel=1e-9)
+  headline = run_gpu.headline({'name': 'fused_attention_text_base', 'status': 'ok'}, str(out))
+  r3 = rows['coda_k_to_all_r3_cudnn']
+  assert headline.split('; ')[1] == (
+      f'coda_k_to_all_r3 cuDNN {r3["median_ms"]:.1f} ms, XLA '
+      f'{rows["coda_k_to_all_r3_xla"]["median_ms"]:.1f} ms ({r3["speedup"]:.2f}x with cuDNN, '
+      f'{r3["fraction_of_bound"]:.2f} of its bound)')

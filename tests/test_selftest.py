@@ -41,7 +41,7 @@ def test_every_kernel_matches_xla_at_the_run_shapes_and_the_edges(tmp_path, dtyp
                         '--out', str(out)] + ([] if edges else ['--no_edges']) + (
                             ['--kernels',
                              'attention,mlp,route,output,decode_attention,beam_attention,'
-                             'lm_head']
+                             'lm_head,fused_attention']
                             if edges else []))
   assert code == 0
   report = json.loads(out.read_text())
@@ -49,7 +49,7 @@ def test_every_kernel_matches_xla_at_the_run_shapes_and_the_edges(tmp_path, dtyp
   results = report['results']
   assert {r['kernel'] for r in results} == {'attention', 'mlp', 'route', 'output',
                                             'decode_attention', 'beam_attention',
-                                            'lm_head'} | (
+                                            'lm_head', 'fused_attention'} | (
       set() if edges else {'soft_topk'})
   labels = {(r['kernel'], r['case']) for r in results}
   assert ('attention', 'k_to_k k = 22 of 64') in labels and ('mlp', '22 rows') in labels
@@ -68,7 +68,10 @@ def test_every_kernel_matches_xla_at_the_run_shapes_and_the_edges(tmp_path, dtyp
             ('beam_attention', '4 beams over 64 cached positions, a bias per row, '
              '3 sequences'),
             ('lm_head', "4 beams' top 8 of the vocabulary"),
-            ('lm_head', "4 beams' top 8 of 700 tokens in blocks of 128, 3 sequences")} <= labels
+            ('lm_head', "4 beams' top 8 of 700 tokens in blocks of 128, 3 sequences"),
+            ('fused_attention', 'k_to_k k = 77, 3 sequences'),
+            ('fused_attention', 'multi-query heads'),
+            ('fused_attention', 'distances 0-255, bias-dominated')} <= labels
     assert all(r['shape']['batch'] == 3 for r in results if '3 sequences' in r['case'])
   skipped = {(r['kernel'], r['case']) for r in results if r['skipped'] is not None}
   # XLA on a CPU cannot differentiate the route kernel's bfloat16 reference
@@ -143,7 +146,8 @@ ENTRY_POINTS = {'attention': ('relpos_attention', 'relpos_attention'), 'mlp': ('
                 'soft_topk': ('soft_topk', 'soft_topk_iterative'),
                 'decode_attention': ('decode_attention', 'decode_attention'),
                 'beam_attention': ('slot_attention', 'slot_attention'),
-                'lm_head': ('top_logits', 'top_logits')}
+                'lm_head': ('top_logits', 'top_logits'),
+                'fused_attention': ('fused_attention', 'fused_attention')}
 
 
 def _tiny_cases(kernel, dtype, edges):

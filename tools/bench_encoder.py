@@ -28,9 +28,17 @@ top-k, gather/scatter, other).
 and `unroute`; default 'auto', the plan's for the chip), its rows named
 `coda_k_to_all_r3_one_hot` and so on: the evidence a chip's dispatch row needs.
 
+--fused_attention xla,cudnn times every variant, the Parallel Adapter model
+included, once per formulation of the encoder's attention
+(`T5Config.fused_attention`: XLA's fusions, or cuDNN's fused attention with
+the padding as sequence lengths; default 'auto', the plan's), its rows
+named `parallel_adapter_cudnn`, `coda_k_to_all_r3_cudnn` and so on, each
+speed-up against the Parallel Adapter model with the same attention: the
+evidence a GPU row of the plan's fused attention needs.
+
   python tools/bench_encoder.py [--model small] [--batch_size 4] [--length 1024]
       [--reduction_factors 1,3,5] [--attention k_to_all,k_to_k] [--repeats 5]
-      [--dispatch auto] [--profile] [--out FILE]
+      [--dispatch auto] [--fused_attention auto] [--profile] [--out FILE]
 """
 from __future__ import annotations
 
@@ -187,18 +195,43 @@ def with_dispatches(variants: List[models.Variant], dispatches: Sequence[str]
   return out
 
 
+def with_fused_attention(variants: List[models.Variant], settings: Sequence[str]
+                         ) -> List[models.Variant]:
+  """Every variant once per `T5Config.fused_attention` setting, named with it
+  when more than one is given (the baseline too: `parallel_adapter_cudnn`)."""
+  if list(settings) == ['auto']:
+    return variants
+  out = []
+  for setting in settings:
+    for v in variants:
+      config = dataclasses.replace(v.model.config, fused_attention=setting)
+      name = v.name if len(settings) == 1 else f'{v.name}_{setting}'
+      out.append(dataclasses.replace(v, name=name, model=v.model.clone(config=config)))
+  return out
+
+
+def baseline_of(name: str, settings: Sequence[str]) -> str:
+  """The Parallel Adapter row a variant's speed-up is against: the one with
+  its attention's formulation."""
+  if len(settings) == 1:
+    return models.BASELINE
+  return f'{models.BASELINE}_{name.rsplit("_", 1)[1]}'
+
+
 def bench(model: str = 'small', batch_size: int = 4, length: int = 1024,
           reduction_factors=(1, 3, 5), attentions=('k_to_all', 'k_to_k'),
           repeats: int = 5, dtype: Optional[str] = None, seed: int = 0,
           profile: bool = False, profile_top: int = 20,
-          progress: bool = True, dispatches: Sequence[str] = ('auto',)) -> Dict[str, Any]:
+          progress: bool = True, dispatches: Sequence[str] = ('auto',),
+          fused_attentions: Sequence[str] = ('auto',)) -> Dict[str, Any]:
   dtype = dtype or timing.default_dtype()
   config = models.make_config(model, jnp.dtype(dtype))
   template = CodaConfig()
   params, params_info = models.coda_params(config, template, seed=seed)
   tokens = models.random_tokens(batch_size, length, config.vocab_size, seed)
-  variants = with_dispatches(
-      models.make_variants(config, template, reduction_factors, attentions), dispatches)
+  variants = with_fused_attention(with_dispatches(
+      models.make_variants(config, template, reduction_factors, attentions), dispatches),
+                                  fused_attentions)
   bar = timing.progress_bar(len(variants) * ((2 if profile else 1) + repeats),
                             enabled=None if progress else False)
   with timing.CompileCounter() as compiles:
@@ -223,8 +256,9 @@ def bench(model: str = 'small', batch_size: int = 4, length: int = 1024,
     row = {'name': v.name, 'reduction_factor': v.reduction_factor,
            'attention': v.attention, 'k': v.k(length),
            'dispatch': None if v.attention is None else v.coda.dispatch,
+           'fused_attention': v.model.config.fused_attention,
            'compile_s': timed[v.name].compile_s,
-           **timing.summary(times[v.name], times[models.BASELINE]),
+           **timing.summary(times[v.name], times[baseline_of(v.name, fused_attentions)]),
            'flop_bound': bound}
     row['fraction_of_bound'] = row['speedup'] / bound
     if profile:
@@ -248,10 +282,10 @@ def format_table(result: Mapping[str, Any]) -> str:
   lines = [f'encoder: {meta["model"]}, batch {meta["batch_size"]}, length '
            f'{meta["length"]}, {meta["dtype"]}, {meta["platform"]}, '
            f'{meta["repeats"]} repeats',
-           f'{"variant":20s} {"k":>5s} {"median ms":>10s} {"speed-up":>9s} '
+           f'{"variant":24s} {"k":>5s} {"median ms":>10s} {"speed-up":>9s} '
            f'{"bound":>7s} {"meas/bound":>10s} {"x of min":>8s} {"compile s":>9s}']
   for row in result['rows']:
-    lines.append(f'{row["name"]:20s} {row["k"]:5d} {row["median_ms"]:10.1f} '
+    lines.append(f'{row["name"]:24s} {row["k"]:5d} {row["median_ms"]:10.1f} '
                  f'{row["speedup"]:9.2f} {row["flop_bound"]:7.2f} '
                  f'{row["fraction_of_bound"]:10.2f} {row["speedup_of_min"]:8.2f} '
                  f'{row["compile_s"]:9.1f}')
@@ -287,6 +321,9 @@ def main(argv: Optional[List[str]] = None) -> int:
   parser.add_argument('--dispatch', default='auto',
                       help='comma-separated token dispatches to time each CoDA variant with, '
                       'of auto (the plan\'s), gather, one_hot')
+  parser.add_argument('--fused_attention', default='auto',
+                      help="comma-separated formulations of the encoder's attention to time "
+                      "every variant with, of auto (the plan's), xla, cudnn")
   parser.add_argument('--profile', action='store_true',
                       help='attribute per-op time of one call of each variant to the code')
   parser.add_argument('--profile_top', type=int, default=20)
@@ -298,12 +335,18 @@ def main(argv: Optional[List[str]] = None) -> int:
       or not set(dispatches) <= {'auto', 'gather', 'one_hot'}):
     parser.error(f'--dispatch: give distinct names of auto, gather, one_hot; got '
                  f'{args.dispatch!r}')
+  fused = [x for x in args.fused_attention.split(',') if x]
+  if (not fused or len(set(fused)) != len(fused)
+      or not set(fused) <= set(config_lib.FUSED_ATTENTIONS)):
+    parser.error(f'--fused_attention: give distinct names of '
+                 f'{", ".join(config_lib.FUSED_ATTENTIONS)}; got {args.fused_attention!r}')
   result = bench(model=args.model, batch_size=args.batch_size, length=args.length,
                  reduction_factors=[float(x) for x in args.reduction_factors.split(',') if x],
                  attentions=[x for x in args.attention.split(',') if x],
                  repeats=args.repeats, dtype=args.dtype, seed=args.seed,
                  profile=args.profile, profile_top=args.profile_top,
-                 progress=not args.no_progress, dispatches=dispatches)
+                 progress=not args.no_progress, dispatches=dispatches,
+                 fused_attentions=fused)
   print(format_table(result), file=sys.stderr)
   print(bench_report.write_json(result, args.out))
   return 0

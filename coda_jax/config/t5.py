@@ -25,6 +25,18 @@ GIN_MODULE = 'coda_jax.config'
 # chip). The kernel serves encoder attention without attention dropout or
 # segment masks; the decoder's attention is XLA whatever this says.
 ATTENTION_KERNELS = ('auto', 'xla', 'pallas')
+# How the encoder's attention runs on a GPU where the TPU kernel above does
+# not: 'cudnn' (cuDNN's fused flash attention through
+# `jax.nn.dot_product_attention`, T5's relative position bias passed as its
+# bias and the padding as each row's number of real keys, never a dense
+# mask; off a GPU the same call with jax's XLA implementation, for tests),
+# 'xla' (XLA's fusions), 'auto' (as `coda_jax.plan`'s measured rules say for
+# the chip). cuDNN serves the encoder's attention (dense and routed layers)
+# in bfloat16 or float16, without attention dropout or segment masks, over
+# heads of at most 128 values (a multiple of 8), whose padding is at the end
+# of each row, as seqio's feature converters and the audio and image inputs
+# pad; the decoder's attention is XLA whatever this says.
+FUSED_ATTENTIONS = ('auto', 'xla', 'cudnn')
 # How an encoder layer, and a decoding step, computes its pre-MLP norm and
 # MLP, same results: 'xla' (the norm, each input projection and the output
 # projection as XLA fusions), 'pallas' (one TPU kernel that keeps the hidden
@@ -126,6 +138,8 @@ class T5Config:
   relative_attention_max_distance: int = 128
   # 'auto' | 'xla' | 'pallas' (see ATTENTION_KERNELS).
   attention_kernel: str = 'auto'
+  # 'auto' | 'xla' | 'cudnn' (see FUSED_ATTENTIONS).
+  fused_attention: str = 'auto'
   # 'auto' | 'xla' | 'pallas' (see MLP_KERNELS).
   mlp_kernel: str = 'auto'
   # 'auto' | 'xla' | 'pallas' (see DECODE_ATTENTION_KERNELS).
@@ -184,7 +198,8 @@ class T5Config:
           f'T5Config.relative_attention_max_distance ({self.relative_attention_max_distance}) '
           f'must exceed relative_attention_num_buckets // 2 '
           f'({self.relative_attention_num_buckets // 2})')
-    for name, allowed in (('attention_kernel', ATTENTION_KERNELS), ('mlp_kernel', MLP_KERNELS),
+    for name, allowed in (('attention_kernel', ATTENTION_KERNELS),
+                          ('fused_attention', FUSED_ATTENTIONS), ('mlp_kernel', MLP_KERNELS),
                           ('decode_attention_kernel', DECODE_ATTENTION_KERNELS),
                           ('beam_attention_kernel', BEAM_ATTENTION_KERNELS),
                           ('lm_head_kernel', LM_HEAD_KERNELS),

@@ -1,4 +1,4 @@
-"""Fused accelerator kernels (Pallas), one module per kernel.
+"""Fused accelerator kernels (Pallas, and cuDNN's attention), one module per kernel.
 
 Each kernel is an alternative implementation of an XLA reference elsewhere in
 `coda_jax`, chosen by config (`'auto'` picks it on the backend it is for) and
@@ -24,6 +24,10 @@ tested against that reference in Pallas interpret mode on CPU:
 * `coda_jax.kernels.top_logits` -- beam search's LM head on TPU: each row's
   top logits and log-softmax normaliser, the logits kept in VMEM
   (`T5Config.lm_head_kernel`).
+* `coda_jax.kernels.fused_attention` -- the encoder's attention on a GPU
+  through cuDNN's fused flash attention (`jax.nn.dot_product_attention`),
+  the padding as sequence lengths (`T5Config.fused_attention`); off a GPU
+  the same call's XLA implementation.
 
 `coda_jax.kernels.tpu_blocks` holds what the TPU kernels share: their VMEM
 budget, each chip's VMEM, row blocks and mesh axes.

@@ -18,6 +18,11 @@ several beams an example). Formulations, all with the same results:
   slot_kernel           `kernels.slot_attention`: beam search's self-attention
                         over its cache addressed by slot (never reordered)
   xla_by_slot           the same by XLA (`model.attention.beams.slot_attention`)
+  cudnn                 cuDNN's fused attention (`jax.nn.dot_product_attention`,
+                        implementation 'cudnn'): the encoder's attention on a
+                        GPU, the relative position bias as its bias and the
+                        padding as each row's real keys; off a GPU ('interpret')
+                        the same call with jax's XLA implementation
 
 `model.attention.run.attend` runs a plan; the layer keeps only its
 projections and its cache, and asserts the plan's list of what keeps a
@@ -29,14 +34,16 @@ import dataclasses
 from typing import Optional
 
 from coda_jax.plan.choose import interpret as interpret_mode
-from coda_jax.plan.rules import ATTENTION, BATCH_MAJOR, BEAM_ATTENTION, DECODE_ATTENTION, EINSUMS
+from coda_jax.plan.rules import (ATTENTION, BATCH_MAJOR, BEAM_ATTENTION, CUDNN,
+                                 DECODE_ATTENTION, EINSUMS, FUSED_ATTENTION)
 
 RELPOS_KERNEL, DECODE_KERNEL, SLOT_KERNEL, XLA_BY_SLOT = (
     'relpos_kernel', 'decode_kernel', 'slot_kernel', 'xla_by_slot')
-FORMULATIONS = (EINSUMS, BATCH_MAJOR, RELPOS_KERNEL, DECODE_KERNEL, SLOT_KERNEL, XLA_BY_SLOT)
+FORMULATIONS = (EINSUMS, BATCH_MAJOR, RELPOS_KERNEL, DECODE_KERNEL, SLOT_KERNEL, XLA_BY_SLOT,
+                CUDNN)
 # The plan's choice (`rules.KERNELS`) each kernel formulation comes from.
 KERNEL_OF = {RELPOS_KERNEL: ATTENTION, DECODE_KERNEL: DECODE_ATTENTION,
-             SLOT_KERNEL: BEAM_ATTENTION}
+             SLOT_KERNEL: BEAM_ATTENTION, CUDNN: FUSED_ATTENTION}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +52,9 @@ class AttentionPlan:
 
   Attributes:
     formulation: one of `FORMULATIONS`.
-    interpret: its kernel in Pallas interpret mode (None: as on the chip the
-      program is traced for; `plan.choose.interpret`).
+    interpret: its kernel in Pallas interpret mode, or cuDNN's attention as
+      jax's XLA implementation (None: as on the chip the program is traced
+      for; `plan.choose.interpret`).
   """
   formulation: str = EINSUMS
   interpret: Optional[bool] = None

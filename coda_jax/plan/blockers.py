@@ -18,7 +18,7 @@ from coda_jax.kernels import route_adapter
 from coda_jax.kernels import slot_attention as slot_attention_kernel
 from coda_jax.kernels import top_logits as top_logits_kernel
 from coda_jax.kernels import tpu_blocks
-from coda_jax.plan.rules import SETTING
+from coda_jax.plan.rules import _ALTERNATIVE, SETTING
 
 
 def attention(*, dropout: bool = False, packed: bool = False, bias: bool = False,
@@ -37,6 +37,35 @@ def attention(*, dropout: bool = False, packed: bool = False, bias: bool = False
     out.append('a decoding cache')
   if kv_length is not None and not relpos_attention.supported(kv_length):
     out.append(f'{kv_length} keys > {relpos_attention.MAX_KV_LENGTH}')
+  return out
+
+
+# cuDNN's fused attention: the activation dtypes its flash attention takes,
+# and the widest head (cuDNN 9's forward and backward on every GPU
+# generation jax supports; Hopper's forward takes 256).
+CUDNN_DTYPES = ('bfloat16', 'float16')
+CUDNN_MAX_HEAD_DIM = 128
+
+
+def fused_attention(*, dropout: bool = False, packed: bool = False, cache: bool = False,
+                    dtype: Optional[str] = None, head_dim: Optional[int] = None,
+                    native: bool = True) -> List[str]:
+  """The encoder's attention through cuDNN (`jax.nn.dot_product_attention`,
+  implementation 'cudnn'): the relative position bias as its bias and the
+  padding as each row's number of real keys, at the end of the row. `native`:
+  on a GPU (elsewhere jax's XLA implementation runs the call, any dtype)."""
+  out = []
+  if dropout:
+    out.append('attention dropout')
+  if packed:
+    out.append('packed inputs (segment masks)')
+  if cache:
+    out.append('a decoding cache')
+  if native and dtype is not None and str(dtype) not in CUDNN_DTYPES:
+    out.append(f'{dtype} activations (cuDNN takes {" or ".join(CUDNN_DTYPES)})')
+  if native and head_dim is not None and (head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8):
+    out.append(f'head_dim {head_dim} (cuDNN takes a multiple of 8 up to '
+               f'{CUDNN_MAX_HEAD_DIM})')
   return out
 
 
@@ -190,6 +219,6 @@ def refuse(what: str, why: Sequence[str]) -> None:
   empty: the plan gives the kernel of choice `what` only to calls it serves,
   so a layer asked to run it on another says what is wrong."""
   if why:
-    raise ValueError(f"the {what} kernel ({SETTING[what]}='pallas') cannot compute this "
-                     f"call: {', '.join(why)}; use 'xla'")
+    raise ValueError(f"the {what} kernel ({SETTING[what]}={_ALTERNATIVE[what]!r}) cannot "
+                     f"compute this call: {', '.join(why)}; use 'xla'")
 

@@ -22,8 +22,9 @@ from coda_jax.kernels import tpu_blocks
 from coda_jax.plan import blockers
 from coda_jax.plan.attention import RELPOS_KERNEL, AttentionPlan
 from coda_jax.plan.choose import Resolver, interpret, resolve_acm, resolve_xla_attention
-from coda_jax.plan.rules import (ACM, ATTENTION, DISPATCH, EINSUMS, GATHER, KERNELS, MLP,
-                                 ONE_HOT, OUTPUT, PALLAS, ROUTE, SOFT_TOPK, XLA, XLA_ATTENTION)
+from coda_jax.plan.rules import (_ALTERNATIVE, ACM, ATTENTION, CUDNN, DISPATCH, EINSUMS,
+                                 FUSED_ATTENTION, GATHER, KERNELS, MLP, ONE_HOT, OUTPUT, PALLAS,
+                                 ROUTE, SOFT_TOPK, XLA, XLA_ATTENTION)
 from coda_jax.plan import target as target_lib
 from coda_jax.plan.target import Target
 
@@ -34,6 +35,8 @@ class LayerPlan:
 
   Attributes:
     attention: XLA or PALLAS (`kernels.relpos_attention`).
+    fused_attention: XLA or CUDNN (cuDNN's fused attention, where the TPU
+      kernel does not run the attention).
     mlp: XLA or PALLAS (`kernels.mlp`, the pre-MLP norm with it).
     route: XLA or PALLAS (`kernels.route_adapter`); routed layers only.
     output: XLA or PALLAS (`kernels.unroute_combine`); routed layers only.
@@ -44,13 +47,14 @@ class LayerPlan:
     interpret: run the TPU kernels in Pallas interpret mode (not on a TPU).
     vmem_bytes: the chip's VMEM, which the MLP kernel's weights must fit.
     k: routed tokens (the layer's length when dense).
-    attention_plan: how its attention runs (`plan.attention`: XLA's form, or
-      the relative-position kernel), from `attention`, the program's XLA
-      attention form and `interpret`.
+    attention_plan: how its attention runs (`plan.attention`: XLA's form,
+      the relative-position kernel or cuDNN's), from `attention`,
+      `fused_attention`, the program's XLA attention form and the chip.
     soft_topk_interpret: the soft top-k kernel in interpret mode (not on a
       GPU).
   """
   attention: str = XLA
+  fused_attention: str = XLA
   mlp: str = XLA
   route: str = XLA
   output: str = XLA
@@ -65,10 +69,14 @@ class LayerPlan:
 
   def as_dict(self) -> Dict[str, Any]:
     """Its choices (the JSON of benchmarks and evidence files); the derived
-    `attention_plan` and `soft_topk_interpret` follow from them and the chip."""
+    `attention_plan` and `soft_topk_interpret` follow from them and the chip;
+    `fused_attention` only where cuDNN runs the attention (a GPU's choice:
+    the TPU evidence files, written before it, hold the others)."""
     out = dataclasses.asdict(self)
     for derived in ('attention_plan', 'soft_topk_interpret'):
       out.pop(derived)
+    if self.fused_attention == XLA:
+      out.pop('fused_attention')
     return out
 
 
@@ -99,11 +107,11 @@ class Plan:
   xla_attention: str = EINSUMS
 
   def kernels(self) -> Tuple[str, ...]:
-    """The Pallas kernels this program runs (`KERNELS` order)."""
+    """The kernels this program runs (`KERNELS` order)."""
     out = []
     layers = [p for p in (self.dense, self.routed) if p is not None]
     for name in KERNELS:
-      if any(getattr(p, name, XLA) == PALLAS for p in layers):
+      if any(getattr(p, name, XLA) == _ALTERNATIVE[name] for p in layers):
         out.append(name)
     return tuple(out)
 
@@ -123,7 +131,8 @@ class Plan:
       if layer is None:
         continue
       prefix = f'{label} ' if self.dense is not None and self.routed is not None else ''
-      parts += [f'{prefix}attention {layer.attention}', f'{prefix}mlp {layer.mlp}']
+      attention = CUDNN if layer.fused_attention == CUDNN else layer.attention
+      parts += [f'{prefix}attention {attention}', f'{prefix}mlp {layer.mlp}']
     if self.routed is not None:
       r = self.routed
       parts += [f'dispatch {r.dispatch}', f'route {r.route}', f'output {r.output}',
@@ -158,6 +167,15 @@ def mlp_blockers(config: T5Config, coda: Optional[CodaConfig], acm: Optional[Acm
                              len(config.mlp_activations), config.dtype, vmem_bytes,
                              single_block),
       vmem_bytes=vmem_bytes, layer_norm=config.norm != RMS_NORM, bias=config.use_bias)
+
+
+def fused_blockers(config: T5Config, target: Target, training: bool,
+                   packed: bool) -> List[str]:
+  """`blockers.fused_attention` for a model's encoder attention."""
+  return blockers.fused_attention(
+      dropout=training and config.dropout_rate > 0, packed=packed,
+      dtype=jnp.dtype(config.dtype).name, head_dim=config.head_dim,
+      native=target.platform == 'gpu')
 
 
 def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
@@ -202,16 +220,27 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
         dropout=training and config.dropout_rate > 0, packed=packed, kv_length=kv), fraction)
     mlp, why_mlp = rules.choose(MLP, config.mlp_kernel, mlp_blockers(
         config, coda, acm, rows, training, sharded, common['vmem_bytes']), fraction)
-    reasons.extend([(f'{label}attention', f'{att}: {why_att}'),
-                    (f'{label}mlp', f'{mlp}: {why_mlp}')])
-    site = AttentionPlan(RELPOS_KERNEL if att == PALLAS else form, common['interpret'])
-    return att, mlp, site
+    reasons.append((f'{label}attention', f'{att}: {why_att}'))
+    fused = XLA
+    if att != PALLAS and (target.platform == 'gpu' or config.fused_attention != 'auto'):
+      fused, why_fused = rules.choose(FUSED_ATTENTION, config.fused_attention,
+                                      fused_blockers(config, target, training, packed))
+      reasons.append((f'{label}{FUSED_ATTENTION}', f'{fused}: {why_fused}'))
+    reasons.append((f'{label}mlp', f'{mlp}: {why_mlp}'))
+    if att == PALLAS:
+      site = AttentionPlan(RELPOS_KERNEL, common['interpret'])
+    elif fused == CUDNN:
+      site = AttentionPlan(CUDNN, interpret(FUSED_ATTENTION, target))
+    else:
+      site = AttentionPlan(form, common['interpret'])
+    return att, fused, mlp, site
 
   dense = None
   if not routes or any(not coda.is_routed(i, config.num_encoder_layers)
                        for i in range(config.num_encoder_layers)):
-    att, mlp, site = attention_and_mlp(n, n, 1.0, 'dense ' if routes else '')
-    dense = LayerPlan(attention=att, mlp=mlp, k=n, attention_plan=site, **common)
+    att, fused, mlp, site = attention_and_mlp(n, n, 1.0, 'dense ' if routes else '')
+    dense = LayerPlan(attention=att, fused_attention=fused, mlp=mlp, k=n, attention_plan=site,
+                      **common)
   if not routes:
     return Plan(target, n, n, None, dense, None, tuple(reasons), acm_inference, form)
 
@@ -220,7 +249,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
   soft_topk, why = _soft_topk(rules, coda)
   reasons.append((SOFT_TOPK, f'{soft_topk}: {why}'))
   kv = n if variant == 'k_to_all' else k
-  att, mlp, site = attention_and_mlp(k, kv, fraction, 'routed ')
+  att, fused, mlp, site = attention_and_mlp(k, kv, fraction, 'routed ')
   output, route, factored = XLA, XLA, False
   if k < n:
     (output, why_out), (route, why_route) = _output_and_route(
@@ -235,7 +264,7 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
                     else 'only where the output kernel finishes a layer with XLA\'s MLP'))]
   else:
     reasons.append((ROUTE, 'xla: k = n, no tokens move'))
-  routed = LayerPlan(attention=att, mlp=mlp, route=route, output=output,
+  routed = LayerPlan(attention=att, fused_attention=fused, mlp=mlp, route=route, output=output,
                      factored_norm=factored, dispatch=dispatch, soft_topk=soft_topk, k=k,
                      attention_plan=site, **common)
   return Plan(target, n, k, variant, dense, routed, tuple(reasons), acm_inference, form)

@@ -39,24 +39,33 @@ XLA_ATTENTION = 'xla_attention'
 # added positions masked (`T5Config.decode_keys`), the decoder's.
 DECODE_KEYS = 'decode_keys'
 AS_IS, LANE_PADDED = 'as_is', 'lane_padded'
+# The encoder's attention on a GPU where the TPU kernel (ATTENTION) does not
+# run it: cuDNN's fused flash attention (`jax.nn.dot_product_attention`,
+# the padding as sequence lengths) or XLA's. Both stacks' encoders.
+FUSED_ATTENTION = 'fused_attention'
+CUDNN = 'cudnn'
 CHOICES = (DISPATCH, ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION,
-           BEAM_ATTENTION, DECODE_MLP, LM_HEAD, ACM, XLA_ATTENTION, DECODE_KEYS)
-# The Pallas kernels among them (`coda-jax selftest` checks each one a plan
-# selects): the formulation that is not XLA's.
+           BEAM_ATTENTION, DECODE_MLP, LM_HEAD, ACM, XLA_ATTENTION, DECODE_KEYS,
+           FUSED_ATTENTION)
+# The kernels among them (`coda-jax selftest` checks each one a plan
+# selects): the formulation that is not XLA's; all Pallas kernels but
+# FUSED_ATTENTION, cuDNN's.
 KERNELS = (ATTENTION, MLP, ROUTE, OUTPUT, SOFT_TOPK, DECODE_ATTENTION, BEAM_ATTENTION,
-           LM_HEAD)
-# Where the kernels run natively; elsewhere 'pallas' runs in interpret mode.
+           LM_HEAD, FUSED_ATTENTION)
+# Where the kernels run natively; elsewhere 'pallas' runs in interpret mode
+# (and cuDNN's attention as jax's XLA implementation of the same call).
 NATIVE_PLATFORM = {ATTENTION: 'tpu', MLP: 'tpu', ROUTE: 'tpu', OUTPUT: 'tpu',
                    SOFT_TOPK: 'gpu', DECODE_ATTENTION: 'tpu', BEAM_ATTENTION: 'tpu',
-                   LM_HEAD: 'tpu'}
+                   LM_HEAD: 'tpu', FUSED_ATTENTION: 'gpu'}
 # A chip with no row gets these: XLA's fusions, tokens moved by gathers.
 DEFAULTS = {DISPATCH: GATHER, ATTENTION: XLA, MLP: XLA, ROUTE: XLA, OUTPUT: XLA,
             SOFT_TOPK: XLA, DECODE_ATTENTION: XLA, BEAM_ATTENTION: XLA, DECODE_MLP: XLA,
-            LM_HEAD: XLA, ACM: GATHER, XLA_ATTENTION: EINSUMS, DECODE_KEYS: AS_IS}
+            LM_HEAD: XLA, ACM: GATHER, XLA_ATTENTION: EINSUMS, DECODE_KEYS: AS_IS,
+            FUSED_ATTENTION: XLA}
 _ALTERNATIVE = {DISPATCH: ONE_HOT, ATTENTION: PALLAS, MLP: PALLAS, ROUTE: PALLAS,
                 OUTPUT: PALLAS, SOFT_TOPK: PALLAS, DECODE_ATTENTION: PALLAS,
                 BEAM_ATTENTION: PALLAS, DECODE_MLP: PALLAS, LM_HEAD: PALLAS, ACM: MASKED,
-                XLA_ATTENTION: BATCH_MAJOR, DECODE_KEYS: LANE_PADDED}
+                XLA_ATTENTION: BATCH_MAJOR, DECODE_KEYS: LANE_PADDED, FUSED_ATTENTION: CUDNN}
 # The config field that asks for each choice: (its config class, its field).
 # A kernel's field set to 'xla' turns the kernel off (`training.preflight.
 # fall_back`, after a kernel differs from XLA on the chip).
@@ -66,7 +75,8 @@ SWITCHES = {DISPATCH: ('CodaConfig', 'dispatch'), ATTENTION: ('T5Config', 'atten
             DECODE_ATTENTION: ('T5Config', 'decode_attention_kernel'),
             BEAM_ATTENTION: ('T5Config', 'beam_attention_kernel'),
             DECODE_MLP: ('T5Config', 'mlp_kernel'), LM_HEAD: ('T5Config', 'lm_head_kernel'),
-            ACM: ('AcmConfig', 'inference'), DECODE_KEYS: ('T5Config', 'decode_keys')}
+            ACM: ('AcmConfig', 'inference'), DECODE_KEYS: ('T5Config', 'decode_keys'),
+            FUSED_ATTENTION: ('T5Config', 'fused_attention')}
 # The same, for messages ('T5Config.attention_kernel'); XLA's attention form
 # has no config field (the rows decide).
 SETTING = {**{what: f'{owner}.{field}' for what, (owner, field) in SWITCHES.items()},

@@ -215,7 +215,7 @@ def cases(kernels: Sequence[str], config, coda, length: int, ks: Sequence[int],
 
   edge_length = max(length, max(EDGE_KS) + 1)
   for kernel in kernels:
-    if kernel == 'attention':
+    if kernel in ('attention', 'fused_attention'):
       add(kernel, f'n = {length}', queries=length, keys=length, routed=False)
       for k in routed:
         add(kernel, f'{attention} k = {k} of {length}', queries=k,
@@ -295,13 +295,11 @@ def _real(batch: int, length: int):
   return real
 
 
-def _attention(case: Case, interpret: bool):
+def _attention_operands(case: Case):
+  """An attention case's queries, keys, values and relative position table
+  in its dtype, and its positions and token masks (`kw`)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from coda_jax.kernels import relpos_attention  # pylint: disable=g-import-not-at-top
-  from coda_jax.kernels.relpos import MASK_VALUE  # pylint: disable=g-import-not-at-top
-  from coda_jax.model.attention import masks, position_bias  # pylint: disable=g-import-not-at-top
-  from coda_jax.model.attention.dot_product import dot_product_attention  # pylint: disable=g-import-not-at-top
   s, dtype = case.shape, jnp.dtype(case.dtype)
   rng = np.random.RandomState(0)
   b, q, kv, h, kvh, d = (s['batch'], s['queries'], s['keys'], s['heads'], s['kv_heads'],
@@ -325,7 +323,34 @@ def _attention(case: Case, interpret: bool):
     q_real = k_real = _real(b, q)
   kw = dict(query_positions=jnp.asarray(q_pos), key_positions=jnp.asarray(k_pos),
             query_real=jnp.asarray(q_real), key_real=jnp.asarray(k_real))
+  return (*operands, table), kw
 
+
+def _xla_attention(case: Case, kw, query, key, value, table, bias_only: bool = False):
+  """XLA's attention (`dot_product.dot_product_attention`, einsums) with the
+  case's relative position bias and padding mask; `bias_only`: the bias
+  alone `[b, heads, q, kv]` (0 without relative positions)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels.relpos import MASK_VALUE  # pylint: disable=g-import-not-at-top
+  from coda_jax.model.attention import masks, position_bias  # pylint: disable=g-import-not-at-top
+  from coda_jax.model.attention.dot_product import dot_product_attention  # pylint: disable=g-import-not-at-top
+  s = case.shape
+  bias = position_bias.RelativePositionBiases(
+      num_buckets=s['buckets'], max_distance=s['max_distance'], num_heads=s['heads']).apply(
+          {'params': {'rel_embedding': table}}, kw['query_positions'], kw['key_positions'])
+  bias = bias if s.get('relative', True) else jnp.zeros((), table.dtype)
+  if bias_only:
+    return bias
+  mask = masks.make_attention_mask(kw['query_real'], kw['key_real'])
+  bias = jnp.where(mask > 0, 0., MASK_VALUE) + bias
+  return dot_product_attention(query, key, value, bias=bias, deterministic=True,
+                               dtype=query.dtype, float32_logits=True, form='einsums')
+
+
+def _attention(case: Case, interpret: bool):
+  from coda_jax.kernels import relpos_attention  # pylint: disable=g-import-not-at-top
+  s = case.shape
+  args, kw = _attention_operands(case)
   relative = s.get('relative', True)
 
   def kernel(query, key, value, table):
@@ -335,16 +360,39 @@ def _attention(case: Case, interpret: bool):
                                              interpret=interpret, **kw)
 
   def xla(query, key, value, table):
-    bias = position_bias.RelativePositionBiases(
-        num_buckets=s['buckets'], max_distance=s['max_distance'], num_heads=h).apply(
-            {'params': {'rel_embedding': table}}, kw['query_positions'], kw['key_positions'])
-    bias = bias if relative else 0.
-    mask = masks.make_attention_mask(kw['query_real'], kw['key_real'])
-    bias = jnp.where(mask > 0, 0., MASK_VALUE) + bias
-    return dot_product_attention(query, key, value, bias=bias, deterministic=True,
-                                 dtype=query.dtype, float32_logits=True, form='einsums')
+    return _xla_attention(case, kw, query, key, value, table)
 
-  return kernel, xla, (*operands, table)
+  return kernel, xla, args
+
+
+def _fused_attention(case: Case, interpret: bool):
+  """cuDNN's attention (`kernels.fused_attention`: the bias and the real keys'
+  count per row) against XLA's with the dense mask, at the real queries (a
+  padded query attends to the real keys with cuDNN, to every key with XLA's
+  mask; nothing reads it)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from coda_jax.kernels import fused_attention  # pylint: disable=g-import-not-at-top
+  from coda_jax.plan import blockers  # pylint: disable=g-import-not-at-top
+  why = blockers.fused_attention(dtype=case.dtype, head_dim=case.shape['head_dim'],
+                                 native=not interpret)
+  if why:
+    raise _Skip(', '.join(why))
+  args, kw = _attention_operands(case)
+  lengths = jnp.sum(kw['key_real'], axis=-1, dtype=jnp.int32)
+  real_queries = kw['query_real'][:, :, None, None]
+
+  def kernel(query, key, value, table):
+    bias = _xla_attention(case, kw, query, key, value, table, bias_only=True)
+    bias = jnp.broadcast_to(bias, bias.shape[:-2] + (query.shape[1], key.shape[1]))
+    out = fused_attention.fused_attention(query, key, value, bias.astype(query.dtype),
+                                          lengths, interpret=interpret)
+    return out * real_queries.astype(out.dtype)
+
+  def xla(query, key, value, table):
+    out = _xla_attention(case, kw, query, key, value, table)
+    return out * real_queries.astype(out.dtype)
+
+  return kernel, xla, args
 
 
 def _mlp(case: Case, interpret: bool):
@@ -547,7 +595,8 @@ class _Skip(Exception):
 
 _BUILDERS = {'attention': _attention, 'mlp': _mlp, 'route': _route, 'output': _output,
              'soft_topk': _soft_topk, 'decode_attention': _decode_attention,
-             'beam_attention': _beam_attention, 'lm_head': _lm_head}
+             'beam_attention': _beam_attention, 'lm_head': _lm_head,
+             'fused_attention': _fused_attention}
 
 
 def _vmem_bytes() -> int:

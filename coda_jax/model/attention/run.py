@@ -12,6 +12,10 @@ here each one is called with the layer's arrays in its shapes:
                         the cached heads-major keys/values
   slot_kernel           `kernels.slot_attention`: beam search's cache by slot
   xla_by_slot           `beams.slot_attention`: the same by XLA
+  cudnn                 `jax.nn.dot_product_attention`: cuDNN's fused
+                        attention on a GPU (jax's XLA implementation of the
+                        same call elsewhere), the relative position bias as
+                        its bias and the padding as each row's real keys
 
 Before a kernel runs, its call is held to the plan's list of what keeps that
 kernel from a call (`plan.blockers`): a plan never gives a kernel a call it
@@ -31,15 +35,16 @@ from jax import lax
 import jax.numpy as jnp
 
 from coda_jax.kernels import decode_attention as decode_kernel
+from coda_jax.kernels import fused_attention
 from coda_jax.kernels import relpos_attention as relpos_kernel
 from coda_jax.kernels import slot_attention as slot_kernel
 from coda_jax.kernels.relpos import MASK_VALUE
 from coda_jax.model.attention import beams
 from coda_jax.model.attention.dot_product import dot_product_attention
 from coda_jax.plan import blockers
-from coda_jax.plan.attention import (DECODE_KERNEL, RELPOS_KERNEL, SLOT_KERNEL, XLA_BY_SLOT,
-                                     AttentionPlan)
-from coda_jax.plan.rules import ATTENTION, BEAM_ATTENTION, DECODE_ATTENTION
+from coda_jax.plan.attention import (CUDNN, DECODE_KERNEL, RELPOS_KERNEL, SLOT_KERNEL,
+                                     XLA_BY_SLOT, AttentionPlan)
+from coda_jax.plan.rules import ATTENTION, BEAM_ATTENTION, DECODE_ATTENTION, FUSED_ATTENTION
 
 Array = jax.Array
 
@@ -113,6 +118,8 @@ def attend(plan: AttentionPlan, query: Array, key: Array, value: Array, call: Ca
   f = plan.formulation
   if f == RELPOS_KERNEL:
     return _relpos_kernel(plan, query, key, value, call)
+  if f == CUDNN:
+    return _cudnn(plan, query, key, value, call)
   rows, q_len = query.shape[:2]
   mask = call.mask
   if rows != key.shape[0]:                      # beam search's beams, per example
@@ -191,6 +198,34 @@ def _relpos_kernel(plan: AttentionPlan, query: Array, key: Array, value: Array,
       max_distance=None if rel is None else rel.max_distance,
       interpret=plan.interpret_mode())
   return x.reshape(b, q_len, width)
+
+
+def _cudnn(plan: AttentionPlan, query: Array, key: Array, value: Array, call: Call) -> Array:
+  """cuDNN's fused attention (`jax.nn.dot_product_attention`) of `query [b,
+  q, heads, d]` over `key` / `value [b, kv, kv_heads, d]`, unscaled (T5's
+  1/sqrt(d) is in the query projection's initialiser): the relative position
+  bias (and `call.bias`) as its bias `[1 | b, heads, q, kv]`, the padding as
+  each row's number of real keys, `key_value_seq_lengths`, never a dense
+  mask. The real keys are a prefix of each row: the inputs are padded at
+  the end, and routed tokens keep their order (`routing.select_top_k`) with
+  the real ones first. Outputs at padded queries (which attend to the real
+  keys here, to every key with XLA's mask) are not compared: nothing reads
+  them. Interpret mode (off a GPU): the same call, jax's XLA
+  implementation."""
+  padding = call.mask is None or (call.mask_is_padding and call.key_real is not None)
+  blockers.refuse(FUSED_ATTENTION, blockers.fused_attention(
+      dropout=call.dropout, packed=not padding, cache=call.cached or call.kv_layout != 'bskd',
+      dtype=query.dtype.name, head_dim=query.shape[-1], native=not plan.interpret_mode()))
+  bias = additive_bias(call, None, query.shape[1], key.shape[1])
+  if bias is not None:
+    bias = bias.astype(query.dtype)
+  lengths = None
+  if call.mask is not None:
+    lengths = jnp.sum(call.key_real, axis=-1, dtype=jnp.int32)
+  x = fused_attention.fused_attention(query, key.astype(query.dtype),
+                                      value.astype(query.dtype), bias, lengths,
+                                      interpret=plan.interpret_mode())
+  return x.astype(call.dtype)
 
 
 def _decode_kernel(plan: AttentionPlan, query: Array, key: Array, value: Array,
