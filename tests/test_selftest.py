@@ -288,7 +288,7 @@ def test_a_host_that_cannot_run_interpret_mode_skips_instead_of_failing(monkeypa
   kernel's interpret-mode program may contain: that case is skipped, with
   the reason, not called off. On the chip (no interpret mode) the same error
   is the kernel's."""
-  from coda_jax.training import kernel_checks  # pylint: disable=g-import-not-at-top
+  from coda_jax.training import kernel_checks, kernel_operands  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
 
   def unrunnable(x):
@@ -297,7 +297,7 @@ def test_a_host_that_cannot_run_interpret_mode_skips_instead_of_failing(monkeypa
 
   def builder(case, interpret):
     return unrunnable, lambda x: 2 * x, (jnp.ones((4, 4), jnp.float32),)
-  monkeypatch.setitem(kernel_checks._BUILDERS, 'mlp', builder)  # pylint: disable=protected-access
+  monkeypatch.setitem(kernel_operands.BUILDERS, 'mlp', builder)
   case = kernel_checks.Case('mlp', '4 rows', 'bfloat16', ())
   result = kernel_checks.run_case(case, interpret=interpret)
   if interpret:

@@ -250,24 +250,33 @@ def resolve(config: T5Config, coda: Optional[CodaConfig] = None,
   reasons.append((SOFT_TOPK, f'{soft_topk}: {why}'))
   kv = n if variant == 'k_to_all' else k
   att, fused, mlp, site = attention_and_mlp(k, kv, fraction, 'routed ')
-  output, route, factored = XLA, XLA, False
-  if k < n:
-    (output, why_out), (route, why_route) = _output_and_route(
-        rules, config, coda, n, k, dispatch, sharded)
-    # The norm's factor after the MLP's input projections, where the output
-    # kernel finishes the layer and the MLP is XLA's (measured with it only).
-    factored = output == PALLAS and mlp == XLA and not config.use_bias and not (
-        acm is not None and acm.replaces('mlp', 'encoder'))
-    reasons += [(ROUTE, f'{route}: {why_route}'), (OUTPUT, f'{output}: {why_out}'),
-                ('factored_norm', f'{factored}: ' + (
-                    'the output kernel finishes the layer, the MLP is XLA' if factored
-                    else 'only where the output kernel finishes a layer with XLA\'s MLP'))]
-  else:
-    reasons.append((ROUTE, 'xla: k = n, no tokens move'))
+  route, output, factored, why = _moving_tokens(rules, config, coda, acm, n, k, dispatch,
+                                                mlp, sharded)
+  reasons += why
   routed = LayerPlan(attention=att, fused_attention=fused, mlp=mlp, route=route, output=output,
                      factored_norm=factored, dispatch=dispatch, soft_topk=soft_topk, k=k,
                      attention_plan=site, **common)
   return Plan(target, n, k, variant, dense, routed, tuple(reasons), acm_inference, form)
+
+
+def _moving_tokens(rules: Resolver, config: T5Config, coda: CodaConfig,
+                   acm: Optional[AcmConfig], n: int, k: int, dispatch: str, mlp: str,
+                   sharded: FrozenSet[str]):
+  """How the routed layer moves its k of n tokens: (route, output,
+  factored_norm, their reasons). k = n moves none: XLA's."""
+  if k >= n:
+    return XLA, XLA, False, [(ROUTE, 'xla: k = n, no tokens move')]
+  (output, why_out), (route, why_route) = _output_and_route(
+      rules, config, coda, n, k, dispatch, sharded)
+  # The norm's factor after the MLP's input projections, where the output
+  # kernel finishes the layer and the MLP is XLA's (measured with it only).
+  factored = output == PALLAS and mlp == XLA and not config.use_bias and not (
+      acm is not None and acm.replaces('mlp', 'encoder'))
+  return route, output, factored, [
+      (ROUTE, f'{route}: {why_route}'), (OUTPUT, f'{output}: {why_out}'),
+      ('factored_norm', f'{factored}: ' + (
+          'the output kernel finishes the layer, the MLP is XLA' if factored
+          else 'only where the output kernel finishes a layer with XLA\'s MLP'))]
 
 
 def _output_and_route(rules: Resolver, config: T5Config, coda: CodaConfig, n: int, k: int,
