@@ -111,6 +111,26 @@ def test_acmize_orders_units_by_importance_and_keeps_the_teacher():
   assert np.all(np.diff(got) <= 0)
 
 
+def test_acmize_draws_only_the_gates_at_random(monkeypatch):
+  """The learners are the teacher's weights: `acmize` never initialises them
+  at random (a random initialisation thrown away costs its compile, a random
+  generator per leaf, and at T5 v1.1-XL's size its memory); the gates it
+  draws are the ones an initialisation of the whole model gives."""
+  t5 = params_lib.init_params(Transformer(tiny_config()), jax.random.PRNGKey(0))
+  model = Transformer(tiny_config(), acm=AcmConfig(num_learners=N))
+  drawn, init_params = [], params_lib.init_params
+  monkeypatch.setattr(params_lib, 'init_params',
+                      lambda m, rng, only=None: drawn.append(only) or init_params(m, rng, only))
+  flat = params_lib.flatten(acmize.acmize(t5, model, jax.random.PRNGKey(1)))
+  [only] = drawn
+  gates = {n for n in flat if acm.GATE_NAME in params_lib.split(n)}
+  assert gates and set(only) == gates
+  whole = params_lib.flatten(init_params(model, jax.random.PRNGKey(1)))
+  assert set(flat) == set(whole)
+  for name in gates:
+    np.testing.assert_array_equal(np.asarray(flat[name]), np.asarray(whole[name]))
+
+
 def _task_loss_grads(model, params):
   """Flat gradients of a task loss alone (training mode: Gumbel gates)."""
   enc, dec = _tokens()

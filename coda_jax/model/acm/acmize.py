@@ -65,31 +65,45 @@ def acmize(t5_params: Mapping[str, Any], model, rng: jax.Array) -> Dict[str, Any
   as `params.from_pretrained` does. ACM leaves `t5_params` already
   holds (a previous conversion phase) are kept as they are.
   """
-  params = params_lib.from_pretrained(t5_params, model, rng)
   flat_t5 = params_lib.flatten(t5_params)
+  shapes = params_lib.param_shapes(model)
+  taught = [name for name in shapes
+            if name not in flat_t5 and _from_teacher(params_lib.split(name))]
+  params = params_lib.from_pretrained(t5_params, model, rng, filled=taught)
   factors = {}   # the SVD of each projection, computed once for its a and b
-  for name in list(params):
+  for name in taught:
     names = params_lib.split(name)
-    if acm.GATE_NAME in names or name in flat_t5:
-      continue
     projection = next((n for n in names if n in acm.ACM_PROJECTIONS), None)
-    if projection is not None and names[-1] in acm.LOW_RANK_LEAVES:
+    if projection is not None:
       at = names.index(projection)
       kernel = params_lib.join(names[:at] + (projection[len(acm.ACM_PROJECTION_PREFIX):],
                                              'kernel'))
       if kernel not in factors:
-        rank = params[params_lib.join(names[:at + 1] + ('a',))].shape[-1]
+        rank = shapes[params_lib.join(names[:at + 1] + ('a',))][-1]
         factors[kernel] = low_rank_learners(flat_t5[kernel], rank)
       params[name] = factors[kernel][acm.LOW_RANK_LEAVES.index(names[-1])]
-      continue
-    if acm.ACM_MLP not in names:
-      continue
-    prefix = params_lib.join(names[:names.index(acm.ACM_MLP)])
-    mlp = {leaf: np.asarray(flat_t5[f'{prefix}/mlp/{leaf}/kernel'])
-           for leaf in ('wi', 'wi_0', 'wi_1', 'wo') if f'{prefix}/mlp/{leaf}/kernel' in flat_t5}
-    order = np.argsort(-hidden_unit_importance(
-        [w for leaf, w in sorted(mlp.items()) if leaf != 'wo'], mlp['wo']), kind='stable')
-    leaf = names[-1]
-    params[name] = mlp[leaf][order] if leaf == 'wo' else mlp[leaf][:, order]
-  return params_lib.unflatten(params)
+    else:
+      prefix = params_lib.join(names[:names.index(acm.ACM_MLP)])
+      mlp = {leaf: np.asarray(flat_t5[f'{prefix}/mlp/{leaf}/kernel'])
+             for leaf in ('wi', 'wi_0', 'wi_1', 'wo')
+             if f'{prefix}/mlp/{leaf}/kernel' in flat_t5}
+      order = np.argsort(-hidden_unit_importance(
+          [w for leaf, w in sorted(mlp.items()) if leaf != 'wo'], mlp['wo']), kind='stable')
+      leaf = names[-1]
+      params[name] = mlp[leaf][order] if leaf == 'wo' else mlp[leaf][:, order]
+    if tuple(params[name].shape) != shapes[name]:
+      raise ValueError(f'{name}: the teacher gives shape {tuple(params[name].shape)}, '
+                       f'the model has {shapes[name]}')
+  return params_lib.unflatten({name: params[name] for name in shapes})
+
+
+def _from_teacher(names: Tuple[str, ...]) -> bool:
+  """Whether an ACM leaf (its path's names) is computed from the teacher's
+  weights: an attention projection's low-rank learners or an ACM FFN's
+  kernels (not a gate)."""
+  if acm.GATE_NAME in names:
+    return False
+  if any(n in acm.ACM_PROJECTIONS for n in names):
+    return names[-1] in acm.LOW_RANK_LEAVES
+  return acm.ACM_MLP in names
 
