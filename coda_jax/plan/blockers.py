@@ -26,18 +26,21 @@ def attention(*, dropout: bool = False, packed: bool = False, bias: bool = False
   """The encoder's attention kernel (`kernels.relpos_attention`): T5's
   relative position bias (or none) and the padding of its queries' and keys'
   token masks, nothing else."""
-  out = []
-  if dropout:
-    out.append('attention dropout')
-  if packed:
-    out.append('packed inputs (segment masks)')
-  if bias:
-    out.append('an extra bias')
-  if cache:
-    out.append('a decoding cache')
+  out = _attention_inputs(dropout, packed, cache, bias)
   if kv_length is not None and not relpos_attention.supported(kv_length):
     out.append(f'{kv_length} keys > {relpos_attention.MAX_KV_LENGTH}')
   return out
+
+
+def _attention_inputs(dropout: bool, packed: bool, cache: bool,
+                      bias: bool = False) -> List[str]:
+  """What neither encoder attention formulation (the kernel, cuDNN's) takes:
+  dropout on the attention weights, packed inputs, (the kernel) an extra
+  bias, a decoding cache."""
+  return [why for why, present in (('attention dropout', dropout),
+                                   ('packed inputs (segment masks)', packed),
+                                   ('an extra bias', bias),
+                                   ('a decoding cache', cache)) if present]
 
 
 # cuDNN's fused attention: the activation dtypes its flash attention takes,
@@ -54,13 +57,7 @@ def fused_attention(*, dropout: bool = False, packed: bool = False, cache: bool 
   implementation 'cudnn'): the relative position bias as its bias and the
   padding as each row's number of real keys, at the end of the row. `native`:
   on a GPU (elsewhere jax's XLA implementation runs the call, any dtype)."""
-  out = []
-  if dropout:
-    out.append('attention dropout')
-  if packed:
-    out.append('packed inputs (segment masks)')
-  if cache:
-    out.append('a decoding cache')
+  out = _attention_inputs(dropout, packed, cache)
   if native and dtype is not None and str(dtype) not in CUDNN_DTYPES:
     out.append(f'{dtype} activations (cuDNN takes {" or ".join(CUDNN_DTYPES)})')
   if native and head_dim is not None and (head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8):
