@@ -1,10 +1,24 @@
 """Shared test set-up: tests run in any order, so no gin binding outlives its
-test; one JAX compilation cache per test run; the longest files first; the
-collector and MLIR's context set-up kept off the workers' critical path."""
+test; one BLAS thread per test process; one JAX compilation cache per test
+run; the longest files first; the collector and MLIR's context set-up kept
+off the workers' critical path."""
 import gc
 import os
 import shutil
 import tempfile
+
+# One BLAS thread in every test process (set before NumPy or torch first
+# loads theirs here; the workers and the processes tests start inherit it).
+# The suite runs a worker per core and one more, and tf.data maps audio
+# features in parallel threads, each of whose matrix products (NumPy's
+# OpenBLAS) would start a thread per core: on a 2-core machine those threads
+# wait on each other. tests/test_speech_quickstart.py, three copies side by
+# side as three workers run it: 113 s for the three and 70 CPU-s each with
+# OpenBLAS's threads, 73 s and 47 CPU-s with one (2-core AMD EPYC,
+# NumPy 2, jax 0.10.2). A variable the environment sets is kept.
+ONE_THREAD = ('OPENBLAS_NUM_THREADS', 'OMP_NUM_THREADS', 'MKL_NUM_THREADS')
+for _name in ONE_THREAD:
+  os.environ.setdefault(_name, '1')
 
 import coda_jax  # noqa: F401  (first: a libtpu installed without a TPU stays quiet)
 import gin
