@@ -177,8 +177,8 @@ def data_parallel_run(tmp_path_factory):
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     # A batch of 64, 16 a chip: the infer program's temporaries leave the
     # chip's VMEM (2.8 MB), the train step's stay in it. Its train step
-    # compiled in 12.6 s here against 21.2 s at 256, the smallest batch whose
-    # train step has temporaries in HBM (2-core AMD EPYC, libtpu 0.0.42.1).
+    # compiled in 12.6 s here against 21.2 s at 256, where its temporaries
+    # reach HBM too (at 128 they did not) (2-core AMD EPYC, libtpu 0.0.42.1).
     code = command.main(['--gin_file', QUICKSTART, '--topology', 'v5e-4',
                          '--gin.K_ANNEAL_MAX_RUNGS=2', '--gin.MESH_SHAPE=(4, 1)',
                          '--gin.BATCH_SIZE=64', '--gin.EVAL_BATCH_SIZE=64',
