@@ -71,6 +71,7 @@ def acmize(t5_params: Mapping[str, Any], model, rng: jax.Array) -> Dict[str, Any
             if name not in flat_t5 and _from_teacher(params_lib.split(name))]
   params = params_lib.from_pretrained(t5_params, model, rng, filled=taught)
   factors = {}   # the SVD of each projection, computed once for its a and b
+  ffns = {}      # each ACM FFN's teacher kernels and unit order, once for its leaves
   for name in taught:
     names = params_lib.split(name)
     projection = next((n for n in names if n in acm.ACM_PROJECTIONS), None)
@@ -84,11 +85,13 @@ def acmize(t5_params: Mapping[str, Any], model, rng: jax.Array) -> Dict[str, Any
       params[name] = factors[kernel][acm.LOW_RANK_LEAVES.index(names[-1])]
     else:
       prefix = params_lib.join(names[:names.index(acm.ACM_MLP)])
-      mlp = {leaf: np.asarray(flat_t5[f'{prefix}/mlp/{leaf}/kernel'])
-             for leaf in ('wi', 'wi_0', 'wi_1', 'wo')
-             if f'{prefix}/mlp/{leaf}/kernel' in flat_t5}
-      order = np.argsort(-hidden_unit_importance(
-          [w for leaf, w in sorted(mlp.items()) if leaf != 'wo'], mlp['wo']), kind='stable')
+      if prefix not in ffns:
+        mlp = {leaf: np.asarray(flat_t5[f'{prefix}/mlp/{leaf}/kernel'])
+               for leaf in ('wi', 'wi_0', 'wi_1', 'wo')
+               if f'{prefix}/mlp/{leaf}/kernel' in flat_t5}
+        ffns[prefix] = mlp, np.argsort(-hidden_unit_importance(
+            [w for leaf, w in sorted(mlp.items()) if leaf != 'wo'], mlp['wo']), kind='stable')
+      mlp, order = ffns[prefix]
       leaf = names[-1]
       params[name] = mlp[leaf][order] if leaf == 'wo' else mlp[leaf][:, order]
     if tuple(params[name].shape) != shapes[name]:
