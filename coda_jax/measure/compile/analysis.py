@@ -29,6 +29,7 @@ HBM does not fit, whatever its compile would say minutes later.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -232,13 +233,32 @@ def resource_exhausted_bytes(message: str) -> Optional[int]:
   return None
 
 
+def _not_cached():
+  """A context in which this thread's compilations write nothing to JAX's
+  persistent compilation cache (`jax_compilation_cache_dir`).
+
+  A program compiled for compile-only TPU devices has no client to load it
+  back: JAX would serialise and write its executable after every compile,
+  and on the next identical program read it, fail ("PjRtCompiler must be
+  constructed with a Client to call DeserializeLoadedExecutable"), warn and
+  compile again. The threshold JAX reads before it writes an entry,
+  `jax_persistent_cache_min_compile_time_secs`, is set to infinity for the
+  thread (jax's config states are thread-local context managers; a jax
+  without this one compiles as it would)."""
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  state = getattr(jax_config, 'persistent_cache_min_compile_time_secs', None)
+  return state(math.inf) if callable(state) else contextlib.nullcontext()
+
+
 def compile_program(name: str, lowered, chip: Chip):
   """`lowered.compile()`, and its wall time. A RESOURCE_EXHAUSTED from the
   compiler (the program cannot be laid out in the chip's HBM) is raised as
-  `DoesNotFitError` naming the program and what it needs."""
+  `DoesNotFitError` naming the program and what it needs. Nothing is written
+  to JAX's persistent compilation cache (`_not_cached`)."""
   start = time.perf_counter()
   try:
-    compiled = lowered.compile()
+    with _not_cached():
+      compiled = lowered.compile()
   except Exception as e:  # pylint: disable=broad-except
     text = str(e)
     if 'RESOURCE_EXHAUSTED' not in text and 'Ran out of memory' not in text:
