@@ -375,3 +375,37 @@ def test_acm_on_the_chip_model_gathers_its_encoder_to_its_bound():
   lines = chip_acm.format_rows('boolq', block)
   assert lines[1].startswith('ACM (boolq): speed-ups over dense') and len(lines) == 6
   assert lines[-1].startswith('acm_b0.25') and lines[-1].endswith('gather/gather')
+
+
+def test_compile_only_programs_stay_out_of_the_persistent_cache(tmp_path):
+  """A program compiled for compile-only TPU devices writes nothing to JAX's
+  persistent compilation cache (no client could load it back); the same
+  compile outside `compile_program` writes an entry, and a CPU program
+  still does."""
+  import os  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure import timing  # pylint: disable=g-import-not-at-top
+  from coda_jax.measure.compile import analysis, topology  # pylint: disable=g-import-not-at-top
+  pod = chips.parse_pod('v5e:1x1')
+  device = topology.devices(pod)[0]
+  x = jax.ShapeDtypeStruct((8, 128), jnp.float32,
+                           sharding=NamedSharding(Mesh(np.array([device]), ('x',)), P()))
+  nonce = float(time.time_ns() % 999983)       # programs no earlier run cached
+  before = jax.config.jax_compilation_cache_dir
+  timing.enable_compilation_cache(str(tmp_path))
+  try:
+    entries = lambda: len(os.listdir(tmp_path))
+    jax.jit(lambda a: a * nonce).lower(jnp.ones(3)).compile()
+    on_cpu = entries()
+    analysis.compile_program('sin', jax.jit(lambda a: jnp.sin(a) * nonce).lower(x), pod.device)
+    assert entries() == on_cpu > 0
+    jax.jit(lambda a: jnp.cos(a) * nonce).lower(x).compile()
+    assert entries() > on_cpu
+  finally:
+    jax.config.update('jax_compilation_cache_dir', before)
+    compilation_cache.reset_cache()

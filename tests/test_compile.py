@@ -579,36 +579,6 @@ def test_a_tpu7x_tensorcore_has_the_vmem_the_chip_facts_say():
     compile_blocks(vmem + 8 * chips.MIB)
 
 
-@needs_libtpu
-def test_compile_only_programs_stay_out_of_the_persistent_cache(tmp_path):
-  """A program compiled for compile-only TPU devices writes nothing to JAX's
-  persistent compilation cache (no client could load it back); the same
-  compile outside `compile_program` writes an entry, and a CPU program
-  still does."""
-  from jax._src import compilation_cache
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from coda_jax.measure import timing
-  from coda_jax.measure.compile import analysis, topology
-  pod = chips.parse_pod('v5e:1x1')
-  device = topology.devices(pod)[0]
-  x = jax.ShapeDtypeStruct((8, 128), jnp.float32,
-                           sharding=NamedSharding(Mesh(np.array([device]), ('x',)), P()))
-  nonce = float(time.time_ns() % 999983)       # programs no earlier run cached
-  before = jax.config.jax_compilation_cache_dir
-  timing.enable_compilation_cache(str(tmp_path))
-  try:
-    entries = lambda: len(os.listdir(tmp_path))
-    jax.jit(lambda a: a * nonce).lower(jnp.ones(3)).compile()
-    on_cpu = entries()
-    analysis.compile_program('sin', jax.jit(lambda a: jnp.sin(a) * nonce).lower(x), pod.device)
-    assert entries() == on_cpu > 0
-    jax.jit(lambda a: jnp.cos(a) * nonce).lower(x).compile()
-    assert entries() > on_cpu
-  finally:
-    jax.config.update('jax_compilation_cache_dir', before)
-    compilation_cache.reset_cache()
-
-
 @pytest.mark.parametrize('flags,message', [
     (['--topology=v9-8'], 'unknown TPU topology'),
     (['--topology=v5e-4', '--gin.MESH_SHAPE=(8, 1)'],
