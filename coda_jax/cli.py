@@ -197,7 +197,7 @@ def main(argv: Optional[List[str]] = None) -> int:
   passthrough = bool(argv) and argv[0] in PASSTHROUGH
   # Before JAX or TensorFlow is imported; TensorFlow only for the trainer's input
   # pipeline (not for its --help).
-  quiet.quiet_start(tensorflow=passthrough and not {'-h', '--help'} & set(argv))
+  quiet.quiet_start(tensorflow=passthrough and not quiet.asks_for_help(argv))
   if passthrough:
     module, function = PASSTHROUGH[argv[0]]
     return getattr(importlib.import_module(module), function)(argv[1:])

@@ -136,22 +136,23 @@ def pytest_unconfigure(config):
 # order: starting the long files first leaves short ones to fill the end,
 # instead of one worker running a long file while the other has finished.
 LONGEST_FIRST = (
-    'test_multiprocess.py', 'test_compile.py', 'test_coda.py', 'test_acm_attention.py',
-    'test_chip_model.py', 'test_routed_cost.py', 'test_selftest.py',
-    'test_acm_authors.py', 'test_relpos_attention.py', 'test_train_run.py',
-    'test_speech_quickstart.py', 'test_bench_decoding.py', 'test_routing_hlo.py',
-    'test_network.py', 'test_route_adapter.py', 'test_mlp_kernel.py',
-    'test_router_ablation.py', 'test_speech_run.py', 'test_soft_topk.py',
-    'test_sharding.py', 'test_infer.py', 'test_benchmark.py', 'test_unroute_combine.py',
-    'test_acm_conversion.py', 'test_slot_attention.py', 'test_image_run.py',
-    'test_speech_model.py', 'test_whisper_run.py', 'test_acm.py',
-    'test_decode_attention.py', 'test_acm_infer.py', 'test_top_logits.py',
-    'test_kernel_estimates.py', 'test_bench_speech.py', 'test_readme.py',
-    'test_pretrain.py', 'test_router_init.py', 'test_pix2struct.py', 'test_tasks.py',
-    'test_checkpoints.py', 'test_pretrain_vision.py', 'test_bench_whisper.py',
-    'test_kernels_soft_topk.py', 'test_t5x_bridge.py', 'test_visualize_routing.py',
-    'test_checkpoints_model_dir.py', 'test_train_cli.py', 'test_bestrq.py',
-    'test_cli_environment.py', 'test_bench_tools.py', 'test_coda_checkpoints.py')
+    'test_multiprocess.py', 'test_coda.py', 'test_routed_cost.py', 'test_selftest.py',
+    'test_acm_attention.py', 'test_compile.py', 'test_chip_model.py', 'test_acm_authors.py',
+    'test_train_run.py', 'test_bench_decoding.py', 'test_relpos_attention.py',
+    'test_routing_hlo.py', 'test_infer.py', 'test_network.py', 'test_speech_run.py',
+    'test_soft_topk.py', 'test_route_adapter.py', 'test_mlp_kernel.py',
+    'test_speech_quickstart.py', 'test_router_ablation.py', 'test_benchmark.py',
+    'test_sharding.py', 'test_image_run.py', 'test_acm_conversion.py',
+    'test_speech_model.py', 'test_whisper_run.py', 'test_acm.py', 'test_unroute_combine.py',
+    'test_fused_attention.py', 'test_top_logits.py', 'test_kernel_estimates.py',
+    'test_run_gpu.py', 'test_acm_infer.py', 'test_checkpoints.py', 'test_router_init.py',
+    'test_slot_attention.py', 'test_bench_speech.py', 'test_decode_attention.py',
+    'test_bench_whisper.py', 'test_readme.py', 'test_pretrain.py', 'test_train_cli.py',
+    'test_pretrain_vision.py', 'test_bench_tools.py', 'test_tasks.py',
+    'test_kernels_soft_topk.py', 'test_t5x_bridge.py', 'test_cli_environment.py',
+    'test_pix2struct.py', 'test_visualize_routing.py', 'test_audio_features.py',
+    'test_checkpoints_model_dir.py', 'test_speech_compile.py', 'test_transducer.py',
+    'test_coda_checkpoints.py', 'test_decode_keys.py')
 
 
 def pytest_collection_modifyitems(config, items):

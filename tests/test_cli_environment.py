@@ -30,6 +30,38 @@ def test_coda_jax_train_starts_without_tensorflow_chatter(tmp_path):
   assert 'uncached FunctionDataset' in proc.stderr
 
 
+# Each command's --help, in one process, then whether TensorFlow was imported.
+_HELPS = """
+import contextlib, io, sys
+from coda_jax import cli
+from coda_jax.inference import infer
+from coda_jax.measure.compile import command as compile_command
+from coda_jax.training import command as train_command
+mains = [train_command.main, infer.main, compile_command.main,
+         lambda argv: cli.main(['train'] + argv)]
+for main in mains:
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    try:
+      main(['--help'])
+    except SystemExit as e:
+      assert e.code == 0, e.code
+  assert out.getvalue().startswith('usage:'), out.getvalue()
+print('tensorflow' in sys.modules)
+"""
+
+
+def test_help_prints_without_importing_tensorflow():
+  """`--help` needs no input pipeline: the commands print their usage without
+  importing TensorFlow (seconds of a start)."""
+  assert quiet.asks_for_help(['--gin_file=a.gin', '--help'])
+  assert quiet.asks_for_help(['-h']) and not quiet.asks_for_help(['--gin_file=help.gin'])
+  proc = subprocess.run([sys.executable, '-c', _HELPS], cwd=REPO, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, 'PYTHONPATH': REPO})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.split() == ['False'], proc.stdout[-2000:]
+
+
 def test_stderr_filter_keeps_everything_but_the_chatter(capfd):
   lines = [
       'WARNING: All log messages before absl::InitializeLog() is called are written to '

@@ -614,7 +614,7 @@ def _write(output_dir: str, summary: Dict[str, Any], decoded: Sequence[data_lib.
 def main(argv: Optional[Sequence[str]] = None, mode: str = 'infer') -> int:
   """``coda-jax infer`` / ``coda-jax eval``: gin flags as for training."""
   from coda_jax.training import command as train_cli  # pylint: disable=g-import-not-at-top
-  quiet.quiet_start(tensorflow=True)
+  quiet.quiet_start(tensorflow=not quiet.asks_for_help(argv))
   parser = argparse.ArgumentParser(prog=f'coda-jax {mode}', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   train_cli.add_gin_arguments(parser)

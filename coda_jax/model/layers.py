@@ -28,6 +28,7 @@ from coda_jax import plan as plan_lib
 from coda_jax.config import ABSOLUTE_POSITION_AXIS, LAYER_NORM, LORA_AXIS, RMS_NORM
 from coda_jax.kernels import mlp as mlp_kernel
 from coda_jax.kernels import tpu_blocks
+from coda_jax.model import partitioning
 from coda_jax.plan import blockers
 from coda_jax.validation import positive_int
 
@@ -35,7 +36,7 @@ Array = jax.Array
 DType = Any
 Initializer = Callable[..., Array]
 
-param_with_axes = nn_partitioning.param_with_axes
+param_with_axes = partitioning.param_with_axes
 with_sharding_constraint = nn_partitioning.with_sharding_constraint
 
 # The erf GELU's activation name (`get_activation`).

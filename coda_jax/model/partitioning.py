@@ -1,11 +1,12 @@
 """Logical axis rules, meshes and shardings (t5x's partitioning, in plain JAX).
 
 Parameters carry logical axis names (`params_axes`, recorded by
-`param_with_axes`); activations are constrained with logical names inside the
-model. One set of rules maps logical names to the axes of a `(data, model)`
-mesh; this module turns rules + mesh into `NamedSharding`s for `jax.jit`:
-of the parameters (`params_partition_specs`), of the optimizer state, whose
-slots follow their parameter (`optimizer_state_specs`), and of batches.
+`param_with_axes`, with which every layer declares its parameters);
+activations are constrained with logical names inside the model. One set of
+rules maps logical names to the axes of a `(data, model)` mesh; this module
+turns rules + mesh into `NamedSharding`s for `jax.jit`: of the parameters
+(`params_partition_specs`), of the optimizer state, whose slots follow their
+parameter (`optimizer_state_specs`), and of batches.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import math
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 import flax
+from flax import linen as nn
 from flax.linen import partitioning as nn_partitioning
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -55,6 +57,33 @@ CODA_LOGICAL_AXIS_RULES: Tuple[Tuple[str, Optional[str]], ...] = (
     (WHISPER_CONV_IN_AXIS, None),
     (ABSOLUTE_POSITION_AXIS, None),
 )
+
+
+def param_with_axes(name: str, init_fn: Any, shape: Sequence[int], dtype: Any, *,
+                    axes: Sequence[Optional[str]]) -> jax.Array:
+  """The parameter `name` of the current module, `shape` (an initialiser
+  called as `init_fn(rng, shape, dtype)`), with logical axis names `axes`:
+  flax's `param_with_axes` (recorded in `params_axes` at init, constrained to
+  the rules' sharding), t5x's way.
+
+  Where the parameter exists and `params_axes` is not being written (every
+  `apply`), flax would check its shape by tracing the initialiser
+  (`jax.eval_shape`, once per parameter per trace of the model); it is
+  checked against `shape` instead, with flax's error. Tracing the gradient
+  of the tiny test model (routed, r = 3; `jax.make_jaxpr`, the fastest of 5)
+  took 0.45-0.48 s with flax's check, 0.40-0.42 s without (2-core AMD EPYC,
+  jax 0.10.2, flax 0.12.8).
+  """
+  module = nn.module._context.module_stack[-1]  # pylint: disable=protected-access
+  if (module is None or module.is_initializing() or not module.has_variable('params', name)
+      or module.is_mutable_collection('params_axes')):
+    return nn_partitioning.param_with_axes(name, init_fn, shape, dtype, axes=axes,
+                                           module=module)
+  value = nn.meta.unbox(module.get_variable('params', name))
+  if np.shape(value) != tuple(shape):
+    raise flax.errors.ScopeParamShapeError(name, module.scope.path_text, np.shape(value),
+                                           tuple(shape))
+  return nn_partitioning.with_sharding_constraint(value, P(*axes))
 
 
 def standard_logical_axis_rules() -> Tuple[Tuple[str, Optional[str]], ...]:

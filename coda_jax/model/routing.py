@@ -36,11 +36,11 @@ from typing import Callable, Optional
 
 import flax
 from flax import linen as nn
-from flax.linen import partitioning
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from coda_jax.model import partitioning
 from coda_jax.model import soft_topk as soft_topk_lib
 from coda_jax.config import NORMALIZERS, SoftTopKConfig
 

@@ -212,7 +212,7 @@ def run(args: argparse.Namespace, extra: Sequence[str] = ()) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  quiet.quiet_start(tensorflow=True)
+  quiet.quiet_start(tensorflow=not quiet.asks_for_help(argv))
   parser = argparse.ArgumentParser(prog='python -m coda_jax.train',
                                    description='Train CoDA / T5 with gin configs.')
   add_arguments(parser)

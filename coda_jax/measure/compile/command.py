@@ -489,7 +489,7 @@ def _config(cfg) -> Optional[Dict[str, Any]]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   # The run files' `import seqio` brings TensorFlow: quietly.
-  quiet.quiet_start(tensorflow=True)
+  quiet.quiet_start(tensorflow=not quiet.asks_for_help(argv))
   parser = argparse.ArgumentParser(prog='coda-jax compile', description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   add_arguments(parser)

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import flax.linen as nn
-from flax.linen import partitioning as nn_partitioning
 import jax
 import jax.numpy as jnp
 
 from coda_jax.kernels.relpos import relative_position_bucket
+from coda_jax.model import partitioning
 
 Array = jax.Array
 # t5x's initialiser of the relative position table.
@@ -68,9 +68,9 @@ class RelativePositionBiases(nn.Module):
   embedding_init: Callable[..., Array] = relpos_embedding_init
 
   def setup(self):
-    self.rel_embedding = nn_partitioning.param_with_axes('rel_embedding', self.embedding_init,
-                                         (self.num_heads, self.num_buckets), jnp.float32,
-                                         axes=('heads', 'relpos_buckets'))
+    self.rel_embedding = partitioning.param_with_axes(
+        'rel_embedding', self.embedding_init, (self.num_heads, self.num_buckets), jnp.float32,
+        axes=('heads', 'relpos_buckets'))
 
   def table(self) -> Array:
     """The `[heads, buckets]` table in the activation dtype."""
