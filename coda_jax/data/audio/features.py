@@ -24,8 +24,8 @@ For a waveform `[samples]` (float, [-1, 1]) and an `AudioConfig` (defaults:
    no normalisation (the model's to do).
 
 Everything is computed in float64 and returned as float32 log-mels.
-`tests/test_audio_features.py` holds steps 1-3 to librosa's STFT and
-filterbank (relative 1e-9 on the power mel) and the log-mel to 1e-5.
+`tests/test_audio_features.py` holds steps 1-3 to scipy's STFT and
+librosa's filterbank (relative 1e-9 on the power mel) and the log-mel to 1e-5.
 
 A batch: `batch_log_mel` pads utterances of different lengths to one frame
 count, `[batch, frames, mels]` with zeros at the padding and the padding
