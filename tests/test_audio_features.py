@@ -5,8 +5,8 @@ batch's padding mask, and AudioConfig's checks.
 scipy's `ShortTimeFFT`, not `librosa.stft`: the two give the same power
 spectrum here (largest difference 4.5e-16 of the peak, at n_fft/win/hop
 400/400/160, 256/160/80 and 512/400/160), and librosa's STFT compiles more
-of its numba functions on its first call in a new environment, as each CI
-run's is: this file took 23.5 CPU-s with librosa's STFT and 18.7 with
+of its numba functions on its first call in a new environment (each CI run
+installs one): this file took 23.5 CPU-s with librosa's STFT and 18.7 with
 scipy's, each with an empty numba cache (`NUMBA_CACHE_DIR`; 2-core AMD EPYC).
 
 Tolerances: the filterbank to 1e-12 (absolute, weights <= 1; seen: 0), the
